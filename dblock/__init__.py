@@ -1,0 +1,41 @@
+"""dblock: distributed locks in the relational database a service already has.
+
+Two filters: a per-process registry lets one thread per key through, and that
+thread inserts a unique lock row (key, owner token, lease, fence) in
+PostgreSQL, MySQL/MariaDB or SQLite. See ``DESIGN.md`` and the README.
+"""
+
+from __future__ import annotations
+
+from .config import Config
+from .errors import (
+    BackendError,
+    DBLockError,
+    LockArgumentError,
+    LockBusy,
+    LockLost,
+    LockNotAcquired,
+    LockNotHeld,
+    LockTimeout,
+    SchemaMissing,
+)
+from .lock import HeldLock
+from .manager import LockManager, LockRequest
+
+__all__ = [
+    "BackendError",
+    "Config",
+    "DBLockError",
+    "HeldLock",
+    "LockArgumentError",
+    "LockBusy",
+    "LockLost",
+    "LockManager",
+    "LockNotAcquired",
+    "LockNotHeld",
+    "LockRequest",
+    "LockTimeout",
+    "SchemaMissing",
+]
+
+__version__ = "0.1.0"

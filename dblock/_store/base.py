@@ -1,0 +1,307 @@
+"""The store's contract, and what its dialects share: statement execution,
+error translation, results and waiting by backoff.
+
+Every lock statement runs alone in its own autocommit transaction on a pooled
+connection that goes back to the pool right after: a held lock pins no
+connection and never joins the caller's transaction.
+
+Execution takes one of two paths. On an engine dblock made itself (AUTOCOMMIT
+at the engine level) the statement goes to the DBAPI cursor of a pooled
+connection, skipping SQLAlchemy's per-statement Core machinery (about 40 us
+per statement here, a tenth of a whole lock cycle). Whenever anything listens
+for SQLAlchemy execution events on that engine (statement counters, tracing,
+logging), and always on an engine the caller passed in, statements go through
+``Connection.exec_driver_sql`` so the listeners see every one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, ClassVar, cast
+
+import sqlalchemy.exc as sa_exc
+from sqlalchemy import Table
+from sqlalchemy.engine import Engine
+
+from ..config import Config
+from ..errors import BackendError, SchemaMissing
+from ..schema import TableNames, lock_table
+
+__all__ = [
+    "Backoff",
+    "Executor",
+    "Grant",
+    "Holder",
+    "Interrupted",
+    "Store",
+    "Wait",
+]
+
+log = logging.getLogger("dblock")
+
+Params = Mapping[str, Any]
+
+
+@dataclasses.dataclass(slots=True)
+class Grant:
+    """We hold the row: its fencing number and lease (database time)."""
+
+    fence: int
+    expires_at: datetime
+    # Seconds from the database's "now" to expires_at, measured by the same
+    # statement, so the caller can turn it into a local deadline without
+    # trusting the client clock.
+    expires_in: float
+
+
+@dataclasses.dataclass(slots=True)
+class Holder:
+    """Someone else holds the row (as far as the statement could see)."""
+
+    owner: str | None
+    token: str | None
+    expires_in: float | None
+
+
+class Interrupted(BackendError):
+    """The connection broke while a statement was in flight: it may or may not
+    have been committed."""
+
+
+@dataclasses.dataclass(slots=True)
+class Result:
+    rows: list[tuple[Any, ...]]
+    rowcount: int
+    lastrowid: int | None
+
+
+class Executor:
+    """Runs one statement in its own autocommit transaction and translates errors."""
+
+    __slots__ = ("_dbapi_error", "_engine", "_is_missing_table", "_owns", "_table", "_url")
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        owns_engine: bool,
+        table: str,
+        is_missing_table: Callable[[BaseException], bool],
+    ) -> None:
+        self._owns = owns_engine
+        self._engine = (
+            engine if owns_engine else engine.execution_options(isolation_level="AUTOCOMMIT")
+        )
+        self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
+        self._is_missing_table = is_missing_table
+        self._table = table
+        self._url = engine.url.render_as_string(hide_password=True)
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def run(self, sql: str, params: Params, *, lastrowid: bool = False) -> Result:
+        # SQLAlchemy's own test for "does anyone listen?"; if the attribute ever
+        # goes away we fall back to the observed path, which is always correct.
+        if not self._owns or getattr(self._engine, "_has_events", True):
+            return self._run_observed(sql, params, lastrowid)
+        try:
+            conn = self._engine.raw_connection()
+        except sa_exc.DBAPIError as exc:
+            raise self._translate(exc.orig or exc, sent=False) from exc
+        except self._dbapi_error as exc:  # SQLAlchemy 2.1 lets connect errors through
+            raise self._translate(exc, sent=False) from exc
+        cursor = None
+        try:
+            cursor = conn.cursor()
+            cursor.execute(sql, params)
+            rows = list(cursor.fetchall()) if cursor.description is not None else []
+            return Result(rows, cursor.rowcount, cursor.lastrowid if lastrowid else None)
+        except self._dbapi_error as exc:
+            interrupted = self._engine.dialect.is_disconnect(
+                cast(Any, exc), conn.dbapi_connection, cursor
+            )
+            if interrupted:
+                # Like SQLAlchemy on a disconnect: drop this connection and
+                # recycle every older one, which is likely dead too.
+                conn.invalidate(exc)
+                self._engine.pool._invalidate(conn, exc)
+            raise self._translate(exc, sent=True, interrupted=interrupted) from exc
+        finally:
+            if cursor is not None:
+                with contextlib.suppress(self._dbapi_error):
+                    cursor.close()
+            conn.close()
+
+    def _run_observed(self, sql: str, params: Params, lastrowid: bool) -> Result:
+        sent = False
+        try:
+            with self._engine.connect() as conn:
+                sent = True
+                result = conn.exec_driver_sql(sql, dict(params))
+                rows = [tuple(r) for r in result.fetchall()] if result.returns_rows else []
+                return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
+        except sa_exc.DBAPIError as exc:
+            raise self._translate(
+                exc.orig or exc, sent=sent, interrupted=exc.connection_invalidated
+            ) from exc
+        except self._dbapi_error as exc:
+            raise self._translate(exc, sent=sent) from exc
+
+    def _translate(
+        self, exc: BaseException, *, sent: bool, interrupted: bool = False
+    ) -> BackendError | SchemaMissing:
+        if self._is_missing_table(exc):
+            return SchemaMissing(self._table, self._url)
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not sent:
+            return BackendError(f"cannot connect to {self._url}: {detail}")
+        if interrupted:
+            return Interrupted(f"connection to {self._url} lost during a statement: {detail}")
+        return BackendError(f"statement failed on {self._url}: {detail}")
+
+
+class Wait:
+    """How a level-1 winner waits between attempts on the database."""
+
+    def prepare(self) -> None:
+        """Called before every attempt, so a wake-up after it is not missed."""
+
+    def sleep(self, limit: float) -> None:
+        """Sleep until woken, or ``limit`` seconds at most."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Backoff(Wait):
+    """Capped exponential backoff with jitter. The caller caps each sleep by
+    the holder's remaining lease and its own deadline."""
+
+    __slots__ = ("_cap", "_next")
+
+    def __init__(self, initial: float, cap: float) -> None:
+        self._next = initial
+        self._cap = cap
+
+    def sleep(self, limit: float) -> None:
+        step = min(self._next, limit)
+        self._next = min(self._next * 2, self._cap)
+        if step > 0:
+            # "Equal jitter": half the step is fixed so waiters keep making
+            # progress, half is random so they do not retry in lockstep.
+            time.sleep(step / 2 + random.random() * step / 2)
+
+
+class Store:
+    """One dialect's lock statements. Subclasses register with
+    :func:`dblock._store.register` under the SQLAlchemy dialect name."""
+
+    #: The dialect can hand a held row to a new token and fence in one statement.
+    can_transfer: ClassVar[bool] = False
+    #: The dialect can wake waiters when a key is released.
+    can_notify: ClassVar[bool] = False
+
+    def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
+        self.config = config
+        self.names = TableNames.of(config)
+        self.table: Table = lock_table(self.names)
+        self.engine = engine
+        self.owns_engine = owns_engine
+        self.executor = Executor(
+            engine,
+            owns_engine=owns_engine,
+            table=self.names.table,
+            is_missing_table=self.is_missing_table,
+        )
+        self.quoted = engine.dialect.identifier_preparer.quote
+        # (key, token) pairs whose acquisition may have committed although the
+        # caller was told it failed; deleted as soon as the database answers.
+        self._orphans: deque[tuple[str, str]] = deque()
+        self._orphans_lock = threading.Lock()
+
+    # -- the contract ------------------------------------------------------
+
+    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+        """One attempt. :class:`Grant` if we hold the row now (new, taken over
+        from an expired holder, or already ours with this token)."""
+        raise NotImplementedError
+
+    def release(self, key: str, token: str) -> bool:
+        """Delete our row; False if it was not ours any more."""
+        raise NotImplementedError
+
+    def transfer(
+        self, key: str, token: str, new_token: str, owner: str, ttl: float
+    ) -> Grant | None:
+        """Give our row to ``new_token`` with a new fence and lease; None if it
+        was not ours any more. Only when :attr:`can_transfer`."""
+        raise NotImplementedError
+
+    def waiter(self, key: str, since: float) -> Wait:
+        """How to wait for ``key`` after an attempt that started at ``since``
+        (``time.monotonic()``) found it held."""
+        return Backoff(self.config.poll_initial, self.config.poll_max)
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.clean_orphans()
+        if self.owns_engine:
+            self.engine.dispose()
+
+    def after_fork(self) -> None:
+        """In a forked child: never reuse the parent's connections."""
+        self.engine.dispose(close=False)
+        self._orphans.clear()
+        self._orphans_lock = threading.Lock()
+
+    # -- orphans -----------------------------------------------------------
+
+    def add_orphan(self, key: str, token: str) -> None:
+        log.warning(
+            "dblock: acquisition of %r may have committed while the database was "
+            "unreachable; its row will be deleted once the database answers",
+            key,
+        )
+        self._orphans.append((key, token))
+
+    @property
+    def has_orphans(self) -> bool:
+        return bool(self._orphans)
+
+    def clean_orphans(self) -> None:
+        """Delete rows left by acquisitions whose outcome we never learned."""
+        if not self._orphans or not self._orphans_lock.acquire(blocking=False):
+            return
+        try:
+            while self._orphans:
+                key, token = self._orphans[0]
+                try:
+                    self.release(key, token)
+                except BackendError:
+                    return  # still unreachable; try again next time
+                self._orphans.popleft()
+                log.info("dblock: removed the row of an unconfirmed acquisition of %r", key)
+        finally:
+            self._orphans_lock.release()
+
+    # -- helpers for the dialects -----------------------------------------
+
+    def run(self, sql: str, params: Params, *, lastrowid: bool = False) -> Result:
+        return self.executor.run(sql, params, lastrowid=lastrowid)
+
+
+def first(rows: Sequence[tuple[Any, ...]]) -> tuple[Any, ...] | None:
+    return rows[0] if rows else None

@@ -1,0 +1,136 @@
+"""MySQL and MariaDB (PyMySQL): INSERT IGNORE arbitration.
+
+The uncontended acquire is one ``INSERT IGNORE``: a duplicate key is not an
+error, just zero rows. The fence comes from ``AUTO_INCREMENT`` (read as
+``lastrowid``). MariaDB 10.5+ returns the lease from the same statement
+(``INSERT … RETURNING``); on MySQL the lease end is computed from a measured
+offset between our clock and the server's.
+
+Only when the INSERT was ignored do we read the holder, and delete its row if
+its lease has run out (the takeover), then insert again. The fence of a
+taken-over key comes from a fresh INSERT, which is why MySQL has no in-place
+takeover or hand-off: ``AUTO_INCREMENT`` only advances on INSERT.
+
+SQLAlchemy's MySQL dialects set CLIENT_FOUND_ROWS, so UPDATE row counts are
+rows *matched*; we only act on INSERT and DELETE counts, which it leaves alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from typing import ClassVar
+
+from sqlalchemy.engine import Engine
+
+from ..config import Config
+from . import register
+from .base import Grant, Holder, Store
+
+_NO_SUCH_TABLE = 1146
+_UTC = timezone.utc
+# How many times one attempt may find the key freed or expired under its feet
+# (deleted between our INSERT and our SELECT) before reporting it busy.
+_RACE_RETRIES = 3
+
+
+@register("mysql", "mariadb")
+class MySQLStore(Store):
+    can_transfer: ClassVar[bool] = False
+
+    def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
+        super().__init__(engine, config=config, owns_engine=owns_engine)
+        t = self.quoted(self.names.table)
+        now = "UTC_TIMESTAMP(6)"
+        self._insert_sql = (
+            f"INSERT IGNORE INTO {t} (lock_key, owner, token, acquired_at, expires_at) "
+            f"VALUES (%(key)s, %(owner)s, %(token)s, {now}, "
+            f"{now} + INTERVAL %(ttl_us)s MICROSECOND)"
+        )
+        self._insert_returning_sql = self._insert_sql + " RETURNING fence, expires_at, acquired_at"
+        self._holder_sql = (
+            f"SELECT token, owner, fence, expires_at, {now} FROM {t} WHERE lock_key = %(key)s"
+        )
+        self._takeover_sql = (
+            f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
+            f"AND expires_at <= {now}"
+        )
+        self._release_sql = f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s"
+        self._now_sql = f"SELECT {now}"
+        # Capabilities are read from the server on first use, not at import.
+        self.returning: bool | None = None
+        self._offset: float | None = None  # server UTC minus local time.time()
+        self._offset_at = 0.0
+        self._caps_lock = threading.Lock()
+
+    def _capabilities(self) -> None:
+        with self._caps_lock:
+            if self.returning is not None:
+                return
+            with self.engine.connect():  # runs the dialect's version detection
+                pass
+            dialect = self.engine.dialect
+            self.returning = bool(
+                getattr(dialect, "is_mariadb", False)
+                and (dialect.server_version_info or (0,)) >= (10, 5)
+            )
+
+    def _server_offset(self) -> float:
+        """Server clock minus ours, refreshed every ten minutes (MySQL only)."""
+        if self._offset is None or time.monotonic() - self._offset_at > 600:
+            before = time.time()
+            (server_now,) = self.run(self._now_sql, {}).rows[0]
+            after = time.time()
+            server = server_now.replace(tzinfo=_UTC).timestamp()
+            self._offset = server - (before + after) / 2
+            self._offset_at = time.monotonic()
+        return self._offset
+
+    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+        if self.returning is None:
+            self._capabilities()
+        params = {"key": key, "owner": owner, "token": token, "ttl_us": round(ttl * 1e6)}
+        for _ in range(_RACE_RETRIES):
+            if self.returning:
+                rows = self.run(self._insert_returning_sql, params).rows
+                if rows:
+                    fence, expires_at, now = rows[0]
+                    return Grant(
+                        fence, expires_at.replace(tzinfo=_UTC), (expires_at - now).total_seconds()
+                    )
+            else:
+                sent = time.time()
+                result = self.run(self._insert_sql, params, lastrowid=True)
+                if result.rowcount == 1:
+                    # The server stamped the lease after we sent: our estimate
+                    # of its end errs on the early side, the safe one.
+                    start = datetime.fromtimestamp(sent + self._server_offset(), _UTC)
+                    return Grant(int(result.lastrowid or 0), start + timedelta(seconds=ttl), ttl)
+            holder = self._holder(key, token)
+            if holder is not None:
+                return holder
+        return Holder(None, None, None)
+
+    def _holder(self, key: str, token: str) -> Grant | Holder | None:
+        """Who holds ``key``; None when it is free (or was just freed) to try again."""
+        rows = self.run(self._holder_sql, {"key": key}).rows
+        if not rows:
+            return None
+        row_token, row_owner, fence, expires_at, now = rows[0]
+        expires_in = (expires_at - now).total_seconds()
+        if row_token == token:
+            # Our own row: an earlier attempt with this token committed although
+            # its answer was lost.
+            return Grant(fence, expires_at.replace(tzinfo=_UTC), expires_in)
+        if expires_in <= 0:
+            self.run(self._takeover_sql, {"key": key, "token": row_token})
+            return None
+        return Holder(row_owner, row_token, expires_in)
+
+    def release(self, key: str, token: str) -> bool:
+        return self.run(self._release_sql, {"key": key, "token": token}).rowcount > 0
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        args: tuple[object, ...] = getattr(exc, "args", ())
+        return bool(args) and args[0] == _NO_SUCH_TABLE

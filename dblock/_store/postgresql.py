@@ -1,0 +1,325 @@
+"""PostgreSQL (psycopg 3): upsert arbitration and LISTEN/NOTIFY wake-ups.
+
+Acquire is one statement: ``INSERT … ON CONFLICT DO UPDATE … WHERE expired``
+takes a free or expired key; when the key is held the same statement reads
+the holder instead, so a waiter learns the holder's lease without a second
+round trip. ON CONFLICT never raises, so contention leaves the server log clean.
+
+Release deletes the row where the token is ours and, in the same statement,
+``pg_notify``-s the key on a channel named after the table. One listener
+connection per process fans those notifications out to its waiting threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+import time
+from collections import deque
+from typing import Any, ClassVar
+
+from sqlalchemy.engine import Engine
+
+from ..config import Config
+from . import register
+from .base import Backoff, Grant, Holder, Store, Wait
+
+log = logging.getLogger("dblock")
+
+_UNDEFINED_TABLE = "42P01"
+
+
+@register("postgresql")
+class PostgresStore(Store):
+    can_transfer: ClassVar[bool] = True
+    can_notify: ClassVar[bool] = True
+
+    def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
+        super().__init__(engine, config=config, owns_engine=owns_engine)
+        t = self.quoted(self.names.table)
+        seq = self.quoted(self.names.sequence).replace("'", "''")
+        lease = "now() + make_interval(secs => %(ttl)s)"
+        self._acquire_sql = (
+            f"WITH ins AS ("
+            f"INSERT INTO {t} AS t (lock_key, owner, token, fence, acquired_at, expires_at) "
+            f"VALUES (%(key)s, %(owner)s, %(token)s, nextval('{seq}'), now(), {lease}) "
+            f"ON CONFLICT (lock_key) DO UPDATE SET owner = excluded.owner, "
+            f"token = excluded.token, fence = excluded.fence, "
+            f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
+            f"WHERE t.expires_at <= now() "
+            f"RETURNING t.token, t.owner, t.fence, t.expires_at) "
+            f"SELECT token, owner, fence, expires_at, now() FROM ins "
+            f"UNION ALL "
+            f"SELECT token, owner, fence, expires_at, now() FROM {t} "
+            f"WHERE lock_key = %(key)s AND NOT EXISTS (SELECT FROM ins)"
+        )
+        self._release_sql = (
+            f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
+            f"RETURNING lock_key) SELECT pg_notify(%(channel)s, lock_key) FROM gone"
+        )
+        self._transfer_sql = (
+            f"UPDATE {t} SET token = %(new_token)s, owner = %(owner)s, "
+            f"fence = nextval('{seq}'), acquired_at = now(), expires_at = {lease} "
+            f"WHERE lock_key = %(key)s AND token = %(token)s "
+            f"RETURNING fence, expires_at, now()"
+        )
+        self._channel = self.names.channel
+        self._listener: Listener | None = None
+        self._listener_lock = threading.Lock()
+
+    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+        rows = self.run(
+            self._acquire_sql, {"key": key, "owner": owner, "token": token, "ttl": ttl}
+        ).rows
+        if not rows:
+            # Held by a row our snapshot cannot see yet (committed an instant ago).
+            return Holder(None, None, None)
+        row_token, row_owner, fence, expires_at, now = rows[0]
+        expires_in = (expires_at - now).total_seconds()
+        if row_token == token:
+            return Grant(fence, expires_at, expires_in)
+        return Holder(row_owner, row_token, expires_in)
+
+    def release(self, key: str, token: str) -> bool:
+        rows = self.run(
+            self._release_sql, {"key": key, "token": token, "channel": self._channel}
+        ).rows
+        return bool(rows)
+
+    def transfer(
+        self, key: str, token: str, new_token: str, owner: str, ttl: float
+    ) -> Grant | None:
+        rows = self.run(
+            self._transfer_sql,
+            {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl},
+        ).rows
+        if not rows:
+            return None
+        fence, expires_at, now = rows[0]
+        return Grant(fence, expires_at, (expires_at - now).total_seconds())
+
+    def waiter(self, key: str, since: float) -> Wait:
+        if not self.config.notify:
+            return super().waiter(key, since)
+        with self._listener_lock:
+            if self._listener is None:
+                self._listener = Listener(self.engine, self._channel)
+            listener = self._listener
+        return NotifyWait(listener, key, since, self.config)
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        return getattr(exc, "sqlstate", None) == _UNDEFINED_TABLE
+
+    def close(self) -> None:
+        with self._listener_lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        super().close()
+
+    def after_fork(self) -> None:
+        # The parent's listener thread does not exist here; its socket is the
+        # parent's. Forget it without closing it.
+        self._listener = None
+        self._listener_lock = threading.Lock()
+        super().after_fork()
+
+
+class NotifyWait(Wait):
+    """Wait for a release notification of one key, with two safety nets: the
+    caller's cap at the holder's expiry, and a periodic re-check."""
+
+    __slots__ = ("_backoff", "_event", "_key", "_listener", "_recheck")
+
+    def __init__(self, listener: Listener, key: str, since: float, config: Config) -> None:
+        self._listener = listener
+        self._key = key
+        self._recheck = config.notify_recheck
+        self._backoff = Backoff(config.poll_initial, config.poll_max)
+        self._event = listener.subscribe(key, since)
+
+    def prepare(self) -> None:
+        self._event.clear()
+
+    def sleep(self, limit: float) -> None:
+        if not self._listener.listening:
+            # No listener connection right now: notifications may be missed.
+            self._backoff.sleep(limit)
+            return
+        self._event.wait(min(limit, self._recheck))
+
+    def close(self) -> None:
+        self._listener.unsubscribe(self._key, self._event)
+
+
+class Listener:
+    """One LISTEN connection per store, on a thread of its own.
+
+    Started by the first waiter; it stops (and closes its connection, so the
+    process no longer receives every release of the cluster) after
+    :attr:`LINGER` seconds without waiters. While it is reconnecting,
+    :attr:`listening` is false and waiters poll instead.
+
+    A waiter subscribes only after its first attempt found the key held, so
+    the listener remembers the keys released in the last :attr:`RECENT`
+    seconds: a release that slipped between that attempt and the subscription
+    still wakes the waiter, without an extra statement to close the gap.
+    """
+
+    LINGER = 30.0
+    RECENT = 2.0
+
+    def __init__(self, engine: Engine, channel: str) -> None:
+        self._engine = engine
+        self._channel = channel
+        self._subs: dict[str, set[threading.Event]] = {}
+        self._recent: dict[str, float] = {}
+        self._recent_order: deque[tuple[float, str]] = deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        # monotonic time since which the current LISTEN has been active
+        self._listening_since = float("inf")
+        self._stopping = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+
+    @property
+    def listening(self) -> bool:
+        return self._ready.is_set()
+
+    def subscribe(self, key: str, since: float) -> threading.Event:
+        """An event set when ``key`` is released; already set if it may have
+        been released since ``since`` (a ``time.monotonic()`` reading)."""
+        event = threading.Event()
+        with self._lock:
+            if self._stopping:
+                event.set()
+                return event
+            self._subs.setdefault(key, set()).add(event)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="dblock-listener", daemon=True
+                )
+                self._thread.start()
+        # The first waiter of a process waits for the LISTEN to be active.
+        self._ready.wait(5.0)
+        with self._lock:
+            if self._listening_since > since or self._recent.get(key, -1.0) >= since:
+                event.set()
+        return event
+
+    def unsubscribe(self, key: str, event: threading.Event) -> None:
+        with self._lock:
+            events = self._subs.get(key)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._subs[key]
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+            thread = self._thread
+        os.write(self._wake_w, b"x")
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            events = [e for subs in self._subs.values() for e in subs]
+        for event in events:
+            event.set()
+
+    def _run(self) -> None:
+        delay = 0.05
+        while True:
+            conn: Any = None
+            try:
+                conn = self._connect()
+                delay = 0.05
+                with self._lock:
+                    self._listening_since = time.monotonic()
+                self._ready.set()
+                self._wake_all()  # anything released while we were not listening
+                self._serve(conn)
+                return
+            except Exception as exc:
+                if not self._stopping:
+                    log.warning("dblock: LISTEN connection failed (%s); retrying", exc)
+            finally:
+                if conn is not None:
+                    with contextlib.suppress(Exception):  # already broken
+                        conn.close()
+            with self._lock:
+                self._ready.clear()
+                self._listening_since = float("inf")
+                if self._stopping:
+                    self._thread = None
+                    return
+            self._wake_all()  # waiters fall back to polling while we reconnect
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _connect(self) -> Any:
+        proxied = self._engine.raw_connection()
+        proxied.detach()  # ours alone for as long as we listen, not the pool's
+        conn: Any = proxied.dbapi_connection
+        conn.autocommit = True
+        quoted = self._engine.dialect.identifier_preparer.quote_identifier(self._channel)
+        conn.execute(f"LISTEN {quoted}")
+        return conn
+
+    def _serve(self, conn: Any) -> None:
+        """Dispatch notifications until told to stop or idle for too long;
+        raises when the connection breaks."""
+        pgconn = conn.pgconn
+        encoding = conn.info.encoding
+        fileno = conn.fileno()
+        idle_since: float | None = None
+        while True:
+            readable, _, _ = select.select([fileno, self._wake_r], [], [], 1.0)
+            if self._wake_r in readable:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 64)
+            now = time.monotonic()
+            with self._lock:
+                if self._subs:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                if self._stopping or (idle_since is not None and now - idle_since > self.LINGER):
+                    # Clear under the lock: a new thread started right after
+                    # this must not have its readiness cleared by us.
+                    self._ready.clear()
+                    self._listening_since = float("inf")
+                    self._thread = None
+                    return
+            if fileno not in readable:
+                continue
+            pgconn.consume_input()
+            if pgconn.status != 0:  # CONNECTION_OK
+                raise ConnectionError("LISTEN connection closed by the server")
+            woken: list[threading.Event] = []
+            with self._lock:
+                while (note := pgconn.notifies()) is not None:
+                    key = note.extra.decode(encoding)
+                    self._remember(key, now)
+                    woken.extend(self._subs.get(key, ()))
+            for event in woken:
+                event.set()
+
+    def _remember(self, key: str, now: float) -> None:
+        self._recent[key] = now
+        self._recent_order.append((now, key))
+        horizon = now - self.RECENT
+        order = self._recent_order
+        while order and order[0][0] < horizon:
+            seen, old = order.popleft()
+            if self._recent.get(old) == seen:
+                del self._recent[old]

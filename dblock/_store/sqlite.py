@@ -1,0 +1,92 @@
+"""SQLite (the embedded default): upsert arbitration on a local file.
+
+SQLite serialises writers, so one ``INSERT … ON CONFLICT DO UPDATE … WHERE
+expired … RETURNING`` both takes free keys and takes over expired ones. The
+fence comes from a one-row counter table that triggers keep at the highest
+fence ever handed out. Times are REAL unix seconds from SQLite's own clock.
+
+The engine dblock makes for SQLite uses WAL (readers never block the writer)
+and a 30 s busy timeout, so processes sharing the file queue for the write
+lock instead of failing.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import ClassVar
+
+from sqlalchemy.engine import Engine
+
+from ..config import Config
+from . import register
+from .base import Grant, Holder, Store
+
+_UTC = timezone.utc
+NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+@register("sqlite")
+class SQLiteStore(Store):
+    can_transfer: ClassVar[bool] = True
+
+    def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
+        super().__init__(engine, config=config, owns_engine=owns_engine)
+        t = self.quoted(self.names.table)
+        fence = f"(SELECT value + 1 FROM {self.quoted(self.names.fence_table)} WHERE id = 1)"
+        self._acquire_sql = (
+            f"INSERT INTO {t} (lock_key, owner, token, fence, acquired_at, expires_at) "
+            f"VALUES (:key, :owner, :token, {fence}, {NOW}, {NOW} + :ttl) "
+            f"ON CONFLICT (lock_key) DO UPDATE SET owner = excluded.owner, "
+            f"token = excluded.token, fence = excluded.fence, "
+            f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
+            f"WHERE {t}.expires_at <= excluded.acquired_at "
+            f"RETURNING fence, expires_at, acquired_at"
+        )
+        self._holder_sql = (
+            f"SELECT token, owner, fence, expires_at, {NOW} FROM {t} WHERE lock_key = :key"
+        )
+        self._release_sql = f"DELETE FROM {t} WHERE lock_key = :key AND token = :token"
+        self._transfer_sql = (
+            f"UPDATE {t} SET token = :new_token, owner = :owner, fence = {fence}, "
+            f"acquired_at = {NOW}, expires_at = {NOW} + :ttl "
+            f"WHERE lock_key = :key AND token = :token "
+            f"RETURNING fence, expires_at, acquired_at"
+        )
+
+    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+        params = {"key": key, "owner": owner, "token": token, "ttl": ttl}
+        for _ in range(2):
+            rows = self.run(self._acquire_sql, params).rows
+            if rows:
+                return _grant(rows[0])
+            rows = self.run(self._holder_sql, {"key": key}).rows
+            if rows:
+                row_token, row_owner, fence, expires_at, now = rows[0]
+                if row_token == token:
+                    return _grant((fence, expires_at, now))
+                return Holder(row_owner, row_token, expires_at - now)
+            # released between the two statements: try once more
+        return Holder(None, None, None)
+
+    def release(self, key: str, token: str) -> bool:
+        return self.run(self._release_sql, {"key": key, "token": token}).rowcount > 0
+
+    def transfer(
+        self, key: str, token: str, new_token: str, owner: str, ttl: float
+    ) -> Grant | None:
+        rows = self.run(
+            self._transfer_sql,
+            {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl},
+        ).rows
+        return _grant(rows[0]) if rows else None
+
+    def is_missing_table(self, exc: BaseException) -> bool:
+        return "no such table" in str(exc)
+
+
+def _grant(row: tuple[object, ...]) -> Grant:
+    fence, expires_at, now = row
+    assert isinstance(fence, int)
+    assert isinstance(expires_at, float)
+    assert isinstance(now, float)
+    return Grant(fence, datetime.fromtimestamp(expires_at, _UTC), expires_at - now)

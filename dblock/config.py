@@ -1,0 +1,149 @@
+"""The manager's configuration: one frozen, keyword-only object, checked once.
+
+Every value is validated when the object is built, so a typo or a nonsense
+lease fails at start-up with a message naming the option, not at the first lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import LockArgumentError
+
+__all__ = ["Config", "check_timeout", "check_ttl"]
+
+# Identifiers we splice into SQL must be plain names: they are quoted anyway,
+# but a name that needs quoting is almost always a configuration mistake.
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,50}\Z")
+
+
+def check_ttl(value: object, name: str = "ttl") -> float:
+    """A lease length in seconds: a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LockArgumentError(f"{name} must be a number of seconds, got {value!r}")
+    ttl = float(value)
+    if not math.isfinite(ttl) or ttl <= 0:
+        raise LockArgumentError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return ttl
+
+
+def check_timeout(value: object, name: str = "timeout") -> float | None:
+    """A wait in seconds: None (wait forever) or a finite number >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise LockArgumentError(f"{name} must be None or a number of seconds, got {value!r}")
+    timeout = float(value)
+    if math.isnan(timeout) or timeout < 0 or math.isinf(timeout):
+        raise LockArgumentError(
+            f"{name} must be None or a finite number of seconds >= 0, got {value!r}"
+        )
+    return timeout
+
+
+def _check_identifier(value: object, name: str) -> str:
+    if not isinstance(value, str) or not _IDENTIFIER.match(value):
+        raise LockArgumentError(
+            f"{name} must be a plain SQL identifier (letters, digits, _; at most 51 "
+            f"characters, not starting with a digit), got {value!r}"
+        )
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """How a :class:`~dblock.LockManager` behaves. All times are seconds.
+
+    table
+        Name of the lock table. The sequence, index, trigger and migration
+        version table are named after it unless given.
+    index
+        Name of the index on ``expires_at`` (default ``<table>_expires_at_idx``).
+    ttl
+        Default lease of a lock. A holder that dies blocks its key at most this long.
+    timeout
+        Default wait of a blocking request; ``None`` waits until granted.
+    handoff_limit
+        How many times in a row a process may hand a held row straight to its
+        next local waiter (one UPDATE instead of DELETE + INSERT) before it
+        releases the row and lets other processes compete. 0 turns hand-off off.
+    poll_initial, poll_max
+        Capped exponential backoff (with jitter) between attempts when the
+        database cannot notify waiters (MySQL/MariaDB, SQLite, or ``notify=False``).
+    notify
+        On PostgreSQL, wake waiters with LISTEN/NOTIFY instead of polling.
+    notify_recheck
+        On PostgreSQL, a waiter re-checks at least this often even without a
+        notification: a safety net for a listener connection that died silently.
+    local_filter
+        Level 1. Turning it off sends every request to the database and drops
+        re-entrancy; it exists to measure what level 1 buys.
+    client_id
+        How this process names itself in the ``owner`` column (default ``host:pid``).
+    """
+
+    table: str = "dblock_locks"
+    index: str | None = None
+    ttl: float = 30.0
+    timeout: float | None = None
+    handoff_limit: int = 8
+    poll_initial: float = 0.005
+    poll_max: float = 0.5
+    notify: bool = True
+    notify_recheck: float = 2.0
+    local_filter: bool = True
+    client_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_identifier(self.table, "table")
+        if self.index is not None:
+            _check_identifier(self.index, "index")
+        object.__setattr__(self, "ttl", check_ttl(self.ttl))
+        object.__setattr__(self, "timeout", check_timeout(self.timeout))
+        for name in ("poll_initial", "poll_max", "notify_recheck"):
+            object.__setattr__(self, name, check_ttl(getattr(self, name), name))
+        if self.poll_initial > self.poll_max:
+            raise LockArgumentError(
+                f"poll_initial ({self.poll_initial:g}) must not exceed poll_max ({self.poll_max:g})"
+            )
+        if (
+            isinstance(self.handoff_limit, bool)
+            or not isinstance(self.handoff_limit, int)
+            or self.handoff_limit < 0
+        ):
+            raise LockArgumentError(
+                f"handoff_limit must be an integer >= 0, got {self.handoff_limit!r}"
+            )
+        for name in ("notify", "local_filter"):
+            if not isinstance(getattr(self, name), bool):
+                value = getattr(self, name)
+                raise LockArgumentError(f"{name} must be True or False, got {value!r}")
+        if self.client_id is not None and (
+            not isinstance(self.client_id, str) or not self.client_id or len(self.client_id) > 200
+        ):
+            raise LockArgumentError(
+                f"client_id must be a non-empty string of at most 200 characters, "
+                f"got {self.client_id!r}"
+            )
+
+    @property
+    def index_name(self) -> str:
+        return self.index or f"{self.table}_expires_at_idx"
+
+    @classmethod
+    def from_options(cls, base: Config | None, options: Mapping[str, Any]) -> Config:
+        """``base`` with ``options`` applied; unknown option names are refused."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise LockArgumentError(
+                f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"known options: {', '.join(sorted(known))}"
+            )
+        if base is None:
+            return cls(**options)
+        return dataclasses.replace(base, **options)

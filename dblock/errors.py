@@ -1,0 +1,125 @@
+"""Every error dblock raises, in one tree.
+
+::
+
+    DBLockError
+     ├── LockNotAcquired          the lock was not granted
+     │    ├── LockBusy            fail-fast request, someone else holds it
+     │    └── LockTimeout         a waiting request ran out of time
+     ├── LockLost                 we held it, but the row is gone or someone else's
+     ├── LockNotHeld              release of a lock that is not held (also RuntimeError)
+     ├── LockArgumentError        bad key or option, refused before any SQL (also ValueError)
+     ├── BackendError             the database is unreachable or failed a statement
+     └── SchemaMissing            the lock table does not exist: run ``dblock migrate``
+
+The classes live here and are re-exported from :mod:`dblock`; they report
+themselves as ``dblock.X`` so tracebacks and logs show the name users import.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "DBLockError",
+    "LockArgumentError",
+    "LockBusy",
+    "LockLost",
+    "LockNotAcquired",
+    "LockNotHeld",
+    "LockTimeout",
+    "SchemaMissing",
+]
+
+
+class DBLockError(Exception):
+    """Root of every error raised by dblock."""
+
+    __module__ = "dblock"
+
+
+class LockNotAcquired(DBLockError):
+    """The lock was not granted. ``level`` says which filter refused it (1 or 2)."""
+
+    __module__ = "dblock"
+
+    def __init__(self, message: str, *, key: str, level: int) -> None:
+        super().__init__(message)
+        self.key = key
+        self.level = level
+
+
+class LockBusy(LockNotAcquired):
+    """A fail-fast request found the lock held.
+
+    ``level == 1``: another thread of this process holds or is acquiring it (no
+    SQL was sent). ``level == 2``: another process holds the row; ``holder`` is its
+    owner string when the database told us.
+    """
+
+    __module__ = "dblock"
+
+    def __init__(self, key: str, *, level: int, holder: str | None = None) -> None:
+        where = "another thread of this process" if level == 1 else (holder or "another process")
+        super().__init__(f"lock {key!r} is held by {where}", key=key, level=level)
+        self.holder = holder
+
+
+class LockTimeout(LockNotAcquired):
+    """A waiting request did not get the lock within its timeout."""
+
+    __module__ = "dblock"
+
+    def __init__(self, key: str, *, timeout: float, level: int, holder: str | None = None) -> None:
+        by = f" (held by {holder})" if holder else ""
+        super().__init__(
+            f"lock {key!r} not acquired within {timeout:g} s{by}", key=key, level=level
+        )
+        self.timeout = timeout
+        self.holder = holder
+
+
+class LockLost(DBLockError):
+    """We held the lock but no longer do: the lease ran out and the row was taken
+    over or swept. Work done since then ran without mutual exclusion."""
+
+    __module__ = "dblock"
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"lock {key!r} was lost: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class LockNotHeld(DBLockError, RuntimeError):
+    """``release()`` on a lock this holder no longer holds (already released)."""
+
+    __module__ = "dblock"
+
+
+class LockArgumentError(DBLockError, ValueError):
+    """A bad key or option. Raised before any statement is sent."""
+
+    __module__ = "dblock"
+
+
+class BackendError(DBLockError):
+    """The database could not be reached or failed a statement.
+
+    The original driver or SQLAlchemy exception is chained as ``__cause__``.
+    """
+
+    __module__ = "dblock"
+
+
+class SchemaMissing(DBLockError):
+    """The lock table (or its sequence) does not exist in the database."""
+
+    __module__ = "dblock"
+
+    def __init__(self, table: str, url: str) -> None:
+        super().__init__(
+            f"the lock table {table!r} does not exist in {url}; "
+            "run `dblock migrate` (or LockManager.create_schema()) first"
+        )
+        self.table = table
+        self.url = url

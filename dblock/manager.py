@@ -1,0 +1,269 @@
+"""``LockManager``: the one object an application keeps.
+
+It owns the engine (or borrows yours), the level-1 registry of this process
+and the store, and hands out locks::
+
+    locks = LockManager("postgresql+psycopg://app@db/app")
+    with locks.lock("user:42", timeout=2.0) as held:
+        ...
+
+    @locks.locked("user:{user_id}")
+    def transfer(user_id: int, amount: int) -> None: ...
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import weakref
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+from sqlalchemy import URL
+from sqlalchemy.engine import Engine
+
+from . import migrations
+from ._engine import make_engine, mask, resolve_url
+from ._store import Store, open_store
+from .config import Config, check_timeout, check_ttl
+from .errors import DBLockError, LockArgumentError
+from .keys import KeyTemplate, check_key
+from .lock import UNSET, HeldLock, Locker, Unset
+from .schema import TableNames
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["LockManager", "LockRequest"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_managers: weakref.WeakSet[LockManager] = weakref.WeakSet()
+
+
+class LockRequest:
+    """What ``LockManager.lock()`` returns: acquires on ``with`` entry, releases
+    on exit, and yields the :class:`~dblock.lock.HeldLock`."""
+
+    __slots__ = ("_held", "_locker", "blocking", "key", "timeout", "ttl")
+
+    def __init__(
+        self, locker: Locker, key: str, blocking: bool, timeout: float | None, ttl: float
+    ) -> None:
+        self._locker = locker
+        self.key = key
+        self.blocking = blocking
+        self.timeout = timeout
+        self.ttl = ttl
+        self._held: HeldLock | None = None
+
+    def __enter__(self) -> HeldLock:
+        self._held = self._locker.acquire(
+            self.key, blocking=self.blocking, timeout=self.timeout, ttl=self.ttl
+        )
+        return self._held
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.__exit__(exc_type, exc, tb)
+
+
+class LockManager:
+    """Distributed locks on a relational database, filtered per process.
+
+    ``url`` is a SQLAlchemy URL (``postgresql+psycopg://…``,
+    ``mysql+pymysql://…``, ``sqlite:///path``) or an existing
+    :class:`~sqlalchemy.engine.Engine` to borrow; by default ``$DBLOCK_URL``,
+    else the SQLite file ``./dblock.sqlite3``. Options are the fields of
+    :class:`~dblock.config.Config` (``ttl``, ``timeout``, ``table``, …), given
+    as keywords or as ``config=``. ``engine_options`` go to ``create_engine``
+    when dblock makes the engine.
+    """
+
+    def __init__(
+        self,
+        url: str | URL | Engine | None = None,
+        *,
+        config: Config | None = None,
+        engine_options: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        self.config = Config.from_options(config, options)
+        if isinstance(url, Engine):
+            if engine_options:
+                raise LockArgumentError(
+                    "engine_options apply only when dblock makes the engine from a URL"
+                )
+            engine, owns = url, False
+        else:
+            engine, owns = make_engine(resolve_url(url), engine_options), True
+        try:
+            self._store: Store = open_store(engine, config=self.config, owns_engine=owns)
+        except BaseException:
+            if owns:
+                engine.dispose()
+            raise
+        self._locker = Locker(self._store, self.config)
+        self._closed = False
+        _managers.add(self)
+
+    # -- what it is --------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        return self._store.engine
+
+    @property
+    def url(self) -> str:
+        """The database URL with the password masked."""
+        return mask(self._store.engine.url)
+
+    @property
+    def dialect(self) -> str:
+        return self._store.engine.dialect.name
+
+    @property
+    def names(self) -> TableNames:
+        return self._store.names
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    def __repr__(self) -> str:
+        return f"<LockManager {self.url} table={self.config.table!r}>"
+
+    # -- locks -------------------------------------------------------------
+
+    def lock(
+        self,
+        key: str,
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+    ) -> LockRequest:
+        """A context manager holding ``key`` for the ``with`` block.
+
+        ``blocking=False`` fails fast with :class:`~dblock.LockBusy`; a blocking
+        request waits up to ``timeout`` seconds (default: the manager's
+        ``timeout``; ``None`` waits until granted) then raises
+        :class:`~dblock.LockTimeout`. ``ttl`` is the lease in seconds.
+        Re-entrant per thread: an inner ``lock()`` of a held key costs no SQL.
+        """
+        key, blocking, wait, lease = self._check(key, blocking, timeout, ttl)
+        return LockRequest(self._locker, key, blocking, wait, lease)
+
+    def acquire(
+        self,
+        key: str,
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+    ) -> HeldLock:
+        """Like :meth:`lock` without ``with``: returns the held lock; call its
+        ``release()`` (or use it as a context manager) when done."""
+        key, blocking, wait, lease = self._check(key, blocking, timeout, ttl)
+        return self._locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease)
+
+    def locked(
+        self,
+        template: str | Callable[..., str],
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """Decorate a function so each call holds the lock named by ``template``
+        (``"user:{user_id}"``, ``"order:{order.id}"``, or a callable taking the
+        function's arguments). Names are checked against the signature now."""
+        _, blocking, wait, lease = self._check("-", blocking, timeout, ttl)
+
+        def decorate(func: Callable[P, R]) -> Callable[P, R]:
+            if inspect.iscoroutinefunction(func):
+                raise LockArgumentError(
+                    f"{func.__qualname__} is a coroutine function; dblock locks are "
+                    "synchronous (run the locked part with asyncio.to_thread)"
+                )
+            make_key = KeyTemplate(template, func)
+            locker = self._locker
+
+            @functools.wraps(func)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                key = make_key(args, kwargs)
+                with locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease):
+                    return func(*args, **kwargs)
+
+            return wrapper
+
+        return decorate
+
+    def _check(
+        self, key: object, blocking: object, timeout: object, ttl: object
+    ) -> tuple[str, bool, float | None, float]:
+        if self._closed:
+            raise DBLockError("this LockManager is closed")
+        if not isinstance(blocking, bool):
+            raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
+        return (
+            check_key(key),
+            blocking,
+            self.config.timeout if timeout is UNSET else check_timeout(timeout),
+            self.config.ttl if ttl is None else check_ttl(ttl),
+        )
+
+    # -- schema --------------------------------------------------------------
+
+    def create_schema(self) -> None:
+        """Create the lock table if it is not there (runs the shipped alembic
+        migrations to head, exactly as ``dblock migrate`` does)."""
+        migrations.upgrade(self.engine, self.names)
+
+    def drop_schema(self) -> None:
+        """Remove the lock table and everything dblock created with it."""
+        migrations.downgrade(self.engine, self.names)
+
+    # -- life cycle ----------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop background work and release the engine if dblock made it.
+        Held locks are not released: their rows expire with their leases."""
+        if self._closed:
+            return
+        self._closed = True
+        _managers.discard(self)
+        self._store.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _after_fork(self) -> None:
+        self._locker.after_fork()
+        self._store.after_fork()
+
+
+def _after_fork_in_child() -> None:
+    for manager in list(_managers):
+        manager._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,166 @@
+"""Level 1: the in-process registry of local locks. No SQL lives here.
+
+One :class:`Entry` per key that some thread of this process holds or waits
+for. The entry's ``owner`` is the thread (or asyncio task) that holds the key
+locally, ``depth`` counts its re-entrant acquisitions, and ``queue`` holds the
+other local threads waiting for it, first come first served. When the owner
+leaves, the key goes straight to the head of the queue (the owner field
+changes hands under the registry mutex, so no third thread can slip in), or
+the entry is deleted: memory follows the keys in use, not the keys ever seen.
+
+Reads on the fast paths (re-entrant acquire, fail-fast refusal) take no lock:
+a dict lookup is atomic, and ``entry.owner`` can only become *our* identity by
+our own hand, so comparing it with ours is safe without the mutex.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import deque
+from typing import Any
+
+__all__ = ["Entry", "Registry", "Waiter", "current_owner"]
+
+_get_ident = threading.get_ident
+
+
+def current_owner() -> object:
+    """Who is asking: the running asyncio task if there is one, else the thread.
+
+    Tasks sharing a thread must not count as one holder, or a task would
+    re-enter a lock another task of the same event loop holds.
+    """
+    aio = sys.modules.get("asyncio")
+    if aio is not None and aio._get_running_loop() is not None:
+        task = aio.current_task()
+        if task is not None:
+            return task
+    return _get_ident()
+
+
+class Waiter:
+    """A local thread queued for a key. ``ticket`` is what it asked for and
+    ``grant`` what the previous owner hands over with the key (both opaque
+    here: level 2 decides what they mean)."""
+
+    __slots__ = ("_signal", "entry", "grant", "granted", "owner", "ticket")
+
+    def __init__(self, entry: Entry, owner: object, ticket: Any) -> None:
+        self.entry = entry
+        self.owner = owner
+        self.ticket = ticket
+        self.granted = False
+        self.grant: Any = None
+        self._signal = threading.Lock()
+        self._signal.acquire()
+
+    def wait(self, timeout: float | None) -> bool:
+        return self._signal.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+
+    def wake(self) -> None:
+        self._signal.release()
+
+
+class Entry:
+    __slots__ = ("depth", "handoffs", "held", "key", "owner", "queue")
+
+    def __init__(self, key: str, owner: object) -> None:
+        self.key = key
+        self.owner = owner
+        self.depth = 1
+        self.queue: deque[Waiter] = deque()
+        # What level 2 holds for this key (opaque here) and how many times in a
+        # row it was handed to a local waiter without going back to the database.
+        self.held: Any = None
+        self.handoffs = 0
+
+
+class Registry:
+    """The map ``key -> Entry`` of one process."""
+
+    __slots__ = ("_entries", "_mutex", "_peak")
+
+    # Dicts never shrink on deletion; after a burst of many concurrent keys a
+    # fresh dict gives the memory back once the registry is empty again.
+    _SHRINK_AFTER = 1024
+
+    def __init__(self) -> None:
+        self._entries: dict[str, Entry] = {}
+        self._mutex = threading.Lock()
+        self._peak = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> Entry | None:
+        return self._entries.get(key)
+
+    def claim(self, key: str, owner: object) -> Entry | None:
+        """Take the key if nobody holds or waits for it; ``None`` if somebody does."""
+        with self._mutex:
+            if key in self._entries:
+                return None
+            entry = self._entries[key] = Entry(key, owner)
+            self._grew()
+            return entry
+
+    def join(self, key: str, owner: object, ticket: Any = None) -> Entry | Waiter:
+        """Take the key, or queue for it: returns the entry if we own it now,
+        else a :class:`Waiter` to wait on (then :meth:`abandon` on timeout)."""
+        with self._mutex:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = Entry(key, owner)
+                self._grew()
+                return entry
+            waiter = Waiter(entry, owner, ticket)
+            entry.queue.append(waiter)
+            return waiter
+
+    def abandon(self, key: str, waiter: Waiter) -> bool:
+        """A waiter gives up. False if the key was handed to it meanwhile: it
+        must then wait for the (imminent) wake-up and take what it was given."""
+        with self._mutex:
+            if waiter.granted:
+                return False
+            entry = self._entries[key]
+            entry.queue.remove(waiter)
+            return True
+
+    def pop_waiter(self, entry: Entry) -> Waiter | None:
+        """Make the head of the queue the owner; the caller fills ``grant`` and
+        wakes it. ``None`` (and nothing changes) if nobody waits."""
+        with self._mutex:
+            return self._pass(entry)
+
+    def leave(self, entry: Entry) -> Waiter | None:
+        """The owner is done with the key: hand it to the next waiter (returned,
+        for the caller to wake) or forget the key."""
+        with self._mutex:
+            waiter = self._pass(entry)
+            if waiter is None:
+                del self._entries[entry.key]
+                if not self._entries and self._peak > self._SHRINK_AFTER:
+                    self._entries = {}
+                    self._peak = 0
+            return waiter
+
+    def clear(self) -> None:
+        """Forget everything (a forked child must not inherit its parent's holders)."""
+        self._entries = {}
+        self._mutex = threading.Lock()
+        self._peak = 0
+
+    def _pass(self, entry: Entry) -> Waiter | None:
+        if not entry.queue:
+            return None
+        waiter = entry.queue.popleft()
+        entry.owner = waiter.owner
+        entry.depth = 1
+        waiter.granted = True
+        return waiter
+
+    def _grew(self) -> None:
+        n = len(self._entries)
+        self._peak = max(self._peak, n)

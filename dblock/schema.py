@@ -1,0 +1,238 @@
+"""The lock table, defined once as SQLAlchemy metadata.
+
+Everything that creates the schema (``LockManager.create_schema()``, the
+alembic revision shipped in the wheel, the check against the Django migration)
+builds it from :func:`create_statements`, so the three dialects and the
+configurable names stay in one place.
+
+Columns (see DESIGN.md): ``lock_key`` (primary key), ``owner``, ``token``,
+``fence``, ``acquired_at``, ``expires_at`` (indexed for the sweeper).
+
+The fencing number must grow for every acquisition of any key, and each
+dialect has its own idiom for a counter that survives deleted rows:
+
+* PostgreSQL: a sequence, ``nextval`` in the INSERT.
+* MySQL/MariaDB: ``AUTO_INCREMENT`` on ``fence`` (persisted across restarts
+  since MySQL 8.0 and MariaDB 10.2.4), read back as ``lastrowid``.
+* SQLite: a one-row counter table kept current by triggers, because SQLite
+  only auto-increments the rowid primary key.
+
+Times are UTC ``timestamptz`` / ``DATETIME(6)``; on SQLite they are REAL unix
+seconds so the database can compare and add to them without string formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    Sequence,
+    String,
+    Table,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import Dialect
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import (
+    CreateColumn,
+    CreateIndex,
+    CreateSequence,
+    CreateTable,
+    DropIndex,
+    DropSequence,
+    DropTable,
+    ExecutableDDLElement,
+)
+from sqlalchemy.sql.expression import Executable, TextClause
+from sqlalchemy.types import TypeDecorator, TypeEngine
+
+from .config import Config
+
+__all__ = ["TableNames", "UTCDateTime", "create_statements", "drop_statements", "lock_table"]
+
+MYSQL_FAMILY = ("mysql", "mariadb")
+_UTC = timezone.utc
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TableNames:
+    """The names of every schema object dblock owns, derived from the table name."""
+
+    table: str = "dblock_locks"
+    index: str | None = None
+
+    @classmethod
+    def of(cls, config: Config) -> TableNames:
+        return cls(table=config.table, index=config.index)
+
+    @property
+    def expires_index(self) -> str:
+        return self.index or f"{self.table}_expires_at_idx"
+
+    @property
+    def sequence(self) -> str:
+        return f"{self.table}_fence_seq"
+
+    @property
+    def fence_key(self) -> str:
+        return f"{self.table}_fence_key"
+
+    @property
+    def fence_table(self) -> str:
+        return f"{self.table}_fence"
+
+    @property
+    def version_table(self) -> str:
+        """alembic's version table for this lock table (never the app's ``alembic_version``)."""
+        return f"{self.table}_version"
+
+    @property
+    def channel(self) -> str:
+        """The PostgreSQL NOTIFY channel releases are announced on."""
+        return self.table
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes in Python; the database's native type where it has one."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "sqlite":
+            return dialect.type_descriptor(Float(precision=53))
+        if dialect.name in MYSQL_FAMILY:
+            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
+        return dialect.type_descriptor(DateTime(timezone=True))
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("dblock times must be timezone-aware")
+        if dialect.name == "sqlite":
+            return value.timestamp()
+        if dialect.name in MYSQL_FAMILY:
+            return value.astimezone(_UTC).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        return to_utc(value)
+
+
+def to_utc(value: Any) -> datetime | None:
+    """A time as any of our dialects return it, as an aware UTC datetime."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return datetime.fromtimestamp(value, _UTC)
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            return value.replace(tzinfo=_UTC)
+        return value.astimezone(_UTC)
+    raise TypeError(f"not a time: {value!r}")
+
+
+def lock_table(names: TableNames, metadata: MetaData | None = None) -> Table:
+    """The lock table for ``names``, on ``metadata`` (a fresh one by default)."""
+    metadata = metadata if metadata is not None else MetaData()
+    # utf8mb4_bin: keys compare exactly as they do in PostgreSQL and SQLite
+    # (the server default collation would make "User:1" and "user:1" one lock).
+    key_type = String(255).with_variant(
+        mysql.VARCHAR(255, charset="utf8mb4", collation="utf8mb4_bin"), *MYSQL_FAMILY
+    )
+    return Table(
+        names.table,
+        metadata,
+        Column("lock_key", key_type, primary_key=True),
+        Column("owner", String(255), nullable=False),
+        Column("token", String(32), nullable=False),
+        Column(
+            "fence",
+            BigInteger,
+            Sequence(names.sequence, metadata=metadata),
+            nullable=False,
+            info={"dblock_autoincrement": True},
+        ),
+        Column("acquired_at", UTCDateTime(), nullable=False),
+        Column("expires_at", UTCDateTime(), nullable=False),
+        # AUTO_INCREMENT needs an index led by the column; elsewhere the
+        # sequence or counter already guarantees uniqueness for free.
+        UniqueConstraint("fence", name=names.fence_key).ddl_if(
+            dialect=MYSQL_FAMILY  # type: ignore[arg-type]  # a tuple of names works
+        ),
+        Index(names.expires_index, "expires_at"),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+    )
+
+
+def fence_table(names: TableNames, metadata: MetaData | None = None) -> Table:
+    """SQLite only: the one-row fencing counter."""
+    return Table(
+        names.fence_table,
+        metadata if metadata is not None else MetaData(),
+        Column("id", Integer, primary_key=True, autoincrement=False),
+        Column("value", BigInteger, nullable=False),
+    )
+
+
+@compiles(CreateColumn, *MYSQL_FAMILY)
+def _auto_increment_fence(element: CreateColumn, compiler: Any, **kw: Any) -> str:
+    sql: str = compiler.visit_create_column(element, **kw)
+    if element.element.info.get("dblock_autoincrement"):
+        sql += " AUTO_INCREMENT"
+    return sql
+
+
+def create_statements(names: TableNames, dialect: str) -> list[Executable]:
+    """DDL creating dblock's schema on ``dialect`` (a SQLAlchemy dialect name)."""
+    metadata = MetaData()
+    table = lock_table(names, metadata)
+    index = next(iter(table.indexes))
+    out: list[Executable] = []
+    if dialect == "postgresql":
+        out.append(CreateSequence(Sequence(names.sequence)))
+    out += [CreateTable(table, include_foreign_key_constraints=[]), CreateIndex(index)]
+    if dialect == "sqlite":
+        out += [CreateTable(fence_table(names, metadata)), *_sqlite_fence_ddl(names)]
+    return out
+
+
+def drop_statements(names: TableNames, dialect: str) -> list[ExecutableDDLElement | TextClause]:
+    """DDL removing what :func:`create_statements` created."""
+    metadata = MetaData()
+    table = lock_table(names, metadata)
+    index = next(iter(table.indexes))
+    out: list[ExecutableDDLElement | TextClause] = []
+    if dialect == "sqlite":
+        out += [
+            text(f"DROP TRIGGER IF EXISTS {names.fence_table}_on_insert"),
+            text(f"DROP TRIGGER IF EXISTS {names.fence_table}_on_update"),
+            DropTable(fence_table(names, metadata)),
+        ]
+    out += [DropIndex(index), DropTable(table)]
+    if dialect == "postgresql":
+        out.append(DropSequence(Sequence(names.sequence)))
+    return out
+
+
+def _sqlite_fence_ddl(names: TableNames) -> list[Executable]:
+    t, f = names.table, names.fence_table
+    bump = f"UPDATE {f} SET value = NEW.fence WHERE id = 1 AND value < NEW.fence;"
+    return [
+        text(f"INSERT INTO {f} (id, value) VALUES (1, 0)"),
+        text(f"CREATE TRIGGER {f}_on_insert AFTER INSERT ON {t} BEGIN {bump} END"),
+        text(f"CREATE TRIGGER {f}_on_update AFTER UPDATE OF fence ON {t} BEGIN {bump} END"),
+    ]

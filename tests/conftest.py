@@ -1,0 +1,130 @@
+"""One suite over the real databases.
+
+Every test that takes ``db_url`` (or ``manager``) runs on SQLite, PostgreSQL
+and MariaDB. An unreachable server is a failure, not a skip: set
+``DBLOCK_TEST_POSTGRESQL_URL`` / ``DBLOCK_TEST_MYSQL_URL`` to point elsewhere,
+or pass ``--db sqlite`` to choose databases explicitly for a local run.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import LockManager
+from tests.support.counting import StatementCounter
+from tests.support.db import DEFAULT_URLS, reachable
+
+DATABASES = ("sqlite", "postgresql", "mariadb")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--db",
+        action="append",
+        choices=DATABASES,
+        help="run the database-parametrised tests on these only (default: all three)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "databases(*names): run this test on these databases only")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "db" in metafunc.fixturenames:
+        chosen = metafunc.config.getoption("--db") or list(DATABASES)
+        marker = metafunc.definition.get_closest_marker("databases")
+        wanted = marker.args if marker else DATABASES
+        metafunc.parametrize("db", [d for d in chosen if d in wanted], indirect=True)
+
+
+@pytest.fixture(scope="session")
+def sqlite_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'dblock-test.sqlite3'}"
+
+
+@pytest.fixture(scope="session")
+def _migrated() -> set[str]:
+    return set()
+
+
+@pytest.fixture
+def db(request: pytest.FixtureRequest) -> str:
+    """The database name of this parametrisation."""
+    return str(request.param)
+
+
+@pytest.fixture
+def db_url(db: str, sqlite_url: str, _migrated: set[str]) -> str:
+    url = sqlite_url if db == "sqlite" else DEFAULT_URLS[db]
+    if db not in _migrated:
+        problem = reachable(url)
+        if problem:
+            pytest.fail(f"{db} is required by the test suite and unreachable: {problem}")
+        with LockManager(url) as m:
+            m.create_schema()
+        _migrated.add(db)
+    return url
+
+
+@pytest.fixture
+def manager(db_url: str) -> Iterator[LockManager]:
+    m = LockManager(db_url)
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def make_manager(db_url: str) -> Iterator[object]:
+    """A factory for extra managers on the same database (closed after the test)."""
+    made: list[LockManager] = []
+
+    def make(**options: object) -> LockManager:
+        m = LockManager(db_url, **options)
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        m.close()
+
+
+@pytest.fixture
+def key(request: pytest.FixtureRequest) -> str:
+    """A lock key no other test (or earlier run) uses."""
+    return f"t:{request.node.name[:150]}:{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def keys(request: pytest.FixtureRequest) -> object:
+    prefix = f"t:{request.node.name[:120]}:{uuid.uuid4().hex[:12]}"
+
+    def make(n: int) -> list[str]:
+        return [f"{prefix}:{i}" for i in range(n)]
+
+    return make
+
+
+@pytest.fixture
+def count_statements() -> object:
+    """``with count_statements(engine) as c: ...; c.count``"""
+    return StatementCounter
+
+
+@pytest.fixture(autouse=True)
+def _no_env_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DBLOCK_URL", raising=False)
+
+
+def row_of(manager: LockManager, key: str) -> sa.Row[tuple[object, ...]] | None:
+    table = manager.store.table
+    with manager.engine.connect() as conn:
+        return conn.execute(sa.select(table).where(table.c.lock_key == key)).first()
+
+
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")

@@ -1,0 +1,155 @@
+"""Errors: bad input is refused before any SQL; database faults are clear."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import sqlalchemy as sa
+
+import dblock
+from dblock import (
+    BackendError,
+    DBLockError,
+    LockArgumentError,
+    LockBusy,
+    LockLost,
+    LockManager,
+    LockNotAcquired,
+    LockTimeout,
+    SchemaMissing,
+)
+from tests.support.counting import StatementCounter
+
+BAD_KEYS = [
+    pytest.param("", "must not be empty", id="empty"),
+    pytest.param(None, "must be a str", id="none"),
+    pytest.param(42, "must be a str", id="int"),
+    pytest.param(b"user:1", "must be a str", id="bytes"),
+    pytest.param("x" * 256, "limit is 255", id="too-long"),
+    pytest.param("a\x00b", "NUL", id="nul"),
+]
+
+BAD_OPTIONS = [
+    pytest.param({"ttl": 0}, "ttl", id="ttl-zero"),
+    pytest.param({"ttl": -1}, "ttl", id="ttl-negative"),
+    pytest.param({"ttl": math.nan}, "ttl", id="ttl-nan"),
+    pytest.param({"ttl": math.inf}, "ttl", id="ttl-inf"),
+    pytest.param({"ttl": "30"}, "ttl", id="ttl-string"),
+    pytest.param({"ttl": True}, "ttl", id="ttl-bool"),
+    pytest.param({"timeout": -0.1}, "timeout", id="timeout-negative"),
+    pytest.param({"timeout": math.nan}, "timeout", id="timeout-nan"),
+    pytest.param({"timeout": "1"}, "timeout", id="timeout-string"),
+    pytest.param({"blocking": "yes"}, "blocking", id="blocking-string"),
+]
+
+
+def test_error_tree() -> None:
+    assert issubclass(LockBusy, LockNotAcquired)
+    assert issubclass(LockTimeout, LockNotAcquired)
+    for cls in (LockNotAcquired, LockLost, LockArgumentError, BackendError, SchemaMissing):
+        assert issubclass(cls, DBLockError)
+    assert issubclass(LockArgumentError, ValueError)
+    assert LockBusy.__module__ == "dblock"
+    assert all(hasattr(dblock, name) for name in dblock.errors.__all__)
+
+
+@pytest.mark.parametrize(("bad", "message"), BAD_KEYS)
+def test_bad_keys_refused_before_sql(manager: LockManager, bad: object, message: str) -> None:
+    with StatementCounter(manager.engine) as c:
+        with pytest.raises(LockArgumentError, match=message):
+            manager.lock(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=message):
+            manager.acquire(bad, blocking=False)  # type: ignore[arg-type]
+    assert c.count == 0
+
+
+@pytest.mark.parametrize(("options", "name"), BAD_OPTIONS)
+def test_bad_options_refused_before_sql(
+    manager: LockManager, key: str, options: dict[str, object], name: str
+) -> None:
+    with StatementCounter(manager.engine) as c:
+        with pytest.raises(LockArgumentError, match=name):
+            manager.lock(key, **options)  # type: ignore[arg-type]
+        with pytest.raises(LockArgumentError, match=name):
+            manager.locked(key + "{x}", **options)  # type: ignore[arg-type]
+    assert c.count == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        pytest.param({"ttl": 0}, "ttl", id="ttl"),
+        pytest.param({"timeout": -1}, "timeout", id="timeout"),
+        pytest.param({"tll": 5}, "unknown option 'tll'", id="typo"),
+        pytest.param({"table": "locks; drop"}, "table", id="table"),
+        pytest.param({"handoff_limit": -1}, "handoff_limit", id="handoff"),
+        pytest.param({"poll_initial": 2, "poll_max": 1}, "poll_initial", id="poll"),
+    ],
+)
+def test_bad_manager_options(tmp_path: object, options: dict[str, object], message: str) -> None:
+    with pytest.raises(LockArgumentError, match=message):
+        LockManager(f"sqlite:///{tmp_path}/x.sqlite3", **options)
+
+
+def test_unsupported_urls() -> None:
+    with pytest.raises(LockArgumentError, match="in-memory"):
+        LockManager("sqlite://")
+    with pytest.raises(LockArgumentError, match="not a database URL"):
+        LockManager("no such thing")
+    with pytest.raises(LockArgumentError, match="oracle"):
+        LockManager("oracle://scott:tiger@localhost/x")
+
+
+def test_template_naming_missing_argument_fails_at_decoration(manager: LockManager) -> None:
+    with pytest.raises(LockArgumentError, match=r"'user'.*not a parameter"):
+
+        @manager.locked("user:{user}")
+        def work(user_id: int) -> None: ...
+
+    with pytest.raises(LockArgumentError, match="positions"):
+
+        @manager.locked("user:{0}")
+        def work2(user_id: int) -> None: ...
+
+
+def test_template_producing_bad_key_fails_before_sql(manager: LockManager) -> None:
+    @manager.locked("{name}")
+    def work(name: str) -> None: ...
+
+    with StatementCounter(manager.engine) as c, pytest.raises(LockArgumentError, match="empty"):
+        work("")
+    assert c.count == 0
+
+
+def test_missing_schema_says_run_migrate(db_url: str, key: str) -> None:
+    with LockManager(db_url, table="dblock_never_created") as m:
+        with pytest.raises(SchemaMissing, match="dblock migrate") as info:
+            m.acquire(key)
+        assert "dblock_never_created" in str(info.value)
+        assert len(m._locker.registry) == 0
+
+
+def test_unreachable_database_is_a_backend_error(key: str) -> None:
+    # A port nothing listens on: refused at once.
+    with LockManager("postgresql+psycopg://nobody:secret@127.0.0.1:1/x") as m:
+        with pytest.raises(BackendError) as info:
+            m.acquire(key)
+        assert "secret" not in str(info.value)
+        assert "***" in str(info.value)
+        assert len(m._locker.registry) == 0  # no half-state left behind
+
+
+def test_engine_is_borrowed_not_disposed(db_url: str, key: str) -> None:
+    engine = sa.create_engine(db_url)
+    with LockManager(engine) as m, m.lock(key):
+        pass
+    with engine.connect() as conn:  # still usable
+        conn.execute(sa.text("SELECT 1"))
+    engine.dispose()
+
+
+def test_closed_manager_refuses(manager: LockManager, key: str) -> None:
+    manager.close()
+    with pytest.raises(DBLockError, match="closed"):
+        manager.lock(key)

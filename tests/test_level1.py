@@ -1,0 +1,165 @@
+"""Level 1: what never reaches the database, and memory that follows keys in use."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import tracemalloc
+
+from dblock import LockBusy, LockManager
+from dblock.registry import Entry, Registry
+from tests.support.counting import StatementCounter
+
+
+def test_uncontended_acquire_and_release_are_one_statement_each(
+    manager: LockManager, key: str
+) -> None:
+    with manager.lock(key):  # warm up: first connection, dialect detection
+        pass
+    with StatementCounter(manager.engine) as c:
+        held = manager.acquire(key)
+        assert c.count == 1
+        held.release()
+        assert c.count == 2
+
+
+def test_reentrant_acquire_sends_no_sql(manager: LockManager, key: str) -> None:
+    with manager.lock(key), StatementCounter(manager.engine) as c:
+        for _ in range(100):
+            with manager.lock(key), manager.lock(key, blocking=False):
+                pass
+        assert c.count == 0
+
+
+def test_fail_fast_refusal_at_level_1_sends_no_sql(manager: LockManager, key: str) -> None:
+    refusals: list[int] = []
+    with manager.lock(key), StatementCounter(manager.engine) as c:
+
+        def other() -> None:
+            for _ in range(100):
+                try:
+                    manager.acquire(key, blocking=False)
+                except LockBusy as exc:
+                    refusals.append(exc.level)
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert c.count == 0
+    assert refusals == [1] * 100
+
+
+def test_only_one_thread_per_key_talks_to_the_database(make_manager: object, key: str) -> None:
+    """Eight threads queue on one key held by another process: the database
+    sees one waiter polling, never two statements for the key at once."""
+    other = make_manager()  # type: ignore[operator]
+    manager = make_manager(poll_initial=0.002, poll_max=0.01, notify=False)  # type: ignore[operator]
+    holder = other.acquire(key)
+    results: list[int] = []
+    with StatementCounter(manager.engine) as c:
+
+        def work() -> None:
+            with manager.lock(key, timeout=60) as held:
+                results.append(held.fence)
+
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for t in threads:
+            t.start()
+        threading.Event().wait(0.3)  # let them all queue and the winner poll
+        polled = c.count
+        holder.release()
+        for t in threads:
+            t.join(60)
+    assert len(results) == 8
+    assert c.max_in_flight == 1
+    # One thread polled while the others queued in the process.
+    assert polled >= 3
+    entry = manager._locker.registry.get(key)
+    assert entry is None
+
+
+def test_handoff_costs_one_statement_per_grant(manager: LockManager, key: str) -> None:
+    """Local waiters receive the row by hand-off where the dialect can (one
+    UPDATE per grant); elsewhere each grant is an INSERT and a DELETE."""
+    with manager.lock(key):
+        pass
+    grants = 9
+    with StatementCounter(manager.engine) as c:
+        holder = manager.acquire(key)
+        threads = [
+            threading.Thread(target=lambda: manager.acquire(key, timeout=60).release())
+            for _ in range(grants - 1)
+        ]
+        for t in threads:
+            t.start()
+        _wait_queued(manager, key, grants - 1)
+        holder.release()
+        for t in threads:
+            t.join(60)
+    if manager.store.can_transfer:
+        # one INSERT, seven hand-offs (handoff_limit 8 not reached), one DELETE
+        # for the last thread, and one hand-off... = grants + 1 statements.
+        assert c.count == grants + 1
+    else:
+        assert c.count == 2 * grants
+
+
+def _wait_queued(manager: LockManager, key: str, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        entry = manager._locker.registry.get(key)
+        if entry is not None and len(entry.queue) >= n:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"{n} waiters never queued")
+
+
+def test_registry_entries_disappear_with_their_keys(manager: LockManager, keys: object) -> None:
+    held = [manager.acquire(k) for k in keys(50)]  # type: ignore[operator]
+    assert len(manager._locker.registry) == 50
+    for h in held:
+        h.release()
+    assert len(manager._locker.registry) == 0
+
+
+def test_registry_memory_follows_keys_in_use() -> None:
+    """100,000 distinct keys held at once, then released: the registry's
+    memory goes back to where it started."""
+    registry = Registry()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.take_snapshot()
+        entries = []
+        for i in range(100_000):
+            entry = registry.claim(f"user:{i}", i)
+            assert isinstance(entry, Entry)
+            entries.append(entry)
+        peak = tracemalloc.get_traced_memory()[0]
+        assert len(registry) == 100_000
+        for entry in entries:
+            assert registry.leave(entry) is None
+        del entries, entry
+        gc.collect()
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    assert len(registry) == 0
+    grown = sum(
+        s.size_diff
+        for s in after.compare_to(baseline, "filename")
+        if "registry.py" in str(s.traceback)
+    )
+    assert peak > 10_000_000  # 100k entries really were held
+    assert grown < 10_000, f"registry kept {grown} bytes after all keys left"
+
+
+def test_manager_memory_after_many_distinct_keys(manager: LockManager, keys: object) -> None:
+    """Distinct keys coming and going through a real manager leave nothing behind."""
+    names = keys(2000)  # type: ignore[operator]
+    for k in names:
+        with manager.lock(k):
+            pass
+    assert len(manager._locker.registry) == 0
+    assert manager._locker.registry._entries == {}

@@ -1,0 +1,127 @@
+"""PostgreSQL specifics: LISTEN/NOTIFY wake-ups and a quiet server log."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import LockBusy, LockManager
+from tests.support.counting import StatementCounter
+from tests.support.db import DEFAULT_URLS
+
+pytestmark = pytest.mark.databases("postgresql")
+
+
+def test_contention_raises_no_server_errors(make_manager: object, key: str) -> None:
+    """Duplicate keys are settled by ON CONFLICT, never by an error: a failed
+    statement is what the server would log, and none fails."""
+    managers = [make_manager(local_filter=False) for _ in range(4)]  # type: ignore[operator]
+    errors: list[object] = []
+    counters = [StatementCounter(m.engine).__enter__() for m in managers]
+    for m in managers:
+        sa.event.listen(m.engine, "handle_error", lambda ctx: errors.append(ctx.original_exception))
+    busy = 0
+
+    def hammer(m: LockManager) -> None:
+        nonlocal busy
+        for _ in range(50):
+            try:
+                with m.lock(key, blocking=False):
+                    time.sleep(0.0005)
+            except LockBusy:
+                busy += 1
+
+    threads = [threading.Thread(target=hammer, args=(m,)) for m in managers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert busy > 0  # there was contention
+    assert sum(c.count for c in counters) >= 200
+    assert errors == []
+
+
+def test_waiter_is_woken_by_notify_not_polling(make_manager: object, key: str) -> None:
+    holder = make_manager()  # type: ignore[operator]
+    waiter = make_manager(notify_recheck=30.0)  # type: ignore[operator]
+    held = holder.acquire(key)
+    done = threading.Event()
+    with StatementCounter(waiter.engine) as c:
+
+        def wait() -> None:
+            with waiter.lock(key, timeout=30):
+                done.set()
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.5)
+        # One attempt (two for a manager's first wait: the attempt made before
+        # its listener was up is repeated once LISTEN is active) ...
+        attempts = c.count
+        assert attempts in (1, 2)
+        time.sleep(1.0)
+        assert c.count == attempts  # ... then silence until notified
+        released = time.monotonic()
+        held.release()
+        assert done.wait(10)
+        woke_after = time.monotonic() - released
+        t.join(10)
+    assert c.count == attempts + 2  # the winning attempt and the release
+    assert woke_after < 1.0
+
+
+def test_listener_is_one_connection_per_manager_and_stops_on_close(
+    db_url: str, keys: object
+) -> None:
+    holder = LockManager(db_url)
+    waiter = LockManager(db_url)
+    names = keys(4)  # type: ignore[operator]
+    held = [holder.acquire(k) for k in names]
+    threads = [
+        threading.Thread(target=lambda k=k: waiter.acquire(k, timeout=30).release()) for k in names
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    listeners = [t for t in threading.enumerate() if t.name == "dblock-listener"]
+    assert len(listeners) == 1
+    for h in held:
+        h.release()
+    for t in threads:
+        t.join(30)
+    waiter.close()
+    holder.close()
+    listeners[0].join(5)
+    assert not listeners[0].is_alive()
+
+
+def test_listener_survives_its_connection_being_killed(make_manager: object, key: str) -> None:
+    holder = make_manager()  # type: ignore[operator]
+    waiter = make_manager()  # type: ignore[operator]
+    held = holder.acquire(key)
+    got = threading.Event()
+
+    def wait() -> None:
+        with waiter.lock(key, timeout=30):
+            got.set()
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.5)
+    admin = sa.create_engine(DEFAULT_URLS["postgresql"])
+    with admin.connect() as conn:
+        killed = conn.execute(
+            sa.text(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid()"
+            )
+        ).fetchall()
+    admin.dispose()
+    assert killed
+    time.sleep(0.5)
+    held.release()
+    assert got.wait(10)
+    t.join(10)
