@@ -138,4 +138,3 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
-

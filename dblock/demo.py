@@ -73,16 +73,16 @@ class DemoReport:
 
     def render(self) -> str:
         per = self.statements / self.requests if self.requests else 0.0
+        violations = self.violations + self.lost_updates
         rows = [
             ("requests", self.requests, ""),
             ("granted", self.granted, "ran the critical section"),
-            ("refused at level 1", self.refused_level1, "another thread of the process had it: no SQL"),
+            ("refused at level 1", self.refused_level1, "this process had it: no SQL sent"),
             ("refused at level 2", self.refused_level2, "another process held the row"),
             ("timed out waiting", self.timed_out, ""),
             ("SQL statements", self.statements, f"{per:.2f} per request, by the lock"),
-            ("mutual-exclusion violations", self.violations + self.lost_updates,
-             "checked: holder compare-and-set and lost updates"),
-        ]  # fmt: skip
+            ("mutual-exclusion violations", violations, "checked: holder CAS, lost updates"),
+        ]
         width = max(len(r[0]) for r in rows)
         lines = [
             f"dblock demo on {self.url}",
@@ -113,9 +113,7 @@ def run_demo(
     with LockManager(resolved) as manager:
         say(f"creating the lock table on {manager.url} (if needed)")
         manager.create_schema()
-        report = DemoReport(
-            url=manager.url, processes=processes, threads=threads, users=users
-        )
+        report = DemoReport(url=manager.url, processes=processes, threads=threads, users=users)
     ledger = _ledger_engine(resolved)
     LEDGER.create(ledger, checkfirst=True)
     with ledger.begin() as conn:
@@ -127,10 +125,11 @@ def run_demo(
     ctx = multiprocessing.get_context("spawn")
     results: Any = ctx.Queue()
     go = ctx.Event()
+    plan = _Plan(url=resolved, users=users, threads=threads, requests=requests, hold=hold)
     workers = [
         ctx.Process(
             target=_worker,
-            args=(resolved, users, threads, requests, hold, go, results),
+            args=(plan, go, results),
             name=f"dblock-demo-{i}",
         )
         for i in range(processes)
@@ -164,17 +163,18 @@ def _ledger_engine(url: str) -> sa.Engine:
     return sa.create_engine(url, **options)
 
 
-def _worker(
-    url: str,
-    users: int,
-    threads: int,
-    requests: int,
-    hold: float,
-    go: Any,
-    results: Any,
-) -> None:
-    manager = LockManager(url)
-    ledger = _ledger_engine(url)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Plan:
+    url: str
+    users: int
+    threads: int
+    requests: int
+    hold: float
+
+
+def _worker(plan: _Plan, go: Any, results: Any) -> None:
+    manager = LockManager(plan.url)
+    ledger = _ledger_engine(plan.url)
     statements = 0
     count_lock = threading.Lock()
 
@@ -184,17 +184,17 @@ def _worker(
             statements += 1
 
     sa.event.listen(manager.engine, "before_cursor_execute", count)
-    reports = [DemoReport() for _ in range(threads)]
+    reports = [DemoReport() for _ in range(plan.threads)]
 
     def run(report: DemoReport) -> None:
         rng = random.Random()
-        for i in range(requests):
-            user = rng.randrange(users)
+        for i in range(plan.requests):
+            user = rng.randrange(plan.users)
             report.requests += 1
             try:
                 with manager.lock(f"demo:user:{user}", blocking=i % 2 == 0, timeout=5.0):
                     report.granted += 1
-                    report.violations += _critical_section(ledger, user, hold)
+                    report.violations += _critical_section(ledger, user, plan.hold)
             except LockBusy as exc:
                 if exc.level == 1:
                     report.refused_level1 += 1
