@@ -30,7 +30,7 @@ def test_demo_on_default_sqlite_file(tmp_path: Path) -> None:
     assert "sqlite:///dblock.sqlite3" in out
     numbers = {
         name: int(value)
-        for name, value in re.findall(r"^\s+([a-z0-9 -]+?)\s{2,}(\d+)", out, flags=re.MULTILINE)
+        for name, value in re.findall(r"^\s+([A-Za-z0-9 -]+?)\s{2,}(\d+)", out, flags=re.MULTILINE)
     }
     assert numbers["requests"] == 3 * 4 * 30
     assert numbers["granted"] > 0
