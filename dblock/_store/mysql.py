@@ -80,7 +80,7 @@ class MySQLStore(Store):
         """Server clock minus ours, refreshed every ten minutes (MySQL only)."""
         if self._offset is None or time.monotonic() - self._offset_at > 600:
             before = time.time()
-            (server_now,) = self.run(self._now_sql, {}).rows[0]
+            (server_now,) = self.run(self._now_sql, {}, fetch=True).rows[0]
             after = time.time()
             server = server_now.replace(tzinfo=_UTC).timestamp()
             self._offset = server - (before + after) / 2
@@ -93,7 +93,7 @@ class MySQLStore(Store):
         params = {"key": key, "owner": owner, "token": token, "ttl_us": round(ttl * 1e6)}
         for _ in range(_RACE_RETRIES):
             if self.returning:
-                rows = self.run(self._insert_returning_sql, params).rows
+                rows = self.run(self._insert_returning_sql, params, fetch=True).rows
                 if rows:
                     fence, expires_at, now = rows[0]
                     return Grant(
@@ -114,7 +114,7 @@ class MySQLStore(Store):
 
     def _holder(self, key: str, token: str) -> Grant | Holder | None:
         """Who holds ``key``; None when it is free (or was just freed) to try again."""
-        rows = self.run(self._holder_sql, {"key": key}).rows
+        rows = self.run(self._holder_sql, {"key": key}, fetch=True).rows
         if not rows:
             return None
         row_token, row_owner, fence, expires_at, now = rows[0]

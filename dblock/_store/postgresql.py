@@ -72,7 +72,9 @@ class PostgresStore(Store):
 
     def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
         rows = self.run(
-            self._acquire_sql, {"key": key, "owner": owner, "token": token, "ttl": ttl}
+            self._acquire_sql,
+            {"key": key, "owner": owner, "token": token, "ttl": ttl},
+            fetch=True,
         ).rows
         if not rows:
             # Held by a row our snapshot cannot see yet (committed an instant ago).
@@ -85,7 +87,7 @@ class PostgresStore(Store):
 
     def release(self, key: str, token: str) -> bool:
         rows = self.run(
-            self._release_sql, {"key": key, "token": token, "channel": self._channel}
+            self._release_sql, {"key": key, "token": token, "channel": self._channel}, fetch=True
         ).rows
         return bool(rows)
 
@@ -95,6 +97,7 @@ class PostgresStore(Store):
         rows = self.run(
             self._transfer_sql,
             {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl},
+            fetch=True,
         ).rows
         if not rows:
             return None

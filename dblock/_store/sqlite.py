@@ -56,10 +56,10 @@ class SQLiteStore(Store):
     def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
         params = {"key": key, "owner": owner, "token": token, "ttl": ttl}
         for _ in range(2):
-            rows = self.run(self._acquire_sql, params).rows
+            rows = self.run(self._acquire_sql, params, fetch=True).rows
             if rows:
                 return _grant(rows[0])
-            rows = self.run(self._holder_sql, {"key": key}).rows
+            rows = self.run(self._holder_sql, {"key": key}, fetch=True).rows
             if rows:
                 row_token, row_owner, fence, expires_at, now = rows[0]
                 if row_token == token:
@@ -77,6 +77,7 @@ class SQLiteStore(Store):
         rows = self.run(
             self._transfer_sql,
             {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl},
+            fetch=True,
         ).rows
         return _grant(rows[0]) if rows else None
 

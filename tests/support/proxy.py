@@ -139,7 +139,7 @@ class Proxy:
                     if not data:
                         return
                     client.sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: closed under us by cut_all()
             return
         finally:
             _close(client)
