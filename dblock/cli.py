@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from . import __version__, migrations
 from ._engine import ENV_URL, mask, resolve_url
+from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
 from .errors import DBLockError, LockArgumentError
 from .schema import TableNames
@@ -85,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--sql", action="store_true", help="print the DDL for a DBA instead of running it"
     )
     migrate.set_defaults(command=cmd_migrate)
+
+    bench = sub.add_parser(
+        "bench",
+        help="the benchmark suite: dblock vs raw drivers, advisory locks and Redis",
+        description="Every benchmark side by side in one run; prints Markdown tables and "
+        "writes bench.md, bench.json and bench.png (needs: pip install 'dblock[bench]').",
+    )
+    bench.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    add_bench_arguments(bench)
+    bench.set_defaults(command=cmd_bench)
     return parser
 
 
@@ -134,6 +145,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     else:
         print(f"migrated {names.table} on {mask(url)}: {before or 'empty'} -> {after}")
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,16 +1,18 @@
-# Sourced by scripts/demo and scripts/test: make .venv and install dblock with
-# its development extras into it, again whenever pyproject.toml changes.
+# Sourced by scripts/demo, scripts/test and scripts/bench: make .venv and
+# install dblock with the extras in $EXTRAS (default: dev) into it, again
+# whenever pyproject.toml changes.
 set -euo pipefail
 : "${PYTHON:=python3}"
+: "${EXTRAS:=dev}"
 if [ ! -x .venv/bin/python ]; then
     echo "scripts: creating .venv with $($PYTHON --version)" >&2
     "$PYTHON" -m venv .venv
 fi
-stamp=.venv/.dblock-installed
+stamp=".venv/.dblock-installed-${EXTRAS//,/-}"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "scripts: installing dblock[dev] into .venv" >&2
+    echo "scripts: installing dblock[$EXTRAS] into .venv" >&2
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[dev]'
+    .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]"
     echo "$want" > "$stamp"
 fi
