@@ -59,7 +59,7 @@ class Variant:
                 value = raw  # a bare word is a string
             options.append((opt.strip(), value))
         variant = cls(name=name.strip(), options=tuple(options))
-        Config(**variant.manager_options())  # refuse unknown options now, not mid-run
+        Config.from_options(None, variant.manager_options())  # refuse bad options now
         return variant
 
     def manager_options(self) -> dict[str, Any]:
