@@ -25,14 +25,17 @@ from typing import ClassVar
 from sqlalchemy.engine import Engine
 
 from ..config import Config
+from ..errors import BackendError
 from . import register
-from .base import Grant, Holder, Store
+from .base import Grant, Holder, Params, Result, Store
 
 _NO_SUCH_TABLE = 1146
 _UTC = timezone.utc
 # How many times one attempt may find the key freed or expired under its feet
 # (deleted between our INSERT and our SELECT) before reporting it busy.
 _RACE_RETRIES = 3
+# ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK: InnoDB rolled the statement back.
+_CONTENTION = frozenset({1205, 1213})
 
 
 @register("mysql", "mariadb")
@@ -134,3 +137,27 @@ class MySQLStore(Store):
     def is_missing_table(self, exc: BaseException) -> bool:
         args: tuple[object, ...] = getattr(exc, "args", ())
         return bool(args) and args[0] == _NO_SUCH_TABLE
+
+    def run(
+        self, sql: str, params: Params, *, fetch: bool = False, lastrowid: bool = False
+    ) -> Result:
+        """Run one statement; InnoDB's deadlock and lock-wait victims are
+        contention, not failure. A victim was rolled back whole (it is its own
+        transaction), so an INSERT IGNORE victim counts as ignored (the caller
+        reads the holder next) and a DELETE victim is run again."""
+        for attempt in range(_RACE_RETRIES):
+            try:
+                return super().run(sql, params, fetch=fetch, lastrowid=lastrowid)
+            except BackendError as exc:
+                if _error_code(exc) not in _CONTENTION or attempt == _RACE_RETRIES - 1:
+                    raise
+                if sql is self._insert_sql or sql is self._insert_returning_sql:
+                    return Result((), 0, None)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _error_code(exc: BaseException) -> object:
+    cause = exc.__cause__
+    cause = getattr(cause, "orig", None) or cause  # SQLAlchemy's wrapper on the observed path
+    args: tuple[object, ...] = getattr(cause, "args", ())
+    return args[0] if args else None
