@@ -19,14 +19,17 @@ from .errors import (
     LockTimeout,
     SchemaMissing,
 )
+from .decorators import returns
 from .lock import HeldLock
 from .manager import LockManager, LockRequest
+from .multi import HeldLocks
 
 __all__ = [
     "BackendError",
     "Config",
     "DBLockError",
     "HeldLock",
+    "HeldLocks",
     "LockArgumentError",
     "LockBusy",
     "LockLost",
@@ -36,6 +39,7 @@ __all__ = [
     "LockRequest",
     "LockTimeout",
     "SchemaMissing",
+    "returns",
 ]
 
 __version__ = "0.1.0"
