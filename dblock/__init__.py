@@ -8,6 +8,7 @@ PostgreSQL, MySQL/MariaDB or SQLite. See ``DESIGN.md`` and the README.
 from __future__ import annotations
 
 from .config import Config
+from .decorators import returns
 from .errors import (
     BackendError,
     DBLockError,
@@ -19,7 +20,6 @@ from .errors import (
     LockTimeout,
     SchemaMissing,
 )
-from .decorators import returns
 from .lock import HeldLock
 from .manager import LockManager, LockRequest
 from .multi import HeldLocks
