@@ -16,6 +16,7 @@ release, so waiters wake at once instead of at their next re-check.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 from datetime import datetime
@@ -24,14 +25,24 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from ..config import check_ttl
-from ..errors import BackendError, DBLockError, LockBusy, SchemaMissing
+from ..errors import BackendError, DBLockError, LockArgumentError, LockBusy, SchemaMissing
 from ..keys import check_key
 from ..schema import MYSQL_FAMILY, to_utc
 
 if TYPE_CHECKING:
     from ..manager import LockManager
 
-__all__ = ["LockInfo", "Sweeper", "force_release", "list_locks", "render_table", "sweep"]
+__all__ = [
+    "LockInfo",
+    "Sweeper",
+    "force_release",
+    "list_locks",
+    "list_report",
+    "release_report",
+    "render_table",
+    "sweep",
+    "sweep_report",
+]
 
 log = logging.getLogger("dblock")
 
@@ -250,3 +261,29 @@ class Sweeper:
         if count:
             log.info("dblock: swept %d row(s) from %s", count, self.manager.names.table)
         return count
+
+
+# -- what the integrations' commands print --------------------------------------
+
+
+def list_report(manager: LockManager, *, prefix: str | None, as_json: bool) -> str:
+    locks = list_locks(manager, prefix=prefix)
+    if as_json:
+        return "\n".join(json.dumps(info.as_dict()) for info in locks)
+    return render_table(locks)
+
+
+def sweep_report(manager: LockManager, *, max_age: float | None) -> str:
+    count = sweep(manager, max_age=max_age)
+    return f"swept {count} row(s) from {manager.names.table}"
+
+
+def release_report(manager: LockManager, key: str, *, force: bool) -> str:
+    if not force:
+        raise LockArgumentError(
+            f"releasing {key!r} takes it from its holder, which goes on without mutual "
+            "exclusion; pass --force if that holder is gone"
+        )
+    if not force_release(manager, key):
+        raise DBLockError(f"no lock {key!r} is held")
+    return f"released {key}"

@@ -36,7 +36,6 @@ first request of each process on.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
@@ -299,13 +298,15 @@ def _manager() -> LockManager:
     return state_of(current_app._get_current_object()).manager  # type: ignore[attr-defined]
 
 
-def _run(action: Callable[[], None]) -> None:
+def _run(action: Callable[[], str | None]) -> None:
     try:
-        action()
+        output = action()
     except LockArgumentError as exc:
         raise click.UsageError(str(exc)) from exc
     except DBLockError as exc:
         raise click.ClickException(str(exc)) from exc
+    if output:
+        click.echo(output)
 
 
 @cli.command("migrate")
@@ -313,19 +314,18 @@ def _run(action: Callable[[], None]) -> None:
 def migrate_command(sql: bool) -> None:
     """Create or upgrade the lock table (dblock's alembic migrations)."""
 
-    def run() -> None:
+    def run() -> str | None:
         manager = _manager()
         if sql:
             migrations.upgrade_sql(manager.engine.url, manager.names, sys.stdout)
-            return
+            return None
         before = migrations.current(manager.engine, manager.names)
         manager.create_schema()
         after = migrations.current(manager.engine, manager.names)
         table = manager.names.table
         if before == after:
-            click.echo(f"{table} on {manager.url} is up to date (revision {after})")
-        else:
-            click.echo(f"migrated {table} on {manager.url}: {before or 'empty'} -> {after}")
+            return f"{table} on {manager.url} is up to date (revision {after})"
+        return f"migrated {table} on {manager.url}: {before or 'empty'} -> {after}"
 
     _run(run)
 
@@ -336,13 +336,7 @@ def migrate_command(sql: bool) -> None:
 )
 def sweep_command(max_age: float | None) -> None:
     """Delete rows whose lease ended (and, with --max-age, rows held too long)."""
-
-    def run() -> None:
-        manager = _manager()
-        count = _admin.sweep(manager, max_age=max_age)
-        click.echo(f"swept {count} row(s) from {manager.names.table}")
-
-    _run(run)
+    _run(lambda: _admin.sweep_report(_manager(), max_age=max_age))
 
 
 @cli.command("list")
@@ -350,16 +344,7 @@ def sweep_command(max_age: float | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 def list_command(prefix: str | None, as_json: bool) -> None:
     """Show the locks held now."""
-
-    def run() -> None:
-        locks = _admin.list_locks(_manager(), prefix=prefix)
-        if as_json:
-            for info in locks:
-                click.echo(json.dumps(info.as_dict()))
-        else:
-            click.echo(_admin.render_table(locks))
-
-    _run(run)
+    _run(lambda: _admin.list_report(_manager(), prefix=prefix, as_json=as_json))
 
 
 @cli.command("release")
@@ -371,16 +356,4 @@ def release_command(key: str, force: bool) -> None:
     The holder is not told and goes on without mutual exclusion; use this only
     for a lock whose holder is known to be gone.
     """
-
-    def run() -> None:
-        if not force:
-            raise LockArgumentError(
-                f"releasing {key!r} takes it from its holder, which goes on without mutual "
-                "exclusion; pass --force if that holder is gone"
-            )
-        if _admin.force_release(_manager(), key):
-            click.echo(f"released {key}")
-        else:
-            raise DBLockError(f"no lock {key!r} is held")
-
-    _run(run)
+    _run(lambda: _admin.release_report(_manager(), key, force=force))
