@@ -151,6 +151,7 @@ def test_control_naive_order_does_deadlock(make_manager: Any, keys: Any) -> None
     a, b = keys(2)
     m1, m2 = make_manager(), make_manager()
     both_hold_one = threading.Barrier(2)
+    both_decided = threading.Barrier(2)
     outcome: list[str] = []
 
     def naive(manager: LockManager, first: str, second: str) -> None:
@@ -161,6 +162,7 @@ def test_control_naive_order_does_deadlock(make_manager: Any, keys: Any) -> None
                     outcome.append("got both")
             except LockTimeout:
                 outcome.append("timeout")
+            both_decided.wait(30)  # keep the first key until both gave up
 
     threads = [
         threading.Thread(target=naive, args=(m1, a, b)),
