@@ -247,7 +247,7 @@ def test_lock_does_not_join_the_session_transaction(app: Flask) -> None:
     committed at once, and the session rolling back does not undo it."""
     with app.app_context():
         example.db.session.execute(sa.text("SELECT 1"))  # session transaction open
-        held = example.dblock.acquire("user:tx")
+        held = example.dblock.manager.acquire("user:tx")
         example.db.session.rollback()
         with other_manager(app) as other, pytest.raises(LockBusy):
             other.acquire("user:tx", blocking=False)

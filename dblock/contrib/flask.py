@@ -51,9 +51,9 @@ from .. import decorators, migrations
 from .._engine import ENV_URL
 from ..decorators import KeySpec, OnBusy
 from ..errors import DBLockError, LockArgumentError, LockBusy, LockNotAcquired, LockTimeout
-from ..lock import UNSET, HeldLock, Unset
+from ..lock import UNSET, Unset
 from ..manager import LockManager, LockRequest
-from ..multi import HeldLocks, LockManyRequest
+from ..multi import LockManyRequest
 from . import _admin
 from ._http import busy_body, log_busy, wants_json
 from ._settings import Settings, read_settings
@@ -138,18 +138,9 @@ class DBLock:
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
     ) -> LockRequest:
-        """``LockManager.lock`` on the current app's manager."""
+        """``LockManager.lock`` on the current app's manager (``manager``
+        has the rest: ``acquire``, ``acquire_many``, ...)."""
         return self.manager.lock(key, blocking=blocking, timeout=timeout, ttl=ttl)
-
-    def acquire(
-        self,
-        key: str,
-        *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-    ) -> HeldLock:
-        return self.manager.acquire(key, blocking=blocking, timeout=timeout, ttl=ttl)
 
     def lock_many(
         self,
@@ -160,16 +151,6 @@ class DBLock:
         ttl: float | None = None,
     ) -> LockManyRequest:
         return self.manager.lock_many(keys, blocking=blocking, timeout=timeout, ttl=ttl)
-
-    def acquire_many(
-        self,
-        keys: Iterable[str],
-        *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-    ) -> HeldLocks:
-        return self.manager.acquire_many(keys, blocking=blocking, timeout=timeout, ttl=ttl)
 
     def locked(
         self,

@@ -57,13 +57,17 @@ def increment_worker(
                 _bump(engine, select, name)
 
     go.wait()
+    _run_threads(work, threads)
+    manager.close()
+    engine.dispose()
+
+
+def _run_threads(work: Any, threads: int) -> None:
     pool = [threading.Thread(target=work) for _ in range(threads)]
     for t in pool:
         t.start()
     for t in pool:
         t.join()
-    manager.close()
-    engine.dispose()
 
 
 def _bump(engine: sa.Engine, select: Any, name: str) -> None:
@@ -118,11 +122,7 @@ def many_worker(
             failures.append(exc)
 
     go.wait()
-    pool = [threading.Thread(target=work) for _ in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    _run_threads(work, threads)
     manager.close()
     engine.dispose()
     if failures:
