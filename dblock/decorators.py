@@ -19,7 +19,7 @@ import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
-from .config import check_timeout, check_ttl
+from .config import OnLost, check_max_hold, check_on_lost, check_timeout, check_ttl
 from .errors import LockArgumentError, LockNotAcquired
 from .keys import KeyTemplate, check_key
 from .lock import UNSET, HeldLock, Unset
@@ -59,6 +59,9 @@ def locked(
     blocking: bool = True,
     timeout: float | Unset | None = UNSET,
     ttl: float | None = None,
+    renew: bool | None = None,
+    max_hold: float | None = None,
+    on_lost: OnLost | None = None,
     on_busy: OnBusy = "raise",
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """A decorator holding the lock(s) named by ``spec`` around each call.
@@ -72,6 +75,18 @@ def locked(
         check_timeout(timeout)
     if ttl is not None:
         check_ttl(ttl)
+    if renew is not None and not isinstance(renew, bool):
+        raise LockArgumentError(f"renew must be True or False, got {renew!r}")
+    check_max_hold(max_hold)
+    check_on_lost(on_lost)
+    options: dict[str, Any] = {
+        "blocking": blocking,
+        "timeout": timeout,
+        "ttl": ttl,
+        "renew": renew,
+        "max_hold": max_hold,
+        "on_lost": on_lost,
+    }
     if on_busy != "raise" and not callable(on_busy):
         raise LockArgumentError(
             f"on_busy must be 'raise' or a callable handler(error, *args, **kwargs) "
@@ -97,9 +112,9 @@ def locked(
             held: HeldLock | HeldLocks
             try:
                 if isinstance(keys, str):
-                    held = manager.acquire(keys, blocking=blocking, timeout=timeout, ttl=ttl)
+                    held = manager.acquire(keys, **options)
                 else:
-                    held = manager.acquire_many(keys, blocking=blocking, timeout=timeout, ttl=ttl)
+                    held = manager.acquire_many(keys, **options)
             except LockNotAcquired as exc:
                 if handler is None:
                     raise

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .errors import LockArgumentError, LockLost, LockTimeout
 from .keys import check_key
-from .lock import HeldLock, Locker
+from .lock import HeldLock, Locker, LockOptions
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -121,6 +121,7 @@ def acquire_many(
     blocking: bool,
     timeout: float | None,
     ttl: float,
+    options: LockOptions | None = None,
 ) -> HeldLocks:
     """Take ``keys`` (already ordered by :func:`order_keys`) one by one within
     one overall ``timeout``; on any failure release what was taken."""
@@ -129,7 +130,9 @@ def acquire_many(
     try:
         for key in keys:
             wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            held.append(locker.acquire(key, blocking=blocking, timeout=wait, ttl=ttl))
+            held.append(
+                locker.acquire(key, blocking=blocking, timeout=wait, ttl=ttl, options=options)
+            )
     except BaseException as exc:
         try:
             release_all(held)
@@ -148,17 +151,20 @@ class LockManyRequest:
     """What ``LockManager.lock_many()`` returns: acquires every key on
     ``with`` entry, releases them all on exit, and yields :class:`HeldLocks`."""
 
-    __slots__ = ("_held", "_locker", "blocking", "keys", "timeout", "ttl")
+    __slots__ = ("_held", "_locker", "blocking", "keys", "options", "timeout", "ttl")
 
     def __init__(
         self,
         locker: Locker,
         keys: tuple[str, ...],
+        *,
         blocking: bool,
         timeout: float | None,
         ttl: float,
+        options: LockOptions | None = None,
     ) -> None:
         self._locker = locker
+        self.options = options
         self.keys = keys
         self.blocking = blocking
         self.timeout = timeout
@@ -167,7 +173,12 @@ class LockManyRequest:
 
     def __enter__(self) -> HeldLocks:
         self._held = acquire_many(
-            self._locker, self.keys, blocking=self.blocking, timeout=self.timeout, ttl=self.ttl
+            self._locker,
+            self.keys,
+            blocking=self.blocking,
+            timeout=self.timeout,
+            ttl=self.ttl,
+            options=self.options,
         )
         return self._held
 

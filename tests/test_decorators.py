@@ -280,3 +280,25 @@ def test_fixed_key_needs_a_callable(make_manager: Any, key: str) -> None:
 
     with a.lock(key), pytest.raises(LockTimeout):
         fixed()
+
+
+def test_lease_options_pass_through(manager: LockManager, key: str) -> None:
+    seen: list[tuple[bool, float | None]] = []
+
+    @manager.locked(key + ":{n}", renew=False, max_hold=7)
+    def one(n: int) -> None:
+        held = manager._locker.registry._entries[f"{key}:{n}"].held
+        seen.append((held.renew, held.max_hold))
+
+    @manager.locked([key + ":a{n}", key + ":b{n}"], renew=False)
+    def two(n: int) -> None:
+        for k in (f"{key}:a{n}", f"{key}:b{n}"):
+            seen.append((manager._locker.registry._entries[k].held.renew, None))
+
+    one(1)
+    two(1)
+    assert seen == [(False, 7.0), (False, None), (False, None)]
+    with pytest.raises(LockArgumentError, match="max_hold"):
+        manager.locked(key + ":{n}", max_hold=0)
+    with pytest.raises(LockArgumentError, match="on_lost"):
+        manager.locked(key + ":{n}", on_lost=3)  # type: ignore[arg-type]

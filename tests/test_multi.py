@@ -196,3 +196,13 @@ def test_opposite_orders_do_not_deadlock_processes(db_url: str, keys: Any) -> No
     assert [w.exitcode for w in workers] == [0, 0, 0, 0]
     for k in names:
         assert procs.read_counter(db_url, f"{prefix}:{k}") == 4 * 2 * 6
+
+
+def test_lease_options_reach_every_key(manager: LockManager, keys: Any) -> None:
+    a, b = keys(2)
+    with manager.lock_many([a, b], renew=False, max_hold=5) as held:
+        assert [(lock.renew, lock.max_hold) for lock in held.values()] == [(False, 5.0)] * 2
+    with pytest.raises(LockArgumentError, match="max_hold"):
+        manager.lock_many([a], max_hold=-1)
+    with pytest.raises(LockArgumentError, match="renew"):
+        manager.acquire_many([a], renew="yes")  # type: ignore[arg-type]
