@@ -288,7 +288,7 @@ def test_cli_list_sweep_release(app: Flask) -> None:
     runner = app.test_cli_runner()
     with other_manager(app) as other:
         held = other.acquire("user:9", ttl=60)
-        short = other.acquire("user:8", ttl=0.2)
+        short = other.acquire("user:8", ttl=0.2, renew=False)
         time.sleep(0.5)  # user:8's lease ends
 
         listed = runner.invoke(args=["dblock", "list"])
@@ -359,7 +359,7 @@ def test_sweeper_starts_with_the_first_request(private_url: str) -> None:
     state = app.extensions["dblock"]
     assert state.sweeper is None  # commands do not start it
     with other_manager(app) as other:
-        other.acquire("user:77", ttl=0.2)
+        other.acquire("user:77", ttl=0.2, renew=False)
         assert app.test_client().get("/users/1/balance").status_code == 200
         try:
             assert state.sweeper is not None

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("dblock")
+
+_DEADLOCK_RETRIES = 3
+_MYSQL_DEADLOCK = (1213, 1205)  # deadlock victim, lock wait timeout
 
 # The database's "now", in the representation each dialect stores times in.
 _NOW = {
@@ -156,14 +160,26 @@ def _delete(manager: LockManager, where: str, params: dict[str, Any]) -> int:
         params = {**params, "channel": manager.names.channel}
     else:
         sql = f"DELETE FROM {table} WHERE {where}"
-    try:
-        with manager.engine.connect() as conn:
-            result = conn.execute(sa.text(sql), params)
-            count = result.scalar_one() if manager.dialect == "postgresql" else result.rowcount
-            conn.commit()
-    except sa.exc.DBAPIError as exc:
-        raise _backend_error(manager, exc) from exc
-    return int(count)
+    for attempt in range(_DEADLOCK_RETRIES + 1):
+        try:
+            with manager.engine.connect() as conn:
+                result = conn.execute(sa.text(sql), params)
+                count = result.scalar_one() if manager.dialect == "postgresql" else result.rowcount
+                conn.commit()
+            return int(count)
+        except sa.exc.DBAPIError as exc:
+            # InnoDB may pick a range DELETE as the victim of a deadlock with
+            # concurrent acquires and renewals; nothing was deleted, so retry.
+            if attempt < _DEADLOCK_RETRIES and _is_deadlock(exc):
+                time.sleep(0.05 * 2**attempt)
+                continue
+            raise _backend_error(manager, exc) from exc
+    raise AssertionError("unreachable")
+
+
+def _is_deadlock(exc: sa.exc.DBAPIError) -> bool:
+    args: tuple[object, ...] = tuple(getattr(exc.orig, "args", ()))
+    return bool(args) and args[0] in _MYSQL_DEADLOCK
 
 
 def _backend_error(manager: LockManager, exc: sa.exc.DBAPIError) -> DBLockError:
