@@ -13,24 +13,24 @@ and the store, and hands out locks::
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from sqlalchemy import URL
 from sqlalchemy.engine import Engine
 
-from . import migrations
+from . import decorators, migrations
 from ._engine import make_engine, mask, resolve_url
 from ._store import Store, open_store
-from .config import Config, check_timeout, check_ttl
+from .config import Config, OnLost, check_max_hold, check_on_lost, check_timeout, check_ttl
+from .decorators import KeySpec, OnBusy
 from .errors import DBLockError, LockArgumentError
-from .keys import KeyTemplate, check_key
-from .lock import UNSET, HeldLock, Locker, Unset
+from .keys import check_key
+from .lock import UNSET, HeldLock, Locker, LockOptions, Unset
+from .multi import HeldLocks, LockManyRequest, acquire_many, order_keys
 from .schema import TableNames
 
 if TYPE_CHECKING:
@@ -48,21 +48,33 @@ class LockRequest:
     """What ``LockManager.lock()`` returns: acquires on ``with`` entry, releases
     on exit, and yields the :class:`~dblock.lock.HeldLock`."""
 
-    __slots__ = ("_held", "_locker", "blocking", "key", "timeout", "ttl")
+    __slots__ = ("_held", "_locker", "blocking", "key", "options", "timeout", "ttl")
 
     def __init__(
-        self, locker: Locker, key: str, blocking: bool, timeout: float | None, ttl: float
+        self,
+        locker: Locker,
+        key: str,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        ttl: float,
+        options: LockOptions | None,
     ) -> None:
         self._locker = locker
         self.key = key
         self.blocking = blocking
         self.timeout = timeout
         self.ttl = ttl
+        self.options = options
         self._held: HeldLock | None = None
 
     def __enter__(self) -> HeldLock:
         self._held = self._locker.acquire(
-            self.key, blocking=self.blocking, timeout=self.timeout, ttl=self.ttl
+            self.key,
+            blocking=self.blocking,
+            timeout=self.timeout,
+            ttl=self.ttl,
+            options=self.options,
         )
         return self._held
 
@@ -151,17 +163,32 @@ class LockManager:
         blocking: bool = True,
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
     ) -> LockRequest:
         """A context manager holding ``key`` for the ``with`` block.
 
         ``blocking=False`` fails fast with :class:`~dblock.LockBusy`; a blocking
         request waits up to ``timeout`` seconds (default: the manager's
         ``timeout``; ``None`` waits until granted) then raises
-        :class:`~dblock.LockTimeout`. ``ttl`` is the lease in seconds.
+        :class:`~dblock.LockTimeout`. ``ttl`` is the lease in seconds, renewed
+        while held unless ``renew=False``, never past ``max_hold`` seconds;
+        ``on_lost(held)`` is called if the lock is lost while held.
         Re-entrant per thread: an inner ``lock()`` of a held key costs no SQL.
         """
-        key, blocking, wait, lease = self._check(key, blocking, timeout, ttl)
-        return LockRequest(self._locker, key, blocking, wait, lease)
+        key, blocking, wait, lease, opts = self._check(
+            key,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return LockRequest(
+            self._locker, key, blocking=blocking, timeout=wait, ttl=lease, options=opts
+        )
 
     def acquire(
         self,
@@ -170,56 +197,89 @@ class LockManager:
         blocking: bool = True,
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
     ) -> HeldLock:
         """Like :meth:`lock` without ``with``: returns the held lock; call its
         ``release()`` (or use it as a context manager) when done."""
-        key, blocking, wait, lease = self._check(key, blocking, timeout, ttl)
-        return self._locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease)
+        key, blocking, wait, lease, opts = self._check(
+            key,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return self._locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease, options=opts)
 
     def locked(
         self,
-        template: str | Callable[..., str],
+        template: KeySpec,
         *,
         blocking: bool = True,
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+        on_busy: OnBusy = "raise",
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-        """Decorate a function so each call holds the lock named by ``template``
-        (``"user:{user_id}"``, ``"order:{order.id}"``, or a callable taking the
-        function's arguments). Names are checked against the signature now."""
-        _, blocking, wait, lease = self._check("-", blocking, timeout, ttl)
-
-        def decorate(func: Callable[P, R]) -> Callable[P, R]:
-            if inspect.iscoroutinefunction(func):
-                raise LockArgumentError(
-                    f"{func.__qualname__} is a coroutine function; dblock locks are "
-                    "synchronous (run the locked part with asyncio.to_thread)"
-                )
-            make_key = KeyTemplate(template, func)
-            locker = self._locker
-
-            @functools.wraps(func)
-            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                key = make_key(args, kwargs)
-                with locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease):
-                    return func(*args, **kwargs)
-
-            return wrapper
-
-        return decorate
+        """Decorate a function (or method) so each call holds the lock named by
+        ``template``: a format string over the call's arguments
+        (``"user:{user_id}"``, ``"order:{order.id}"``, ``"{self.id}"``), a list
+        of them (all taken at once, as by :meth:`lock_many`), or a callable
+        taking the function's arguments and returning a key or keys. Names are
+        checked against the signature now. When the lock is not granted,
+        ``on_busy`` decides: ``"raise"`` (default), or a handler called as
+        ``handler(error, *args, **kwargs)`` whose result is returned
+        (``dblock.returns(value)`` returns a fixed value). The other options
+        are those of :meth:`lock`."""
+        return decorators.locked(
+            lambda: self,
+            template,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+            on_busy=on_busy,
+        )
 
     def _check(
-        self, key: object, blocking: object, timeout: object, ttl: object
-    ) -> tuple[str, bool, float | None, float]:
+        self,
+        key: object,
+        *,
+        blocking: object,
+        timeout: object,
+        ttl: object,
+        renew: object,
+        max_hold: object,
+        on_lost: object,
+    ) -> tuple[str, bool, float | None, float, LockOptions | None]:
+        """Validate one request before any SQL; ``None`` options mean the defaults."""
         if self._closed:
             raise DBLockError("this LockManager is closed")
         if not isinstance(blocking, bool):
             raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
+        options = None
+        if renew is not None or max_hold is not None or on_lost is not None:
+            if renew is not None and not isinstance(renew, bool):
+                raise LockArgumentError(f"renew must be True or False, got {renew!r}")
+            defaults = self._locker.defaults
+            options = LockOptions(
+                renew=defaults.renew if renew is None else renew,
+                max_hold=defaults.max_hold if max_hold is None else check_max_hold(max_hold),
+                on_lost=defaults.on_lost if on_lost is None else check_on_lost(on_lost),
+            )
         return (
             check_key(key),
             blocking,
             self.config.timeout if timeout is UNSET else check_timeout(timeout),
             self.config.ttl if ttl is None else check_ttl(ttl),
+            options,
         )
 
     # -- schema --------------------------------------------------------------
@@ -242,6 +302,7 @@ class LockManager:
             return
         self._closed = True
         _managers.discard(self)
+        self._locker.close()
         self._store.close()
 
     def __enter__(self) -> Self:
@@ -258,6 +319,68 @@ class LockManager:
     def _after_fork(self) -> None:
         self._locker.after_fork()
         self._store.after_fork()
+
+    # -- several keys at once ----------------------------------------------
+
+    def lock_many(
+        self,
+        keys: Iterable[str],
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> LockManyRequest:
+        """A context manager holding every key in ``keys`` for the ``with``
+        block, yielding :class:`~dblock.HeldLocks`. The keys are taken in one
+        deterministic order (sorted, duplicates removed) so two callers asking
+        for (A, B) and (B, A) cannot deadlock; ``timeout`` bounds the whole
+        acquisition, and if one key cannot be had the others are released.
+        The other options are those of :meth:`lock`, for every key."""
+        _, blocking, wait, lease, opts = self._check(
+            "-",
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return LockManyRequest(
+            self._locker,
+            order_keys(keys),
+            blocking=blocking,
+            timeout=wait,
+            ttl=lease,
+            options=opts,
+        )
+
+    def acquire_many(
+        self,
+        keys: Iterable[str],
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> HeldLocks:
+        """Like :meth:`lock_many` without ``with``: call ``release()`` on the result."""
+        _, blocking, wait, lease, opts = self._check(
+            "-",
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return acquire_many(
+            self._locker, order_keys(keys), blocking=blocking, timeout=wait, ttl=lease, options=opts
+        )
 
 
 def _after_fork_in_child() -> None:

@@ -78,7 +78,8 @@ class BenchOptions:
     chart: bool = True
     progress: bool = True
     seed: int = 20240601
-    variants: tuple[Variant, ...] = ()
+    # Measured beside plain dblock (whose defaults renew leases): without renewal.
+    variants: tuple[Variant, ...] = (Variant(name="no-renew", options=(("renew", False),)),)
     # uncontended: interleaved blocks of `block` cycles, `rounds` of them per contender
     rounds: int = 100
     block: int = 20
@@ -152,8 +153,9 @@ class BenchOptions:
             out=out,
             chart=not args.no_chart,
             progress=not args.no_progress,
-            variants=tuple(Variant.parse(v) for v in args.variant or ()),
         )
+        if args.variant:  # given variants replace the default one
+            given["variants"] = tuple(Variant.parse(v) for v in args.variant)
         options = cls.quick(**given) if args.quick else cls(**given)
         options.check()
         return options
@@ -206,7 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--variant",
         action="append",
         metavar="NAME:OPT=VAL,...",
-        help="also measure dblock with these manager options (repeatable)",
+        help="also measure dblock with these manager options (repeatable; "
+        "default: no-renew:renew=False)",
     )
     how = parser.add_argument_group("how much")
     how.add_argument("--quick", action="store_true", help="a smoke run: small sizes everywhere")

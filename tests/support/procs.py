@@ -57,13 +57,17 @@ def increment_worker(
                 _bump(engine, select, name)
 
     go.wait()
+    _run_threads(work, threads)
+    manager.close()
+    engine.dispose()
+
+
+def _run_threads(work: Any, threads: int) -> None:
     pool = [threading.Thread(target=work) for _ in range(threads)]
     for t in pool:
         t.start()
     for t in pool:
         t.join()
-    manager.close()
-    engine.dispose()
 
 
 def _bump(engine: sa.Engine, select: Any, name: str) -> None:
@@ -85,7 +89,118 @@ def hold_forever(url: str, key: str, ttl: float, report: Any) -> None:
 
 def hold_for(url: str, key: str, ttl: float, seconds: float, report: Any) -> None:
     """Hold ``key`` for ``seconds``, reporting when acquired and when released."""
-    with LockManager(url) as manager, manager.lock(key, ttl=ttl) as held:
+    with LockManager(url) as manager, manager.lock(key, ttl=ttl, renew=False) as held:
         report.put(("acquired", held.fence, time.time()))
         time.sleep(seconds)
         report.put(("releasing", held.fence, time.time()))
+
+
+def many_worker(
+    url: str, keys: list[str], name: str, threads: int, rounds: int, reverse: bool, go: Any
+) -> None:
+    """Threads taking all of ``keys`` with ``lock_many`` (listed in the given
+    or reversed order), then doing a non-atomic read-modify-write of one
+    counter row per key: a deadlock ends in LockTimeout (a non-zero exit), a
+    broken exclusion in lost updates."""
+    manager = LockManager(url)
+    engine = counter_engine(url)
+    order = list(reversed(keys)) if reverse else list(keys)
+    failures: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(rounds):
+                with manager.lock_many(order, timeout=120):
+                    for key in order:
+                        counter = f"{name}:{key}"
+                        _bump(
+                            engine,
+                            sa.select(COUNTER.c.value).where(COUNTER.c.name == counter),
+                            counter,
+                        )
+        except BaseException as exc:
+            failures.append(exc)
+
+    go.wait()
+    _run_threads(work, threads)
+    manager.close()
+    engine.dispose()
+    if failures:
+        raise failures[0]
+
+
+ACCOUNTS = sa.Table(
+    "dblock_test_accounts",
+    sa.MetaData(),
+    sa.Column("id", sa.String(200), primary_key=True),
+    sa.Column("value", sa.String(50), nullable=False),
+    sa.Column("last_fence", sa.BigInteger, nullable=False),
+)
+
+
+def reset_account(url: str, account: str) -> None:
+    engine = counter_engine(url)
+    ACCOUNTS.create(engine, checkfirst=True)
+    with engine.begin() as conn:
+        conn.execute(ACCOUNTS.delete().where(ACCOUNTS.c.id == account))
+        conn.execute(ACCOUNTS.insert().values(id=account, value="initial", last_fence=0))
+    engine.dispose()
+
+
+def fenced_write(url: str, account: str, fence: int, value: str) -> int:
+    """The README's guarded write: refused (0 rows) unless our fence is newer."""
+    engine = counter_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            ACCOUNTS.update()
+            .where(ACCOUNTS.c.id == account, ACCOUNTS.c.last_fence < fence)
+            .values(value=value, last_fence=fence)
+        ).rowcount
+    engine.dispose()
+    return int(rows)
+
+
+def read_account(url: str, account: str) -> tuple[str, int]:
+    engine = counter_engine(url)
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(ACCOUNTS.c.value, ACCOUNTS.c.last_fence).where(ACCOUNTS.c.id == account)
+        ).one()
+    engine.dispose()
+    return str(row.value), int(row.last_fence)
+
+
+def paused_holder(url: str, key: str, account: str, ttl: float, resume: Any, report: Any) -> None:
+    """Hold ``key`` with renewal on; the parent freezes us (SIGSTOP) past the
+    lease. After SIGCONT we report what we learned and try our fenced write."""
+    from dblock import LockLost
+
+    lost = threading.Event()
+
+    def on_lost(held: Any) -> None:
+        report.put(("on_lost", held.key, held.lost_reason))
+        lost.set()
+
+    with LockManager(url) as manager:
+        held = manager.acquire(key, ttl=ttl, on_lost=on_lost)
+        report.put(("acquired", held.fence))
+        resume.wait()
+        lost.wait(30)
+        report.put(("lost", held.lost))
+        report.put(("write", fenced_write(url, account, held.fence, "stale")))
+        try:
+            held.release()
+            report.put(("release", "ok"))
+        except LockLost as exc:
+            report.put(("release", f"LockLost: {exc}"))
+
+
+def long_holder(url: str, key: str, ttl: float, seconds: float, report: Any) -> None:
+    """Hold ``key`` (renewed) for several lease lengths, then release."""
+    with LockManager(url) as manager:
+        held = manager.acquire(key, ttl=ttl)
+        report.put(("acquired", held.fence))
+        time.sleep(seconds)
+        report.put(("lost", held.lost))
+        held.release()
+        report.put(("released", True))
