@@ -6,6 +6,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from .runner import Results
 
@@ -306,6 +307,22 @@ def render_markdown(results: Results) -> str:
     return "\n".join(lines)
 
 
+def _grouped_bars(ax: Any, results: Results, attr: str) -> None:
+    """One group of bars per (database, mode), one bar per lock in each."""
+    groups = list(dict.fromkeys((h.database, h.mode) for h in results.hotkey))
+    labels = list(dict.fromkeys(h.label for h in results.hotkey))
+    if not groups:
+        return
+    width = 0.8 / len(labels)
+    value = {(h.database, h.mode, h.label): getattr(h, attr) for h in results.hotkey}
+    for j, label in enumerate(labels):
+        xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(groups))]
+        ys = [value.get((db, mode, label), 0.0) for db, mode in groups]
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks(range(len(groups)), [f"{db}\n{mode}" for db, mode in groups], fontsize=8)
+    ax.legend(fontsize=8)
+
+
 def write_chart(results: Results, path: Path) -> Path:
     """A 2x2 PNG: uncontended cycle, hot-key grants/s, SQL per grant, hand-off."""
     import matplotlib
@@ -330,20 +347,14 @@ def write_chart(results: Results, path: Path) -> Path:
         ax.tick_params(axis="y", labelsize=7)
     ax.set_title("Uncontended, distinct keys")
 
-    hot = results.hotkey
     for ax, attr, title in (
         (axes[0][1], "grants_per_s", "Hot key: grants per second"),
-        (axes[1][0], "statements_per_grant", "Hot key: SQL statements per grant"),
+        (axes[1][0], "statements_per_grant", "Hot key: SQL statements per grant (log)"),
     ):
-        if hot:
-            names = [f"{h.database}\n{h.mode}\n{h.label}" for h in hot]
-            values = [getattr(h, attr) for h in hot]
-            colours = ["tab:blue" if h.level1 else "tab:orange" for h in hot]
-            ax.bar(range(len(hot)), values, color=colours)
-            ax.set_xticks(range(len(hot)), names, fontsize=6)
-            if attr == "statements_per_grant":
-                ax.set_yscale("log")
+        _grouped_bars(ax, results, attr)
         ax.set_title(title)
+        if attr == "statements_per_grant":
+            ax.set_yscale("log")
 
     ax = axes[1][1]
     if results.handoff:
