@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import multiprocessing
 import os
 import time
 import uuid
-from typing import Any
 
 from ..manager import LockManager
+from .procs import Start, run_together
 from .stats import percentile
 
 __all__ = ["HandoffResult", "HandoffSpec", "run_handoff"]
@@ -50,36 +49,12 @@ class HandoffResult:
 
 
 def run_handoff(spec: HandoffSpec) -> HandoffResult:
-    ctx = multiprocessing.get_context("spawn")
-    results: Any = ctx.Queue()
-    ready: Any = ctx.Queue()
-    go = ctx.Event()
-    grants = ctx.Value("i", 0)
     key = f"bench:handoff:{uuid.uuid4().hex[:10]}"
     turns = spec.handoffs // 2 + 1
-    workers = [
-        ctx.Process(
-            target=_worker,
-            args=(spec, key, turns),
-            kwargs={"ready": ready, "go": go, "results": results, "grants": grants},
-            daemon=True,
-        )
-        for _ in range(2)
-    ]
-    for w in workers:
-        w.start()
-    try:
-        for _ in workers:
-            ready.get(timeout=120)
-        go.set()
-        records: list[tuple[int, float, float]] = []
-        for _ in workers:
-            records += results.get(timeout=turns * (spec.hold + 5) + 120)
-    finally:
-        for w in workers:
-            w.join(30)
-            if w.is_alive():
-                w.kill()
+    parts = run_together(
+        _worker, (spec, key, turns), processes=2, timeout=turns * (spec.hold + 5) + 120
+    )
+    records: list[tuple[int, float, float]] = [r for part in parts for r in part]
     records.sort(key=lambda r: r[1])
     latencies: list[float] = []
     overlaps = 0
@@ -100,14 +75,13 @@ def run_handoff(spec: HandoffSpec) -> HandoffResult:
     )
 
 
-def _worker(
-    spec: HandoffSpec, key: str, turns: int, *, ready: Any, go: Any, results: Any, grants: Any
-) -> None:
+def _worker(spec: HandoffSpec, key: str, turns: int, start: Start) -> None:
     manager = LockManager(spec.url, table=spec.table, notify=spec.notify)
     with manager.lock(f"{key}:warm-up:{os.getpid()}"):
         pass
-    ready.put(True)
-    go.wait()
+    start.ready.put(True)
+    start.go.wait()
+    grants = start.counter
     records = []
     pid = os.getpid()
     for _ in range(turns):
@@ -125,4 +99,4 @@ def _worker(
         while grants.value == mine and time.monotonic() < give_up:
             time.sleep(0.0005)
     manager.close()
-    results.put(records)
+    start.results.put(records)

@@ -13,7 +13,6 @@ engine, from the start signal to the end) and the wait of granted requests.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import threading
 import time
 import uuid
@@ -22,6 +21,7 @@ from typing import Any
 from ..errors import BackendError, LockBusy, LockTimeout
 from ..manager import LockManager
 from .counting import count_statements
+from .procs import Start, run_together
 from .stats import percentile
 
 __all__ = ["HotKeyResult", "HotKeySpec", "run_hot_key"]
@@ -81,27 +81,8 @@ class _Tally:
 
 
 def run_hot_key(spec: HotKeySpec) -> HotKeyResult:
-    ctx = multiprocessing.get_context("spawn")
-    results: Any = ctx.Queue()
-    ready: Any = ctx.Queue()
-    go = ctx.Event()
     key = f"bench:hot:{uuid.uuid4().hex[:10]}"
-    workers = [
-        ctx.Process(target=_worker, args=(spec, key, ready, go, results), daemon=True)
-        for _ in range(spec.processes)
-    ]
-    for w in workers:
-        w.start()
-    try:
-        for _ in workers:
-            ready.get(timeout=120)
-        go.set()
-        parts = [results.get(timeout=spec.seconds + 180) for _ in workers]
-    finally:
-        for w in workers:
-            w.join(30)
-            if w.is_alive():
-                w.kill()
+    parts = run_together(_worker, (spec, key), processes=spec.processes, timeout=spec.seconds + 180)
     return _combine(spec, parts)
 
 
@@ -132,7 +113,7 @@ def _combine(spec: HotKeySpec, parts: list[dict[str, Any]]) -> HotKeyResult:
     )
 
 
-def _worker(spec: HotKeySpec, key: str, ready: Any, go: Any, results: Any) -> None:
+def _worker(spec: HotKeySpec, key: str, start: Start) -> None:
     manager = LockManager(spec.url, table=spec.table, **dict(spec.options))
     tallies = [_Tally() for _ in range(spec.threads)]
     inside = 0
@@ -173,11 +154,11 @@ def _worker(spec: HotKeySpec, key: str, ready: Any, go: Any, results: Any) -> No
         # pool and (on PostgreSQL) prepared statements are warm.
         with manager.lock(f"{key}:warm-up:{uuid.uuid4().hex[:6]}"):
             pass
-        ready.put(True)
-        go.wait()
+        start.ready.put(True)
+        start.go.wait()
         counter.reset()
-        start = _monotonic()
-        deadline = start + spec.seconds
+        began = _monotonic()
+        deadline = began + spec.seconds
         pool = [
             threading.Thread(target=run, args=(t, deadline), name=f"hot-{i}")
             for i, t in enumerate(tallies)
@@ -186,10 +167,10 @@ def _worker(spec: HotKeySpec, key: str, ready: Any, go: Any, results: Any) -> No
             t.start()
         for t in pool:
             t.join()
-        elapsed = _monotonic() - start
+        elapsed = _monotonic() - began
         statements = counter.count
     manager.close()
-    results.put(
+    start.results.put(
         {
             "grants": sum(t.grants for t in tallies),
             "refused_level1": sum(t.refused_level1 for t in tallies),

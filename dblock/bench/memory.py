@@ -122,12 +122,19 @@ def _registry_run(keys: int, burst: int) -> MemoryResult:
         registry_after=_registry_bytes(after),
         peak_traced=peak,
         rss_before=rss_before,
-        rss_after=_rss(),
-        rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        entries_after=len(registry),
         dict_bytes_before=dict_before,
-        dict_bytes_after=sys.getsizeof(registry._entries),
+        **_after(registry),
     )
+
+
+def _after(registry: Registry) -> dict[str, int]:
+    """The end-of-run measures both runs take, once every key is gone."""
+    return {
+        "rss_after": _rss(),
+        "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "entries_after": len(registry),
+        "dict_bytes_after": sys.getsizeof(registry._entries),
+    }
 
 
 def _registry_bytes(snapshot: tracemalloc.Snapshot) -> int:
@@ -164,11 +171,8 @@ def _lock_run(keys: int, burst: int, url: str | None, table: str | None) -> Memo
         registry_after=0,
         peak_traced=0,
         rss_before=rss_before,
-        rss_after=_rss(),
-        rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        entries_after=len(registry),
         dict_bytes_before=dict_before,
-        dict_bytes_after=sys.getsizeof(registry._entries),
+        **_after(registry),
     )
     manager.close()
     return result
