@@ -26,6 +26,7 @@ from sqlalchemy.engine import Engine
 
 from ..config import Config
 from . import register
+from .admin import COLUMNS, LockRow, SweepReason, lock_row
 from .base import Grant, Holder, Store
 
 _NO_SUCH_TABLE = 1146
@@ -134,3 +135,37 @@ class MySQLStore(Store):
     def is_missing_table(self, exc: BaseException) -> bool:
         args: tuple[object, ...] = getattr(exc, "args", ())
         return bool(args) and args[0] == _NO_SUCH_TABLE
+
+    # -- admin ---------------------------------------------------------------
+
+    now_sql: ClassVar[str] = "UTC_TIMESTAMP(6)"
+
+    def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
+        if self.returning is None:
+            self._capabilities()
+        t = self.quoted(self.names.table)
+        column = reason.column
+        old = f"{column} <= UTC_TIMESTAMP(6) - INTERVAL %(older_us)s MICROSECOND"
+        params = {"older_us": round(older_than * 1e6), "limit": limit}
+        if self.returning:
+            # MariaDB: one bounded DELETE walking the index in order; its row
+            # locks cover at most ``limit`` rows and end with the statement.
+            sql = (
+                f"DELETE FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
+                f"RETURNING {COLUMNS}, UTC_TIMESTAMP(6)"
+            )
+            return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
+        # MySQL has no DELETE ... RETURNING: read a batch, then delete each row
+        # by its token, so a row taken over in between is left alone.
+        found = self.run(
+            f"SELECT {COLUMNS}, UTC_TIMESTAMP(6) FROM {t} WHERE {old} "
+            f"ORDER BY {column} LIMIT %(limit)s",
+            params,
+            fetch=True,
+        ).rows
+        delete = f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s AND {old}"
+        gone = []
+        for row in map(lock_row, found):
+            if self.run(delete, {**params, "key": row.key, "token": row.token}).rowcount:
+                gone.append(row)
+        return gone
