@@ -69,8 +69,9 @@ class MySQLStore(Store):
         with self._caps_lock:
             if self.returning is not None:
                 return
-            with self.engine.connect():  # runs the dialect's version detection
-                pass
+            # The first connection runs the dialect's version detection; through
+            # the executor, so an unreachable server is a BackendError.
+            self.run("SELECT 1", {})
             dialect = self.engine.dialect
             self.returning = bool(
                 getattr(dialect, "is_mariadb", False)
