@@ -204,6 +204,32 @@ def test_release_that_cannot_reach_the_database_is_swept_later(
         app.close()
 
 
+@pytest.mark.databases("postgresql", "mariadb")
+def test_scheduled_sweeper_survives_a_database_outage(
+    db_url: str,
+    private: LockManager,
+    proxy: Proxy,
+    keys: object,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run that cannot reach the database is logged; the schedule goes on
+    and the next run after the outage sweeps."""
+    app = LockManager(proxy.url_for(db_url), table=private.config.table)
+    try:
+        with caplog.at_level(logging.ERROR, logger="dblock"):
+            proxy.refuse(True)
+            proxy.cut_all()
+            sweeper = app.start_sweeper(interval=0.1, grace=0)
+            assert _wait_for(lambda: any("failed" in r.getMessage() for r in caplog.records))
+            assert sweeper.running
+            proxy.refuse(False)
+            backlog = keys(5)  # type: ignore[operator]
+            insert_expired(private, backlog)
+            assert _wait_for(lambda: not _keys_in(private))
+    finally:
+        app.close()
+
+
 # -- many sweepers, one dies -------------------------------------------------------
 
 
