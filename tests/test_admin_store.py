@@ -13,7 +13,7 @@ import pytest
 
 from dblock import LockLost, LockManager
 from dblock._store.admin import SweepReason
-from tests.support.cli import insert_expired
+from tests.support.cli import backdate, insert_expired
 
 EXPIRED = SweepReason.EXPIRED
 MAX_HOLD = SweepReason.MAX_HOLD
@@ -55,11 +55,10 @@ def test_sweep_deletes_only_rows_expired_longer_than_the_grace(
 ) -> None:
     live_key, old_key, recent_key = keys(3)  # type: ignore[operator]
     live = private.acquire(live_key, ttl=60)
-    private.acquire(old_key, ttl=0.1)
-    time.sleep(2.0)
+    insert_expired(private, [old_key], ago=3600)
     private.acquire(recent_key, ttl=0.1)
     time.sleep(0.2)
-    gone = private.store.sweep(EXPIRED, older_than=1.5, limit=100)
+    gone = private.store.sweep(EXPIRED, older_than=30, limit=100)
     assert [row.key for row in gone] == [old_key]
     assert gone[0].expired
     assert {row.key for row in private.store.rows()} == {live_key, recent_key}
@@ -85,12 +84,12 @@ def test_sweep_works_in_bounded_batches_oldest_first(private: LockManager, keys:
 def test_max_hold_deletes_live_rows_held_too_long(private: LockManager, keys: object) -> None:
     old_key, young_key = keys(2)  # type: ignore[operator]
     old = private.acquire(old_key, ttl=600)
-    time.sleep(2.0)
+    backdate(private, old_key, 7200)  # acquired two hours ago, lease renewed since
     young = private.acquire(young_key, ttl=600)
-    gone = private.store.sweep(MAX_HOLD, older_than=1.0, limit=10)
+    gone = private.store.sweep(MAX_HOLD, older_than=3600, limit=10)
     assert [row.key for row in gone] == [old_key]
     assert not gone[0].expired  # a live row: only the safety net deletes those
-    assert gone[0].age >= 1.0
+    assert gone[0].age >= 7200
     assert gone[0].owner == old.owner
     with pytest.raises(LockLost):
         old.release()  # its holder learns it

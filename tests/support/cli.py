@@ -80,3 +80,16 @@ def insert_expired(manager: LockManager, keys: list[str], *, ago: float = 3600.0
                 for i, key in enumerate(keys)
             ],
         )
+
+
+def backdate(manager: LockManager, key: str, seconds: float) -> None:
+    """Make ``key``'s row look acquired ``seconds`` earlier (a lock held for
+    hours, without waiting hours)."""
+    table = manager.store.table
+    (row,) = manager.store.rows(key=key)
+    with manager.engine.connect() as conn:
+        conn.execute(
+            sa.update(table)
+            .where(table.c.lock_key == key)
+            .values(acquired_at=row.acquired_at - timedelta(seconds=seconds))
+        )
