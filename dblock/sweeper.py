@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from ._store.admin import LockRow, SweepReason
-from .config import check_ttl
+from .config import apply_options, check_ttl
 from .errors import DBLockError, LockArgumentError, LockBusy, LockLost
 
 if TYPE_CHECKING:
@@ -99,14 +99,8 @@ class SweeperConfig:
 
     @classmethod
     def from_options(cls, base: SweeperConfig | None, options: Mapping[str, Any]) -> SweeperConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise LockArgumentError(
-                f"unknown sweeper option{'s' if len(unknown) > 1 else ''} "
-                f"{', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}"
-            )
-        return cls(**options) if base is None else dataclasses.replace(base, **options)
+        """``base`` with ``options`` applied; unknown option names are refused."""
+        return apply_options(cls, base, options, "sweeper ")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
