@@ -13,7 +13,7 @@ import pytest
 
 from dblock import LockLost, LockManager
 from dblock._store.admin import SweepReason
-from tests.support.cli import backdate, insert_expired
+from tests.support.rows import backdate, insert_expired
 
 EXPIRED = SweepReason.EXPIRED
 MAX_HOLD = SweepReason.MAX_HOLD

@@ -16,8 +16,9 @@ import pytest
 import sqlalchemy as sa
 
 from dblock import LockLost, LockManager
-from tests.support.cli import COMMAND, dblock, insert_expired, start_dblock
+from tests.support.cli import COMMAND, dblock, start_dblock
 from tests.support.db import DEFAULT_URLS
+from tests.support.rows import insert_expired
 
 
 def _on(private: LockManager, db_url: str) -> tuple[str, ...]:

@@ -17,8 +17,9 @@ import sqlalchemy as sa
 
 from dblock import DBLockError, LockArgumentError, LockLost, LockManager
 from dblock.sweeper import Sweeper, SweeperConfig
-from tests.support.cli import backdate, dblock, insert_expired, start_dblock
+from tests.support.cli import dblock, start_dblock
 from tests.support.proxy import Proxy
+from tests.support.rows import backdate, insert_expired
 
 
 def _keys_in(manager: LockManager) -> set[str]:
