@@ -9,16 +9,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import LockArgumentError
 
-__all__ = ["Config", "apply_options", "check_timeout", "check_ttl"]
-
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
+    from .lock import HeldLock
+
+__all__ = [
+    "Config",
+    "apply_options",
+    "check_max_hold",
+    "check_on_lost",
+    "check_timeout",
+    "check_ttl",
+]
+
+OnLost = Callable[["HeldLock"], object]
 C = TypeVar("C", bound="DataclassInstance")
 
 # Identifiers we splice into SQL must be plain names: they are quoted anyway,
@@ -48,6 +58,17 @@ def check_timeout(value: object, name: str = "timeout") -> float | None:
             f"{name} must be None or a finite number of seconds >= 0, got {value!r}"
         )
     return timeout
+
+
+def check_max_hold(value: object, name: str = "max_hold") -> float | None:
+    """The longest a lock may be held with renewal: None (no limit) or > 0."""
+    return None if value is None else check_ttl(value, name)
+
+
+def check_on_lost(value: object, name: str = "on_lost") -> OnLost | None:
+    if value is not None and not callable(value):
+        raise LockArgumentError(f"{name} must be a callable taking the lost lock, got {value!r}")
+    return value
 
 
 def _check_identifier(value: object, name: str) -> str:
@@ -89,6 +110,16 @@ class Config:
         re-entrancy; it exists to measure what level 1 buys.
     client_id
         How this process names itself in the ``owner`` column (default ``host:pid``).
+    renew
+        Extend held locks automatically (one renewal thread per manager renews
+        every held lock when a third of its lease has passed). Off: a lock is
+        lost when its lease runs out.
+    max_hold
+        Renewal never extends a lock past this many seconds after it was
+        acquired (``None``: no limit). The sweeper uses the same safety net.
+    on_lost
+        Called (from the renewal thread) with the :class:`~dblock.HeldLock` when a
+        held lock is found lost, unless the lock has a callback of its own.
     """
 
     table: str = "dblock_locks"
@@ -102,6 +133,9 @@ class Config:
     notify_recheck: float = 2.0
     local_filter: bool = True
     client_id: str | None = None
+    renew: bool = True
+    max_hold: float | None = None
+    on_lost: OnLost | None = None
 
     def __post_init__(self) -> None:
         _check_identifier(self.table, "table")
@@ -123,7 +157,9 @@ class Config:
             raise LockArgumentError(
                 f"handoff_limit must be an integer >= 0, got {self.handoff_limit!r}"
             )
-        for name in ("notify", "local_filter"):
+        object.__setattr__(self, "max_hold", check_max_hold(self.max_hold))
+        check_on_lost(self.on_lost)
+        for name in ("notify", "local_filter", "renew"):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
                 raise LockArgumentError(f"{name} must be True or False, got {value!r}")
@@ -134,10 +170,6 @@ class Config:
                 f"client_id must be a non-empty string of at most 200 characters, "
                 f"got {self.client_id!r}"
             )
-
-    @property
-    def index_name(self) -> str:
-        return self.index or f"{self.table}_expires_at_idx"
 
     @classmethod
     def from_options(cls, base: Config | None, options: Mapping[str, Any]) -> Config:

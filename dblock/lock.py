@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
 from ._store import Grant, Holder, Interrupted, Store
-from .config import Config
+from .config import Config, OnLost
 from .errors import (
     BackendError,
     LockBusy,
@@ -35,11 +35,12 @@ from .errors import (
     SchemaMissing,
 )
 from .registry import Entry, Registry, Waiter, current_owner
+from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["UNSET", "HeldLock", "Locker", "Unset"]
+__all__ = ["UNSET", "HeldLock", "LockOptions", "Locker", "Unset"]
 
 log = logging.getLogger("dblock")
 
@@ -59,6 +60,19 @@ class Unset(enum.Enum):
 
 UNSET: Final = Unset.UNSET
 
+
+class LockOptions:
+    """Per-lock lease options: whether to renew, the longest hold, and whom to
+    tell when the lock is lost. One shared instance carries the manager's defaults."""
+
+    __slots__ = ("max_hold", "on_lost", "renew")
+
+    def __init__(self, *, renew: bool, max_hold: float | None, on_lost: OnLost | None) -> None:
+        self.renew = renew
+        self.max_hold = max_hold
+        self.on_lost = on_lost
+
+
 # After a statement was cut off mid-flight we ask again, with the same token,
 # this many times (waiting 50, 100, 200 ms) before giving up on learning the
 # outcome and leaving the row to be deleted as soon as the database answers.
@@ -72,18 +86,28 @@ class HeldLock:
 
     ``fence`` grows with every acquisition of any key: pass it to the systems
     you write to and have them reject writes carrying a smaller one (see the
-    README). ``expires_at`` is the end of the lease in database time (UTC).
+    README). ``expires_at`` is the end of the lease in database time (UTC); the
+    renewal thread moves it forward while the lock is held. ``lost`` turns true
+    the moment dblock learns (or must assume) that the lock is no longer ours;
+    ``check()`` raises :class:`~dblock.LockLost` from then on.
     """
 
     __slots__ = (
+        "_acquired_mono",
         "_entry",
         "_expires_mono",
         "_locker",
+        "_lost",
+        "_next_check",
         "_released",
+        "_renew_error",
         "expires_at",
         "fence",
         "key",
+        "max_hold",
+        "on_lost",
         "owner",
+        "renew",
         "token",
         "ttl",
     )
@@ -98,6 +122,7 @@ class HeldLock:
         ttl: float,
         grant: Grant,
         sent_at: float,
+        options: LockOptions,
     ) -> None:
         self._locker = locker
         self._entry = entry
@@ -108,9 +133,16 @@ class HeldLock:
         self.ttl = ttl
         self.fence = grant.fence
         self.expires_at: datetime = grant.expires_at
+        self.renew = options.renew
+        self.max_hold = options.max_hold
+        self.on_lost = options.on_lost
         # Local deadline of the lease, counted from before the statement was
         # sent, so it is never later than the database's own.
+        self._acquired_mono = sent_at
         self._expires_mono = sent_at + grant.expires_in
+        self._next_check = sent_at + grant.expires_in * (RENEW_AT if self.renew else 1.0)
+        self._lost: str | None = None
+        self._renew_error: str | None = None
 
     @property
     def released(self) -> bool:
@@ -120,6 +152,53 @@ class HeldLock:
     def remaining(self) -> float:
         """Seconds of lease left, by this process's monotonic clock (conservative)."""
         return self._expires_mono - _monotonic()
+
+    @property
+    def lost(self) -> bool:
+        """True once the lock is known or must be assumed lost (see ``check()``)."""
+        return self._lost is not None
+
+    @property
+    def lost_reason(self) -> str | None:
+        return self._lost
+
+    def check(self) -> None:
+        """Raise :class:`~dblock.LockLost` if the lock was lost. Call it before
+        work that must not run without the lock."""
+        if self._lost is not None:
+            raise LockLost(self.key, self._lost)
+        if not self._released and self._expires_mono <= _monotonic():
+            # The renewal thread may not have looked yet: the lease is over.
+            self._locker.renewer.lose(self, "its lease ran out")
+            raise LockLost(self.key, self._lost or "its lease ran out")
+
+    # -- for the renewal thread ----------------------------------------------
+
+    def _renewal_ttl(self, now: float) -> float:
+        if self.max_hold is None:
+            return self.ttl
+        return min(self.ttl, self.max_hold - (now - self._acquired_mono))
+
+    def _renewable(self) -> bool:
+        """Can renewal still extend the lease (renewal on, max_hold not reached)?"""
+        if not self.renew:
+            return False
+        if self.max_hold is None:
+            return True
+        return self._acquired_mono + self.max_hold > self._expires_mono + MIN_RENEWAL
+
+    def _renewed(self, expires_at: datetime, expires_mono: float) -> None:
+        now = _monotonic()
+        self.expires_at = expires_at
+        self._expires_mono = expires_mono
+        self._renew_error = None
+        self._next_check = now + (expires_mono - now) * RENEW_AT
+
+    def _mark_lost(self, reason: str) -> bool:
+        if self._lost is not None or self._released:
+            return False
+        self._lost = reason
+        return True
 
     def release(self) -> bool:
         """Release one level of this lock.
@@ -154,11 +233,12 @@ class HeldLock:
 class _Ticket:
     """What a queued thread asks for, so its predecessor can hand it the row."""
 
-    __slots__ = ("owner", "ttl")
+    __slots__ = ("options", "owner", "ttl")
 
-    def __init__(self, owner: str, ttl: float) -> None:
+    def __init__(self, owner: str, ttl: float, options: LockOptions) -> None:
         self.owner = owner
         self.ttl = ttl
+        self.options = options
 
 
 class Locker:
@@ -170,6 +250,10 @@ class Locker:
         self.registry = Registry()
         self._local = config.local_filter
         self._handoff_limit = config.handoff_limit if store.can_transfer else 0
+        self.defaults = LockOptions(
+            renew=config.renew, max_hold=config.max_hold, on_lost=config.on_lost
+        )
+        self.renewer = Renewer(store, idle_tick=config.ttl * RENEW_AT)
         self._client_id = ""
         self._set_client_id()
 
@@ -178,27 +262,42 @@ class Locker:
 
     def after_fork(self) -> None:
         self.registry.clear()
+        self.renewer.after_fork()
         self._set_client_id()
+
+    def close(self) -> None:
+        self.renewer.close()
 
     def owner_label(self) -> str:
         return f"{self._client_id}:{_current_thread().name}"[:255]
 
     # -- acquire -----------------------------------------------------------
 
-    def acquire(self, key: str, *, blocking: bool, timeout: float | None, ttl: float) -> HeldLock:
+    def acquire(
+        self,
+        key: str,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        ttl: float,
+        options: LockOptions | None = None,
+    ) -> HeldLock:
+        opts = options or self.defaults
         me = current_owner()
         if not self._local:
             entry = Entry(key, me)
             return self._acquire_row(
-                entry, blocking=blocking, timeout=timeout, ttl=ttl, start=_monotonic()
+                entry, blocking=blocking, timeout=timeout, ttl=ttl, start=_monotonic(), opts=opts
             )
 
         entry_or_none = self.registry.get(key)
         if entry_or_none is not None and entry_or_none.owner == me:
-            held = entry_or_none.held
+            held: HeldLock | None = entry_or_none.held
             if held is not None:
+                if held._lost is not None:
+                    raise LockLost(key, held._lost)
                 entry_or_none.depth += 1  # re-entrant: no SQL
-                return held  # type: ignore[no-any-return]
+                return held
 
         start = _monotonic()
         if not blocking:
@@ -207,15 +306,26 @@ class Locker:
             claimed = self.registry.claim(key, me)
             if claimed is None:
                 raise LockBusy(key, level=1)
-            return self._acquire_row(claimed, blocking=False, timeout=timeout, ttl=ttl, start=start)
+            return self._acquire_row(
+                claimed, blocking=False, timeout=timeout, ttl=ttl, start=start, opts=opts
+            )
 
-        got = self.registry.join(key, me, _Ticket(self.owner_label(), ttl))
+        got = self.registry.join(key, me, _Ticket(self.owner_label(), ttl, opts))
         if isinstance(got, Entry):
-            return self._acquire_row(got, blocking=True, timeout=timeout, ttl=ttl, start=start)
-        return self._wait_local(key, got, timeout, ttl, start)
+            return self._acquire_row(
+                got, blocking=True, timeout=timeout, ttl=ttl, start=start, opts=opts
+            )
+        return self._wait_local(key, got, timeout=timeout, ttl=ttl, start=start, opts=opts)
 
     def _wait_local(
-        self, key: str, waiter: Waiter, timeout: float | None, ttl: float, start: float
+        self,
+        key: str,
+        waiter: Waiter,
+        *,
+        timeout: float | None,
+        ttl: float,
+        start: float,
+        opts: LockOptions,
     ) -> HeldLock:
         if not waiter.wait(timeout):
             if self.registry.abandon(key, waiter):
@@ -229,7 +339,7 @@ class Locker:
             return grant  # the previous holder handed us the row
         token = grant if isinstance(grant, str) else None
         return self._acquire_row(
-            entry, blocking=True, timeout=timeout, ttl=ttl, start=start, token=token
+            entry, blocking=True, timeout=timeout, ttl=ttl, start=start, opts=opts, token=token
         )
 
     def _acquire_row(
@@ -240,19 +350,27 @@ class Locker:
         timeout: float | None,
         ttl: float,
         start: float,
+        opts: LockOptions,
         token: str | None = None,
     ) -> HeldLock:
         """Level 2, for the thread that owns ``entry`` at level 1. Whatever
         happens, the entry is either holding a row or handed on."""
         try:
             held = self._acquire_loop(
-                entry, blocking=blocking, timeout=timeout, ttl=ttl, start=start, token=token
+                entry,
+                blocking=blocking,
+                timeout=timeout,
+                ttl=ttl,
+                start=start,
+                opts=opts,
+                token=token,
             )
         except BaseException:
             self._leave(entry)
             raise
         entry.held = held
         entry.handoffs = 0
+        self.renewer.track(held)
         return held
 
     def _acquire_loop(
@@ -263,6 +381,7 @@ class Locker:
         timeout: float | None,
         ttl: float,
         start: float,
+        opts: LockOptions,
         token: str | None,
     ) -> HeldLock:
         store = self.store
@@ -288,6 +407,7 @@ class Locker:
                         ttl=ttl,
                         grant=result,
                         sent_at=sent_at,
+                        options=opts,
                     )
                 if not blocking:
                     raise LockBusy(key, level=2, holder=result.owner)
@@ -346,12 +466,15 @@ class Locker:
             return True
         held._released = True
         entry.held = None
+        self.renewer.untrack(held)
         waiter = None
-        if entry.handoffs < self._handoff_limit:
+        if entry.handoffs < self._handoff_limit and held._lost is None:
             waiter = self.registry.pop_waiter(entry)
         if waiter is not None:
             return self._hand_off(entry, held, waiter)
         try:
+            # A lost lock's row is deleted too if it is still ours (renewal
+            # may have failed only because the database was unreachable).
             deleted = self.store.release(held.key, held.token)
         except BackendError as exc:
             log.error(
@@ -363,6 +486,8 @@ class Locker:
             return False
         finally:
             self._leave(entry)
+        if held._lost is not None:
+            raise LockLost(held.key, held._lost)
         if not deleted:
             raise LockLost(held.key, "its row was gone or held by another owner at release")
         return True
@@ -403,9 +528,11 @@ class Locker:
             ttl=ticket.ttl,
             grant=grant,
             sent_at=sent_at,
+            options=ticket.options,
         )
         entry.held = successor
         entry.handoffs += 1
+        self.renewer.track(successor)
         waiter.grant = successor
         waiter.wake()
         return True

@@ -27,10 +27,10 @@ from sqlalchemy.engine import Engine
 from . import migrations
 from ._engine import make_engine, mask, resolve_url
 from ._store import Store, open_store
-from .config import Config, check_timeout, check_ttl
+from .config import Config, OnLost, check_max_hold, check_on_lost, check_timeout, check_ttl
 from .errors import DBLockError, LockArgumentError
 from .keys import KeyTemplate, check_key
-from .lock import UNSET, HeldLock, Locker, Unset
+from .lock import UNSET, HeldLock, Locker, LockOptions, Unset
 from .schema import TableNames
 
 if TYPE_CHECKING:
@@ -50,21 +50,33 @@ class LockRequest:
     """What ``LockManager.lock()`` returns: acquires on ``with`` entry, releases
     on exit, and yields the :class:`~dblock.lock.HeldLock`."""
 
-    __slots__ = ("_held", "_locker", "blocking", "key", "timeout", "ttl")
+    __slots__ = ("_held", "_locker", "blocking", "key", "options", "timeout", "ttl")
 
     def __init__(
-        self, locker: Locker, key: str, blocking: bool, timeout: float | None, ttl: float
+        self,
+        locker: Locker,
+        key: str,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        ttl: float,
+        options: LockOptions | None,
     ) -> None:
         self._locker = locker
         self.key = key
         self.blocking = blocking
         self.timeout = timeout
         self.ttl = ttl
+        self.options = options
         self._held: HeldLock | None = None
 
     def __enter__(self) -> HeldLock:
         self._held = self._locker.acquire(
-            self.key, blocking=self.blocking, timeout=self.timeout, ttl=self.ttl
+            self.key,
+            blocking=self.blocking,
+            timeout=self.timeout,
+            ttl=self.ttl,
+            options=self.options,
         )
         return self._held
 
@@ -154,17 +166,32 @@ class LockManager:
         blocking: bool = True,
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
     ) -> LockRequest:
         """A context manager holding ``key`` for the ``with`` block.
 
         ``blocking=False`` fails fast with :class:`~dblock.LockBusy`; a blocking
         request waits up to ``timeout`` seconds (default: the manager's
         ``timeout``; ``None`` waits until granted) then raises
-        :class:`~dblock.LockTimeout`. ``ttl`` is the lease in seconds.
+        :class:`~dblock.LockTimeout`. ``ttl`` is the lease in seconds, renewed
+        while held unless ``renew=False``, never past ``max_hold`` seconds;
+        ``on_lost(held)`` is called if the lock is lost while held.
         Re-entrant per thread: an inner ``lock()`` of a held key costs no SQL.
         """
-        key, blocking, wait, lease = self._check(key, blocking, timeout, ttl)
-        return LockRequest(self._locker, key, blocking, wait, lease)
+        key, blocking, wait, lease, opts = self._check(
+            key,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return LockRequest(
+            self._locker, key, blocking=blocking, timeout=wait, ttl=lease, options=opts
+        )
 
     def acquire(
         self,
@@ -173,11 +200,22 @@ class LockManager:
         blocking: bool = True,
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
     ) -> HeldLock:
         """Like :meth:`lock` without ``with``: returns the held lock; call its
         ``release()`` (or use it as a context manager) when done."""
-        key, blocking, wait, lease = self._check(key, blocking, timeout, ttl)
-        return self._locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease)
+        key, blocking, wait, lease, opts = self._check(
+            key,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return self._locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease, options=opts)
 
     def locked(
         self,
@@ -186,11 +224,22 @@ class LockManager:
         blocking: bool = True,
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Decorate a function so each call holds the lock named by ``template``
         (``"user:{user_id}"``, ``"order:{order.id}"``, or a callable taking the
         function's arguments). Names are checked against the signature now."""
-        _, blocking, wait, lease = self._check("-", blocking, timeout, ttl)
+        _, blocking, wait, lease, opts = self._check(
+            "-",
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
 
         def decorate(func: Callable[P, R]) -> Callable[P, R]:
             if inspect.iscoroutinefunction(func):
@@ -204,7 +253,7 @@ class LockManager:
             @functools.wraps(func)
             def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
                 key = make_key(args, kwargs)
-                with locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease):
+                with locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease, options=opts):
                     return func(*args, **kwargs)
 
             return wrapper
@@ -212,17 +261,37 @@ class LockManager:
         return decorate
 
     def _check(
-        self, key: object, blocking: object, timeout: object, ttl: object
-    ) -> tuple[str, bool, float | None, float]:
+        self,
+        key: object,
+        *,
+        blocking: object,
+        timeout: object,
+        ttl: object,
+        renew: object,
+        max_hold: object,
+        on_lost: object,
+    ) -> tuple[str, bool, float | None, float, LockOptions | None]:
+        """Validate one request before any SQL; ``None`` options mean the defaults."""
         if self._closed:
             raise DBLockError("this LockManager is closed")
         if not isinstance(blocking, bool):
             raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
+        options = None
+        if renew is not None or max_hold is not None or on_lost is not None:
+            if renew is not None and not isinstance(renew, bool):
+                raise LockArgumentError(f"renew must be True or False, got {renew!r}")
+            defaults = self._locker.defaults
+            options = LockOptions(
+                renew=defaults.renew if renew is None else renew,
+                max_hold=defaults.max_hold if max_hold is None else check_max_hold(max_hold),
+                on_lost=defaults.on_lost if on_lost is None else check_on_lost(on_lost),
+            )
         return (
             check_key(key),
             blocking,
             self.config.timeout if timeout is UNSET else check_timeout(timeout),
             self.config.ttl if ttl is None else check_ttl(ttl),
+            options,
         )
 
     # -- schema --------------------------------------------------------------
@@ -247,6 +316,7 @@ class LockManager:
             self._sweeper.stop()
         self._closed = True
         _managers.discard(self)
+        self._locker.close()
         self._store.close()
 
     def __enter__(self) -> Self:

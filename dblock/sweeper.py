@@ -61,8 +61,9 @@ class SweeperConfig:
         so an acquirer about to take it over, or a renewal in flight, wins.
     max_hold
         Safety net: also delete rows acquired more than this long ago, lease
-        or not, each logged as a WARNING. ``None`` (default): never delete a
-        live row. Must exceed ``lock_ttl``.
+        or not, each logged as a WARNING. Default: the manager's ``max_hold``
+        (which also caps renewal); ``None``: never delete a live row. Must
+        exceed ``lock_ttl``.
     batch_size
         Rows per DELETE: the most any one statement locks.
     lock_ttl
@@ -144,6 +145,9 @@ class Sweeper:
         self, manager: LockManager, *, config: SweeperConfig | None = None, **options: Any
     ) -> None:
         self.manager = manager
+        if config is None and "max_hold" not in options and manager.config.max_hold is not None:
+            # The manager's max_hold caps renewal; the sweeper enforces the same limit.
+            options = {**options, "max_hold": manager.config.max_hold}
         self.config = SweeperConfig.from_options(config, options)
         self.table = manager.config.table
         self.key = f"dblock:sweeper:{self.table}"
@@ -164,7 +168,8 @@ class Sweeper:
         config = self.config
         start = time.monotonic()
         try:
-            held = self.manager.acquire(self.key, blocking=False, ttl=config.lock_ttl)
+            # Not renewed: a run is bounded by this one lease (see the module doc).
+            held = self.manager.acquire(self.key, blocking=False, ttl=config.lock_ttl, renew=False)
         except LockBusy as exc:
             log.info("dblock sweeper: %s holds %r; skipping this run", exc.holder, self.key)
             return SweepResult(busy=exc.holder or "another process")

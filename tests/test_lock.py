@@ -147,7 +147,7 @@ def test_waiter_gets_lock_when_released_in_other_manager(make_manager: object, k
 
 def test_expired_row_is_taken_over(make_manager: object, key: str) -> None:
     a, b = make_manager(), make_manager()  # type: ignore[operator]
-    stale = a.acquire(key, ttl=0.3)
+    stale = a.acquire(key, ttl=0.3, renew=False)
     time.sleep(0.4)
     with b.lock(key, blocking=False) as fresh:
         assert fresh.fence > stale.fence
@@ -163,7 +163,7 @@ def test_expired_row_is_taken_over(make_manager: object, key: str) -> None:
 
 def test_waiter_takes_over_at_holder_expiry(make_manager: object, key: str) -> None:
     a, b = make_manager(), make_manager()  # type: ignore[operator]
-    a.acquire(key, ttl=0.5)  # never released: a "crashed" holder
+    a.acquire(key, ttl=0.5, renew=False)  # never released or renewed: a "crashed" holder
     start = time.monotonic()
     with b.lock(key, timeout=10) as held:
         waited = time.monotonic() - start
@@ -173,14 +173,14 @@ def test_waiter_takes_over_at_holder_expiry(make_manager: object, key: str) -> N
 
 def test_lost_lock_raises_on_context_exit(make_manager: object, key: str) -> None:
     a, b = make_manager(), make_manager()  # type: ignore[operator]
-    with pytest.raises(LockLost), a.lock(key, ttl=0.3):
+    with pytest.raises(LockLost), a.lock(key, ttl=0.3, renew=False):
         time.sleep(0.4)
         b.acquire(key, blocking=False)
 
 
 def test_error_in_body_wins_over_lost_lock(make_manager: object, key: str) -> None:
     a, b = make_manager(), make_manager()  # type: ignore[operator]
-    with pytest.raises(ZeroDivisionError), a.lock(key, ttl=0.3):
+    with pytest.raises(ZeroDivisionError), a.lock(key, ttl=0.3, renew=False):
         time.sleep(0.4)
         b.acquire(key, blocking=False)
         1 / 0  # noqa: B018
@@ -197,7 +197,7 @@ def test_fence_strictly_increases(manager: LockManager, keys: object) -> None:
 
 def test_fence_grows_across_takeover(make_manager: object, key: str) -> None:
     a, b = make_manager(), make_manager()  # type: ignore[operator]
-    first = a.acquire(key, ttl=0.2)
+    first = a.acquire(key, ttl=0.2, renew=False)
     time.sleep(0.3)
     second = b.acquire(key)
     assert second.fence > first.fence

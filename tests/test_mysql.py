@@ -48,7 +48,7 @@ def test_mysql_path_without_returning(make_manager: object, key: str) -> None:
 
 def test_expired_row_taken_over_by_delete_and_insert(make_manager: object, key: str) -> None:
     a, b = make_manager(), make_manager()  # type: ignore[operator]
-    stale = a.acquire(key, ttl=0.2)
+    stale = a.acquire(key, ttl=0.2, renew=False)
     time.sleep(0.3)
     fresh = b.acquire(key, blocking=False)
     assert fresh.fence > stale.fence

@@ -11,6 +11,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -64,6 +65,15 @@ def test_config_is_frozen_and_keyword_only() -> None:
         SweeperConfig(30.0)  # type: ignore[misc]
 
 
+def test_max_hold_defaults_to_the_managers(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'locks.sqlite3'}"
+    with LockManager(url, max_hold=3600) as capped, LockManager(url) as uncapped:
+        assert Sweeper(capped).config.max_hold == 3600
+        assert Sweeper(capped, max_hold=7200).config.max_hold == 7200
+        assert Sweeper(capped, max_hold=None).config.max_hold is None
+        assert Sweeper(uncapped).config.max_hold is None
+
+
 def test_run_sweeps_the_backlog_in_batches(private: LockManager, keys: object) -> None:
     *backlog, live_key = keys(13)  # type: ignore[operator]
     insert_expired(private, backlog)
@@ -113,6 +123,22 @@ def test_max_hold_deletions_are_warnings(
     with pytest.raises(LockLost):
         old.release()
     young.release()
+
+
+def test_renewing_holder_learns_at_once_that_its_row_was_swept(
+    private: LockManager, make_manager: object, key: str
+) -> None:
+    """A lock kept alive by renewal but held past max_hold: the sweeper
+    deletes it, and the holder's next renewal reports it lost."""
+    app = make_manager(table=private.config.table)  # type: ignore[operator]
+    lost = threading.Event()
+    held = app.acquire(key, ttl=1.5, on_lost=lambda _held: lost.set())
+    backdate(private, key, 7300)
+    assert Sweeper(private, grace=0, max_hold=7200).run_once().max_hold == 1
+    assert lost.wait(30)
+    assert held.lost
+    with pytest.raises(LockLost):
+        held.release()
 
 
 def test_start_sweeper_in_app_and_close_stops_it(private: LockManager, keys: object) -> None:
@@ -177,7 +203,7 @@ def test_release_that_cannot_reach_the_database_is_swept_later(
     it then, and nothing else is lost."""
     table = private.config.table
     stranded_key, other_key = keys(2)  # type: ignore[operator]
-    app = LockManager(proxy.url_for(db_url), table=table)
+    app = LockManager(proxy.url_for(db_url), table=table, renew=False)
     try:
         other = private.acquire(other_key, ttl=120)  # another holder, not behind the proxy
         held = app.acquire(stranded_key, ttl=2.0)

@@ -15,13 +15,14 @@ from sqlalchemy.engine import Engine
 
 from ..config import Config
 from ..errors import LockArgumentError
-from .base import Backoff, Grant, Holder, Interrupted, Store, Wait
+from .base import Backoff, Grant, Holder, Interrupted, Lease, Store, Wait
 
 __all__ = [
     "Backoff",
     "Grant",
     "Holder",
     "Interrupted",
+    "Lease",
     "Store",
     "Wait",
     "open_store",

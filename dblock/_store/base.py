@@ -43,6 +43,7 @@ __all__ = [
     "Grant",
     "Holder",
     "Interrupted",
+    "Lease",
     "Store",
     "Wait",
 ]
@@ -62,6 +63,14 @@ class Grant:
     # Seconds from the database's "now" to expires_at, measured by the same
     # statement, so the caller can turn it into a local deadline without
     # trusting the client clock.
+    expires_in: float
+
+
+@dataclasses.dataclass(slots=True)
+class Lease:
+    """A renewed lease: its end (database time) and seconds from the database's now."""
+
+    expires_at: datetime
     expires_in: float
 
 
@@ -89,6 +98,9 @@ class Result:
 # A connection idle in the executor's stack longer than this goes back to
 # SQLAlchemy's pool, so the pool's recycling and pre-ping settings still apply.
 IDLE_SECONDS = 30.0
+
+# Locks renewed per statement: well under every driver's parameter limit.
+RENEW_CHUNK = 500
 
 # Drivers whose DBAPI connection has execute() returning a cursor.
 _DIRECT_DRIVERS = frozenset({"psycopg", "pysqlite"})
@@ -323,6 +335,18 @@ class Store:
     ) -> Grant | None:
         """Give our row to ``new_token`` with a new fence and lease; None if it
         was not ours any more. Only when :attr:`can_transfer`."""
+        raise NotImplementedError
+
+    def renew(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+        """Extend each ``(key, token, ttl)`` whose row is still ours, in as few
+        statements as the dialect allows; returns the new lease per token.
+        A token missing from the result was not ours any more."""
+        leases: dict[str, Lease] = {}
+        for start in range(0, len(locks), RENEW_CHUNK):
+            leases.update(self._renew_chunk(locks[start : start + RENEW_CHUNK]))
+        return leases
+
+    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
         raise NotImplementedError
 
     def waiter(self, key: str, since: float) -> Wait:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
 from typing import ClassVar
 
@@ -27,7 +28,7 @@ from sqlalchemy.engine import Engine
 from ..config import Config
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Store
+from .base import Grant, Holder, Lease, Store
 
 _NO_SUCH_TABLE = 1146
 _UTC = timezone.utc
@@ -59,6 +60,7 @@ class MySQLStore(Store):
         )
         self._release_sql = f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s"
         self._now_sql = f"SELECT {now}"
+        self._t = t
         # Capabilities are read from the server on first use, not at import.
         self.returning: bool | None = None
         self._offset: float | None = None  # server UTC minus local time.time()
@@ -132,6 +134,34 @@ class MySQLStore(Store):
 
     def release(self, key: str, token: str) -> bool:
         return self.run(self._release_sql, {"key": key, "token": token}).rowcount > 0
+
+    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+        # No UPDATE ... RETURNING here: one UPDATE joined to the batch, then
+        # one SELECT (by primary key) to see which rows carry our tokens.
+        params: dict[str, object] = {}
+        rows_sql = []
+        for i, (key, token, ttl) in enumerate(locks):
+            params[f"k{i}"], params[f"t{i}"], params[f"l{i}"] = key, token, round(ttl * 1e6)
+            rows_sql.append(f"SELECT %(k{i})s AS lock_key, %(t{i})s AS token, %(l{i})s AS ttl_us")
+        now = "UTC_TIMESTAMP(6)"
+        self.run(
+            f"UPDATE {self._t} AS t JOIN ({' UNION ALL '.join(rows_sql)}) AS v "
+            f"ON t.lock_key = v.lock_key AND t.token = v.token "
+            f"SET t.expires_at = {now} + INTERVAL v.ttl_us MICROSECOND",
+            params,
+        )
+        keys = ", ".join(f"%(k{i})s" for i in range(len(locks)))
+        rows = self.run(
+            f"SELECT token, expires_at, {now} FROM {self._t} WHERE lock_key IN ({keys})",
+            params,
+            fetch=True,
+        ).rows
+        ours = {token for _, token, _ in locks}
+        return {
+            token: Lease(expires_at.replace(tzinfo=_UTC), (expires_at - now).total_seconds())
+            for token, expires_at, now in rows
+            if token in ours
+        }
 
     def is_missing_table(self, exc: BaseException) -> bool:
         args: tuple[object, ...] = getattr(exc, "args", ())

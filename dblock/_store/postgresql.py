@@ -19,6 +19,7 @@ import select
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from sqlalchemy.engine import Engine
@@ -26,7 +27,7 @@ from sqlalchemy.engine import Engine
 from ..config import Config
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Backoff, Grant, Holder, Store, Wait
+from .base import Backoff, Grant, Holder, Lease, Store, Wait
 
 log = logging.getLogger("dblock")
 
@@ -67,6 +68,13 @@ class PostgresStore(Store):
             f"WHERE lock_key = %(key)s AND token = %(token)s "
             f"RETURNING fence, expires_at, now()"
         )
+        self._renew_sql = (
+            f"UPDATE {t} AS t SET expires_at = now() + make_interval(secs => v.ttl) "
+            f"FROM unnest(%(keys)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) "
+            f"AS v(lock_key, token, ttl) "
+            f"WHERE t.lock_key = v.lock_key AND t.token = v.token "
+            f"RETURNING t.token, t.expires_at, now()"
+        )
         self._channel = self.names.channel
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
@@ -104,6 +112,18 @@ class PostgresStore(Store):
             return None
         fence, expires_at, now = rows[0]
         return Grant(fence, expires_at, (expires_at - now).total_seconds())
+
+    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+        keys, tokens, ttls = zip(*locks, strict=True)
+        rows = self.run(
+            self._renew_sql,
+            {"keys": list(keys), "tokens": list(tokens), "ttls": list(ttls)},
+            fetch=True,
+        ).rows
+        return {
+            token: Lease(expires_at, (expires_at - now).total_seconds())
+            for token, expires_at, now in rows
+        }
 
     def waiter(self, key: str, since: float) -> Wait:
         if not self.config.notify:

@@ -12,6 +12,7 @@ lock instead of failing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import ClassVar
 
@@ -20,7 +21,7 @@ from sqlalchemy.engine import Engine
 from ..config import Config
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Store
+from .base import Grant, Holder, Lease, Store
 
 _UTC = timezone.utc
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
@@ -32,7 +33,7 @@ class SQLiteStore(Store):
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         super().__init__(engine, config=config, owns_engine=owns_engine)
-        t = self.quoted(self.names.table)
+        t = self._t = self.quoted(self.names.table)
         fence = f"(SELECT value + 1 FROM {self.quoted(self.names.fence_table)} WHERE id = 1)"
         self._acquire_sql = (
             f"INSERT INTO {t} (lock_key, owner, token, fence, acquired_at, expires_at) "
@@ -81,6 +82,25 @@ class SQLiteStore(Store):
             fetch=True,
         ).rows
         return _grant(rows[0]) if rows else None
+
+    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+        params: dict[str, object] = {}
+        values = []
+        for i, (key, token, ttl) in enumerate(locks):
+            params[f"k{i}"], params[f"t{i}"], params[f"l{i}"] = key, token, ttl
+            values.append(f"(:k{i}, :t{i}, :l{i})")
+        rows = self.run(
+            f"UPDATE {self._t} SET expires_at = {NOW} + v.column3 "
+            f"FROM (VALUES {', '.join(values)}) AS v "
+            f"WHERE {self._t}.lock_key = v.column1 AND {self._t}.token = v.column2 "
+            f"RETURNING token, expires_at, {NOW}",
+            params,
+            fetch=True,
+        ).rows
+        return {
+            token: Lease(datetime.fromtimestamp(expires_at, _UTC), expires_at - now)
+            for token, expires_at, now in rows
+        }
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return "no such table" in str(exc)

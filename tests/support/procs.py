@@ -85,7 +85,84 @@ def hold_forever(url: str, key: str, ttl: float, report: Any) -> None:
 
 def hold_for(url: str, key: str, ttl: float, seconds: float, report: Any) -> None:
     """Hold ``key`` for ``seconds``, reporting when acquired and when released."""
-    with LockManager(url) as manager, manager.lock(key, ttl=ttl) as held:
+    with LockManager(url) as manager, manager.lock(key, ttl=ttl, renew=False) as held:
         report.put(("acquired", held.fence, time.time()))
         time.sleep(seconds)
         report.put(("releasing", held.fence, time.time()))
+
+
+ACCOUNTS = sa.Table(
+    "dblock_test_accounts",
+    sa.MetaData(),
+    sa.Column("id", sa.String(200), primary_key=True),
+    sa.Column("value", sa.String(50), nullable=False),
+    sa.Column("last_fence", sa.BigInteger, nullable=False),
+)
+
+
+def reset_account(url: str, account: str) -> None:
+    engine = counter_engine(url)
+    ACCOUNTS.create(engine, checkfirst=True)
+    with engine.begin() as conn:
+        conn.execute(ACCOUNTS.delete().where(ACCOUNTS.c.id == account))
+        conn.execute(ACCOUNTS.insert().values(id=account, value="initial", last_fence=0))
+    engine.dispose()
+
+
+def fenced_write(url: str, account: str, fence: int, value: str) -> int:
+    """The README's guarded write: refused (0 rows) unless our fence is newer."""
+    engine = counter_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            ACCOUNTS.update()
+            .where(ACCOUNTS.c.id == account, ACCOUNTS.c.last_fence < fence)
+            .values(value=value, last_fence=fence)
+        ).rowcount
+    engine.dispose()
+    return int(rows)
+
+
+def read_account(url: str, account: str) -> tuple[str, int]:
+    engine = counter_engine(url)
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(ACCOUNTS.c.value, ACCOUNTS.c.last_fence).where(ACCOUNTS.c.id == account)
+        ).one()
+    engine.dispose()
+    return str(row.value), int(row.last_fence)
+
+
+def paused_holder(url: str, key: str, account: str, ttl: float, resume: Any, report: Any) -> None:
+    """Hold ``key`` with renewal on; the parent freezes us (SIGSTOP) past the
+    lease. After SIGCONT we report what we learned and try our fenced write."""
+    from dblock import LockLost
+
+    lost = threading.Event()
+
+    def on_lost(held: Any) -> None:
+        report.put(("on_lost", held.key, held.lost_reason))
+        lost.set()
+
+    with LockManager(url) as manager:
+        held = manager.acquire(key, ttl=ttl, on_lost=on_lost)
+        report.put(("acquired", held.fence))
+        resume.wait()
+        lost.wait(30)
+        report.put(("lost", held.lost))
+        report.put(("write", fenced_write(url, account, held.fence, "stale")))
+        try:
+            held.release()
+            report.put(("release", "ok"))
+        except LockLost as exc:
+            report.put(("release", f"LockLost: {exc}"))
+
+
+def long_holder(url: str, key: str, ttl: float, seconds: float, report: Any) -> None:
+    """Hold ``key`` (renewed) for several lease lengths, then release."""
+    with LockManager(url) as manager:
+        held = manager.acquire(key, ttl=ttl)
+        report.put(("acquired", held.fence))
+        time.sleep(seconds)
+        report.put(("lost", held.lost))
+        held.release()
+        report.put(("released", True))

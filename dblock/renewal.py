@@ -1,0 +1,200 @@
+"""Keeping held locks alive, and saying so at once when one is lost.
+
+One :class:`Renewer` thread per manager (started by the first lock it tracks)
+extends every held lock once a third of its lease has passed, together with
+every other lock that is at most a sixth of its lease from being due, in one
+batched statement per dialect (two on MySQL/MariaDB, which has no
+``UPDATE … RETURNING``).
+
+A lock is *lost* when
+
+* a renewal finds its row gone or carrying another token (swept, or taken
+  over after the lease ran out, for instance while this process was paused);
+* renewal keeps failing (database unreachable) until the lease runs out: it is
+  retried with backoff, then given up, because past that point another
+  process may hold the key;
+* its lease runs out without renewal (``renew=False``, or ``max_hold`` reached).
+
+Then, at once: ``held.lost`` turns true, the error is logged with the key, the
+lock's ``on_lost`` callback (or the manager's) is called, and ``check()`` and
+``release()`` raise :class:`~dblock.LockLost`.
+
+The lock's hot path pays two dict operations for this (track on acquire,
+untrack on release); the thread is not woken unless a newly tracked lock is
+due before the thread's next planned wake-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ._store import Store
+from .errors import BackendError, SchemaMissing
+
+if TYPE_CHECKING:
+    from .lock import HeldLock
+
+__all__ = ["Renewer"]
+
+log = logging.getLogger("dblock")
+
+_monotonic = time.monotonic
+
+#: Renew when this fraction of the lease has passed ...
+RENEW_AT = 1 / 3
+#: ... and take along locks that would be due within this fraction of theirs.
+BATCH_WINDOW = 1 / 6
+#: Retry a failed renewal after at most this long (less when the lease is short).
+RETRY_MAX = 1.0
+#: Shortest lease renewal will ask for when capped by max_hold.
+MIN_RENEWAL = 0.01
+
+
+class Renewer:
+    """The renewal thread of one manager, and the set of locks it watches."""
+
+    def __init__(self, store: Store, idle_tick: float) -> None:
+        self._store = store
+        self._idle_tick = idle_tick
+        self._held: dict[str, HeldLock] = {}  # token -> lock
+        self._cond = threading.Condition(threading.Lock())
+        # When the thread will look next; +inf while it is looking, so that
+        # track() during a pass always flags the pass as stale (_dirty).
+        self._wake_at = float("inf")
+        self._dirty = False
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- called by the lock ------------------------------------------------
+
+    def track(self, held: HeldLock) -> None:
+        self._held[held.token] = held
+        # Usually the thread already plans to look before this lock is due
+        # (leases are mostly the manager's default): then no wake-up at all.
+        if held._next_check < self._wake_at:
+            with self._cond:
+                if self._thread is None and not self._stopping:
+                    self._thread = threading.Thread(
+                        target=self._run, name="dblock-renewal", daemon=True
+                    )
+                    self._thread.start()
+                self._dirty = True
+                self._cond.notify()
+
+    def untrack(self, held: HeldLock) -> None:
+        self._held.pop(held.token, None)
+
+    @property
+    def tracked(self) -> int:
+        return len(self._held)
+
+    # -- life cycle --------------------------------------------------------
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopping = True
+            thread = self._thread
+            self._cond.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(10.0)
+
+    def after_fork(self) -> None:
+        """A forked child holds none of its parent's locks and has no thread."""
+        self._held = {}
+        self._cond = threading.Condition(threading.Lock())
+        self._wake_at = float("inf")
+        self._dirty = False
+        self._thread = None
+
+    # -- the thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._dirty and not self._stopping:
+                    delay = self._wake_at - _monotonic()
+                    if delay > 0:
+                        self._cond.wait(delay)
+                if self._stopping:
+                    self._thread = None
+                    return
+                self._dirty = False
+                self._wake_at = float("inf")
+            try:
+                plan = self._tick()
+            except Exception:  # never let the thread die with locks to watch
+                log.exception("dblock: renewal pass failed")
+                plan = _monotonic() + RETRY_MAX
+            with self._cond:
+                self._wake_at = plan
+
+    def _tick(self) -> float:
+        """Renew what is due, mark what is lost; return when to look next."""
+        now = _monotonic()
+        due: list[HeldLock] = []
+        next_check = now + self._idle_tick
+        for held in list(self._held.values()):
+            if held._lost is not None:
+                continue
+            if now >= held._expires_mono:
+                self.lose(held, self._expired_reason(held))
+            elif not held._renewable():
+                next_check = min(next_check, held._expires_mono)  # watch it run out
+            elif held._next_check <= now + held.ttl * BATCH_WINDOW:
+                due.append(held)
+            else:
+                next_check = min(next_check, held._next_check)
+        if due:
+            next_check = min(next_check, self._renew(due))
+        return next_check
+
+    def _renew(self, due: list[HeldLock]) -> float:
+        """One batched renewal; returns the earliest retry time if it failed."""
+        now = _monotonic()
+        batch = [(h.key, h.token, h._renewal_ttl(now)) for h in due]
+        sent_at = _monotonic()
+        try:
+            leases = self._store.renew(batch)
+        except (BackendError, SchemaMissing) as exc:
+            retry = now + RETRY_MAX
+            for held in due:
+                held._renew_error = str(exc)
+                # Retry well before the lease runs out: a quarter of what is left.
+                held._next_check = now + min(RETRY_MAX, max(held.remaining / 4, 0.01))
+                retry = min(retry, held._next_check)
+            log.warning("dblock: renewing %d lock(s) failed, will retry: %s", len(due), exc)
+            return retry
+        for held in due:
+            if self._held.get(held.token) is not held:
+                continue  # released while the statement ran
+            lease = leases.get(held.token)
+            if lease is None:
+                self.lose(held, "its row was gone or held by another owner at renewal")
+                continue
+            held._renewed(lease.expires_at, sent_at + lease.expires_in)
+        return min((h._next_check for h in due if h._lost is None), default=float("inf"))
+
+    @staticmethod
+    def _expired_reason(held: HeldLock) -> str:
+        if held._renew_error is not None:
+            return f"its lease ran out while renewal kept failing ({held._renew_error})"
+        if not held.renew:
+            return "its lease ran out (renewal is off for this lock)"
+        if held.max_hold is not None:
+            return f"it was held longer than max_hold ({held.max_hold:g} s)"
+        return "its lease ran out before it could be renewed"
+
+    def lose(self, held: HeldLock, reason: str) -> None:
+        """Mark ``held`` lost (once), log it and call its callback."""
+        if self._held.get(held.token) is not held or not held._mark_lost(reason):
+            return
+        log.error("dblock: lock %r lost: %s", held.key, reason)
+        callback = held.on_lost
+        if callback is not None:
+            try:
+                callback(held)
+            except Exception:
+                log.exception("dblock: on_lost callback for %r failed", held.key)

@@ -1,0 +1,273 @@
+"""Leases that outlive the work: renewal, the lost-lock signal, fencing."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import HeldLock, LockArgumentError, LockBusy, LockLost, LockManager
+from tests.conftest import row_of
+from tests.support import procs
+from tests.support.counting import StatementCounter
+from tests.support.proxy import Proxy
+
+ctx = multiprocessing.get_context("spawn")
+
+
+def _renewal_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "dblock-renewal"]
+
+
+def test_renewal_keeps_lock_for_several_leases(make_manager: object, key: str) -> None:
+    holder, other = make_manager(), make_manager()  # type: ignore[operator]
+    held = holder.acquire(key, ttl=0.6)
+    first_expiry = held.expires_at
+    deadline = time.monotonic() + 2.5  # more than four leases
+    while time.monotonic() < deadline:
+        with pytest.raises(LockBusy):
+            other.acquire(key, blocking=False)
+        time.sleep(0.1)
+    assert not held.lost
+    assert held.expires_at > first_expiry
+    assert held.remaining > 0
+    held.check()
+    assert held.release() is True
+
+
+def test_renewal_across_processes(db_url: str, key: str) -> None:
+    """A holder in another process works for several lease lengths and keeps
+    its lock the whole time."""
+    report = ctx.Queue()
+    holder = ctx.Process(target=procs.long_holder, args=(db_url, key, 0.8, 3.0, report))
+    holder.start()
+    try:
+        assert report.get(timeout=60)[0] == "acquired"
+        with LockManager(db_url) as m:
+            refusals = 0
+            while holder.is_alive() and refusals < 20:
+                with pytest.raises(LockBusy):
+                    m.acquire(key, blocking=False)
+                refusals += 1
+                time.sleep(0.1)
+            assert report.get(timeout=30) == ("lost", False)
+            assert report.get(timeout=30) == ("released", True)
+    finally:
+        holder.join(30)
+    assert holder.exitcode == 0
+
+
+def test_many_locks_renewed_in_one_batch(manager: LockManager, keys: object) -> None:
+    names = keys(40)  # type: ignore[operator]
+    with StatementCounter(manager.engine) as c:
+        held = [manager.acquire(k, ttl=1.5) for k in names]
+        before = {h.key: h.expires_at for h in held}
+        acquired = c.count
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(h.expires_at > before[h.key] for h in held):
+            time.sleep(0.02)
+        renewals = c.count - acquired
+    assert all(h.expires_at > before[h.key] for h in held)
+    # One statement for all forty (MySQL/MariaDB: an UPDATE and a SELECT).
+    assert renewals == (2 if manager.dialect in ("mysql", "mariadb") else 1)
+    for h in held:
+        h.release()
+
+
+def test_renewal_stops_at_release(manager: LockManager, key: str) -> None:
+    held = manager.acquire(key, ttl=0.3)
+    held.release()
+    with StatementCounter(manager.engine) as c:
+        time.sleep(0.8)
+    assert c.count == 0
+    assert manager._locker.renewer.tracked == 0
+
+
+def test_renew_false_loses_lock_at_lease_end(make_manager: object, key: str) -> None:
+    calls: list[HeldLock] = []
+    m = make_manager()  # type: ignore[operator]
+    held = m.acquire(key, ttl=0.3, renew=False, on_lost=calls.append)
+    _wait_for(lambda: held.lost, 5)
+    assert calls == [held]
+    assert "renewal is off" in (held.lost_reason or "")
+    with pytest.raises(LockLost):
+        held.check()
+    with pytest.raises(LockLost):
+        held.release()
+    assert row_of(m, key) is None  # our row was still there and is gone now
+
+
+def test_max_hold_caps_renewal(make_manager: object, key: str) -> None:
+    calls: list[HeldLock] = []
+    m = make_manager(on_lost=calls.append)  # type: ignore[operator]
+    start = time.monotonic()
+    held = m.acquire(key, ttl=0.3, max_hold=1.0)
+    _wait_for(lambda: held.lost, 10)
+    lasted = time.monotonic() - start
+    assert calls == [held]  # the manager's callback
+    assert "max_hold" in (held.lost_reason or "")
+    assert lasted >= 0.9  # renewed past its first lease, up to max_hold
+    with pytest.raises(LockLost):
+        held.release()
+
+
+def test_per_lock_callback_overrides_manager(make_manager: object, key: str) -> None:
+    manager_calls: list[HeldLock] = []
+    lock_calls: list[HeldLock] = []
+    m = make_manager(on_lost=manager_calls.append)  # type: ignore[operator]
+    held = m.acquire(key, ttl=0.2, renew=False, on_lost=lock_calls.append)
+    _wait_for(lambda: held.lost, 5)
+    assert lock_calls == [held]
+    assert manager_calls == []
+    with pytest.raises(LockLost):
+        held.release()
+
+
+def test_row_taken_while_held_is_detected_by_renewal(
+    make_manager: object, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Someone deletes our row (an operator's force release, or the sweeper's
+    max-hold net): the next renewal notices at once."""
+    m = make_manager()  # type: ignore[operator]
+    other = make_manager()  # type: ignore[operator]
+    held = m.acquire(key, ttl=0.6)
+    table = m.store.table
+    with m.engine.begin() as conn:
+        conn.execute(table.delete().where(table.c.lock_key == key))
+    newcomer = other.acquire(key, blocking=False)
+    _wait_for(lambda: held.lost, 5)
+    assert "at renewal" in (held.lost_reason or "")
+    assert any(key in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+    with pytest.raises(LockLost):
+        held.release()
+    row = row_of(m, key)
+    assert row is not None
+    assert row.token == newcomer.token  # the lost holder left the new row alone
+    newcomer.release()
+
+
+def test_reentering_a_lost_lock_raises(make_manager: object, key: str) -> None:
+    m = make_manager()  # type: ignore[operator]
+    held = m.acquire(key, ttl=0.2, renew=False)
+    _wait_for(lambda: held.lost, 5)
+    with pytest.raises(LockLost):
+        m.acquire(key)
+    with pytest.raises(LockLost):
+        held.release()
+
+
+def test_bad_lease_options(manager: LockManager, key: str) -> None:
+    with pytest.raises(LockArgumentError, match="renew"):
+        manager.lock(key, renew="yes")  # type: ignore[arg-type]
+    with pytest.raises(LockArgumentError, match="max_hold"):
+        manager.lock(key, max_hold=0)
+    with pytest.raises(LockArgumentError, match="on_lost"):
+        manager.lock(key, on_lost="print")  # type: ignore[arg-type]
+    with pytest.raises(LockArgumentError, match="max_hold"):
+        LockManager(manager.engine, max_hold=-1)
+
+
+def test_no_renewal_thread_outlives_close(db_url: str, keys: object) -> None:
+    before = set(_renewal_threads())
+    m = LockManager(db_url)
+    held = [m.acquire(k, ttl=5) for k in keys(3)]  # type: ignore[operator]
+    mine = [t for t in _renewal_threads() if t not in before]
+    assert len(mine) == 1  # one thread per manager, not per lock
+    for h in held:
+        h.release()
+    m.close()
+    mine[0].join(5)
+    assert not mine[0].is_alive()
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+class TestRenewalFaults:
+    @pytest.fixture
+    def proxy(self, db_url: str) -> Iterator[Proxy]:
+        url = sa.make_url(db_url)
+        p = Proxy(url.host or "127.0.0.1", url.port or (5432 if "postgresql" in db_url else 3306))
+        yield p
+        p.close()
+
+    def test_brief_outage_is_retried(
+        self, db_url: str, proxy: Proxy, key: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        with LockManager(proxy.url_for(db_url)) as m:
+            held = m.acquire(key, ttl=2.0)
+            proxy.refuse(True)
+            proxy.cut_all()
+            _wait_for(lambda: any("renewing" in r.getMessage() for r in caplog.records), 10)
+            proxy.refuse(False)
+            renewed_from = held.expires_at
+            _wait_for(lambda: held.expires_at > renewed_from, 10)
+            assert not held.lost
+            assert held.release() is True
+
+    def test_long_outage_is_reported_as_lost(self, db_url: str, proxy: Proxy, key: str) -> None:
+        lost = threading.Event()
+        with LockManager(proxy.url_for(db_url)) as m:
+            held = m.acquire(key, ttl=1.0, on_lost=lambda _held: lost.set())
+            proxy.refuse(True)
+            proxy.cut_all()
+            assert lost.wait(10)
+            assert "renewal kept failing" in (held.lost_reason or "")
+            with pytest.raises(LockLost):
+                held.check()
+            proxy.refuse(False)
+            with pytest.raises(LockLost):
+                held.release()
+        with LockManager(db_url) as direct:
+            assert row_of(direct, key) is None  # still ours, so release deleted it
+
+
+def test_paused_holder_learns_it_lost_and_its_fenced_write_is_refused(
+    db_url: str, key: str
+) -> None:
+    """A holder frozen (SIGSTOP) longer than its lease loses the lock to another
+    process. After SIGCONT it learns so (lost flag, callback, LockLost on
+    release), and its fenced write is refused."""
+    account = key
+    procs.reset_account(db_url, account)
+    report = ctx.Queue()
+    resume = ctx.Event()
+    holder = ctx.Process(
+        target=procs.paused_holder, args=(db_url, key, account, 1.0, resume, report)
+    )
+    holder.start()
+    try:
+        kind, stale_fence = report.get(timeout=60)
+        assert kind == "acquired"
+        os.kill(holder.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        with LockManager(db_url) as m, m.lock(key, timeout=30) as fresh:
+            assert fresh.fence > stale_fence
+            assert procs.fenced_write(db_url, account, fresh.fence, "fresh") == 1
+            os.kill(holder.pid, signal.SIGCONT)  # type: ignore[arg-type]
+            resume.set()
+            events = [report.get(timeout=30) for _ in range(4)]
+        assert events[0][0] == "on_lost"  # the callback ran, in the holder's process
+        assert events[0][1] == key
+        events = events[1:]
+        assert events[0] == ("lost", True)
+        assert events[1] == ("write", 0)  # refused: a newer fence wrote already
+        assert events[2][0] == "release"
+        assert events[2][1].startswith("LockLost")
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        holder.join(30)
+    assert holder.exitcode == 0
+    assert procs.read_account(db_url, account) == ("fresh", fresh.fence)
+
+
+def _wait_for(condition: object, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not met in time")
