@@ -8,6 +8,7 @@ PostgreSQL, MySQL/MariaDB or SQLite. See ``DESIGN.md`` and the README.
 from __future__ import annotations
 
 from .config import Config
+from .decorators import returns
 from .errors import (
     BackendError,
     DBLockError,
@@ -21,12 +22,14 @@ from .errors import (
 )
 from .lock import HeldLock
 from .manager import LockManager, LockRequest
+from .multi import HeldLocks
 
 __all__ = [
     "BackendError",
     "Config",
     "DBLockError",
     "HeldLock",
+    "HeldLocks",
     "LockArgumentError",
     "LockBusy",
     "LockLost",
@@ -36,6 +39,7 @@ __all__ = [
     "LockRequest",
     "LockTimeout",
     "SchemaMissing",
+    "returns",
 ]
 
 __version__ = "0.1.0"

@@ -13,24 +13,24 @@ and the store, and hands out locks::
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from sqlalchemy import URL
 from sqlalchemy.engine import Engine
 
-from . import migrations
+from . import decorators, migrations
 from ._engine import make_engine, mask, resolve_url
 from ._store import Store, open_store
 from .config import Config, OnLost, check_max_hold, check_on_lost, check_timeout, check_ttl
+from .decorators import KeySpec, OnBusy
 from .errors import DBLockError, LockArgumentError
-from .keys import KeyTemplate, check_key
+from .keys import check_key
 from .lock import UNSET, HeldLock, Locker, LockOptions, Unset
+from .multi import HeldLocks, LockManyRequest, acquire_many, order_keys
 from .schema import TableNames
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ class LockManager:
 
     def locked(
         self,
-        template: str | Callable[..., str],
+        template: KeySpec,
         *,
         blocking: bool = True,
         timeout: float | Unset | None = UNSET,
@@ -227,38 +227,29 @@ class LockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        on_busy: OnBusy = "raise",
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-        """Decorate a function so each call holds the lock named by ``template``
-        (``"user:{user_id}"``, ``"order:{order.id}"``, or a callable taking the
-        function's arguments). Names are checked against the signature now."""
-        _, blocking, wait, lease, opts = self._check(
-            "-",
+        """Decorate a function (or method) so each call holds the lock named by
+        ``template``: a format string over the call's arguments
+        (``"user:{user_id}"``, ``"order:{order.id}"``, ``"{self.id}"``), a list
+        of them (all taken at once, as by :meth:`lock_many`), or a callable
+        taking the function's arguments and returning a key or keys. Names are
+        checked against the signature now. When the lock is not granted,
+        ``on_busy`` decides: ``"raise"`` (default), or a handler called as
+        ``handler(error, *args, **kwargs)`` whose result is returned
+        (``dblock.returns(value)`` returns a fixed value). The other options
+        are those of :meth:`lock`."""
+        return decorators.locked(
+            lambda: self,
+            template,
             blocking=blocking,
             timeout=timeout,
             ttl=ttl,
             renew=renew,
             max_hold=max_hold,
             on_lost=on_lost,
+            on_busy=on_busy,
         )
-
-        def decorate(func: Callable[P, R]) -> Callable[P, R]:
-            if inspect.iscoroutinefunction(func):
-                raise LockArgumentError(
-                    f"{func.__qualname__} is a coroutine function; dblock locks are "
-                    "synchronous (run the locked part with asyncio.to_thread)"
-                )
-            make_key = KeyTemplate(template, func)
-            locker = self._locker
-
-            @functools.wraps(func)
-            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                key = make_key(args, kwargs)
-                with locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease, options=opts):
-                    return func(*args, **kwargs)
-
-            return wrapper
-
-        return decorate
 
     def _check(
         self,
@@ -350,6 +341,68 @@ class LockManager:
     def _after_fork(self) -> None:
         self._locker.after_fork()
         self._store.after_fork()
+
+    # -- several keys at once ----------------------------------------------
+
+    def lock_many(
+        self,
+        keys: Iterable[str],
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> LockManyRequest:
+        """A context manager holding every key in ``keys`` for the ``with``
+        block, yielding :class:`~dblock.HeldLocks`. The keys are taken in one
+        deterministic order (sorted, duplicates removed) so two callers asking
+        for (A, B) and (B, A) cannot deadlock; ``timeout`` bounds the whole
+        acquisition, and if one key cannot be had the others are released.
+        The other options are those of :meth:`lock`, for every key."""
+        _, blocking, wait, lease, opts = self._check(
+            "-",
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return LockManyRequest(
+            self._locker,
+            order_keys(keys),
+            blocking=blocking,
+            timeout=wait,
+            ttl=lease,
+            options=opts,
+        )
+
+    def acquire_many(
+        self,
+        keys: Iterable[str],
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> HeldLocks:
+        """Like :meth:`lock_many` without ``with``: call ``release()`` on the result."""
+        _, blocking, wait, lease, opts = self._check(
+            "-",
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return acquire_many(
+            self._locker, order_keys(keys), blocking=blocking, timeout=wait, ttl=lease, options=opts
+        )
 
 
 def _after_fork_in_child() -> None:

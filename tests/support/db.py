@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import sqlalchemy as sa
 
@@ -25,3 +29,28 @@ def reachable(url: str) -> str | None:
     finally:
         engine.dispose()
     return None
+
+
+@contextlib.contextmanager
+def private_database(db: str, directory: Path) -> Iterator[str]:
+    """A database of its own on the shared server (a file for SQLite), for
+    tests whose application creates tables or works table-wide; dropped after."""
+    name = f"dblock_x_{uuid.uuid4().hex[:12]}"
+    if db == "sqlite":
+        yield f"sqlite:///{directory / name}.sqlite3"
+        return
+    base = DEFAULT_URLS[db]
+    problem = reachable(base)
+    if problem:
+        raise RuntimeError(f"{db} is required by the test suite and unreachable: {problem}")
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    charset = " CHARACTER SET utf8mb4" if db == "mariadb" else ""
+    with admin.connect() as conn:
+        conn.execute(sa.text(f"CREATE DATABASE {name}{charset}"))
+    try:
+        yield sa.make_url(base).set(database=name).render_as_string(hide_password=False)
+    finally:
+        force = " WITH (FORCE)" if db == "postgresql" else ""
+        with admin.connect() as conn:
+            conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}{force}"))
+        admin.dispose()

@@ -57,13 +57,17 @@ def increment_worker(
                 _bump(engine, select, name)
 
     go.wait()
+    _run_threads(work, threads)
+    manager.close()
+    engine.dispose()
+
+
+def _run_threads(work: Any, threads: int) -> None:
     pool = [threading.Thread(target=work) for _ in range(threads)]
     for t in pool:
         t.start()
     for t in pool:
         t.join()
-    manager.close()
-    engine.dispose()
 
 
 def _bump(engine: sa.Engine, select: Any, name: str) -> None:
@@ -89,6 +93,40 @@ def hold_for(url: str, key: str, ttl: float, seconds: float, report: Any) -> Non
         report.put(("acquired", held.fence, time.time()))
         time.sleep(seconds)
         report.put(("releasing", held.fence, time.time()))
+
+
+def many_worker(
+    url: str, keys: list[str], name: str, threads: int, rounds: int, reverse: bool, go: Any
+) -> None:
+    """Threads taking all of ``keys`` with ``lock_many`` (listed in the given
+    or reversed order), then doing a non-atomic read-modify-write of one
+    counter row per key: a deadlock ends in LockTimeout (a non-zero exit), a
+    broken exclusion in lost updates."""
+    manager = LockManager(url)
+    engine = counter_engine(url)
+    order = list(reversed(keys)) if reverse else list(keys)
+    failures: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(rounds):
+                with manager.lock_many(order, timeout=120):
+                    for key in order:
+                        counter = f"{name}:{key}"
+                        _bump(
+                            engine,
+                            sa.select(COUNTER.c.value).where(COUNTER.c.name == counter),
+                            counter,
+                        )
+        except BaseException as exc:
+            failures.append(exc)
+
+    go.wait()
+    _run_threads(work, threads)
+    manager.close()
+    engine.dispose()
+    if failures:
+        raise failures[0]
 
 
 ACCOUNTS = sa.Table(

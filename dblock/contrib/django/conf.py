@@ -1,0 +1,96 @@
+"""dblock's Django settings: the ``DBLOCK`` dict, and the database URL built
+from ``DATABASES`` when it gives none.
+
+dblock keeps an engine of its own on that database: lock statements must
+commit at once and must never join the request's transaction, so they cannot
+run on Django's connection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import URL
+
+from ...errors import LockArgumentError
+from ...schema import TableNames
+from .._settings import Settings, read_settings
+
+__all__ = ["database_alias", "read", "table_names", "url_for", "url_from"]
+
+_DJANGO_ONLY = {"DATABASE": "default"}
+
+# Django vendor -> SQLAlchemy driver dblock speaks.
+_DRIVERS = {"postgresql": "postgresql+psycopg", "mysql": "mysql+pymysql", "sqlite": "sqlite"}
+# Connection OPTIONS that mean the same to the driver dblock uses; Django-only
+# ones (pool, isolation_level, init_command, ...) are left out.
+_PASSED_OPTIONS = {
+    "postgresql": {
+        "sslmode",
+        "sslrootcert",
+        "sslcert",
+        "sslkey",
+        "connect_timeout",
+        "application_name",
+        "options",
+        "target_session_attrs",
+        "service",
+        "passfile",
+    },
+    "mysql": {"charset", "connect_timeout"},
+    "sqlite": set(),
+}
+
+
+def read() -> Settings:
+    from django.conf import settings
+
+    values = getattr(settings, "DBLOCK", None) or {}
+    if not isinstance(values, dict):
+        raise LockArgumentError(f"settings.DBLOCK must be a dict, got {values!r}")
+    result = read_settings(values, name=lambda k: f"DBLOCK[{k!r}]", extra=_DJANGO_ONLY)
+    alias = result.extra["DATABASE"]
+    if alias not in settings.DATABASES:
+        raise LockArgumentError(
+            f"DBLOCK['DATABASE'] is {alias!r}, which is not in DATABASES "
+            f"({', '.join(map(repr, settings.DATABASES))})"
+        )
+    return result
+
+
+def database_alias() -> str:
+    return str(read().extra["DATABASE"])
+
+
+def table_names() -> TableNames:
+    return TableNames.of(read().config)
+
+
+def url_for(alias: str) -> URL:
+    """A SQLAlchemy URL for Django's database ``alias``, read from the live
+    connection settings (so under the test runner it is the test database)."""
+    from django.db import connections
+
+    connection = connections[alias]
+    return url_from(connection.vendor, connection.settings_dict, alias)
+
+
+def url_from(vendor: str, s: dict[str, Any], alias: str = "default") -> URL:
+    """A SQLAlchemy URL for a Django connection's ``vendor`` and settings."""
+    if vendor not in _DRIVERS:
+        raise LockArgumentError(
+            f"DATABASES[{alias!r}] uses {vendor!r}; dblock supports PostgreSQL, MySQL/MariaDB "
+            "and SQLite. Set DBLOCK['URL'] to a database it supports."
+        )
+    query = {k: str(v) for k, v in (s.get("OPTIONS") or {}).items() if k in _PASSED_OPTIONS[vendor]}
+    if vendor == "sqlite":
+        return URL.create("sqlite", database=str(s["NAME"]))
+    return URL.create(
+        _DRIVERS[vendor],
+        username=s.get("USER") or None,
+        password=s.get("PASSWORD") or None,
+        host=s.get("HOST") or None,
+        port=int(s["PORT"]) if s.get("PORT") else None,
+        database=str(s["NAME"]),
+        query=query,
+    )

@@ -1,0 +1,48 @@
+"""An unmanaged model over dblock's lock table, for the admin page.
+
+dblock itself never goes through this model: locks are taken and released on
+dblock's own engine. The table is created by this app's migration.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.db import models
+
+from ...schema import to_utc
+from . import conf
+
+
+class LockTimeField(models.DateTimeField):
+    """A lock time as each database stores it (SQLite: REAL unix seconds;
+    MySQL: naive UTC), read as an aware UTC datetime."""
+
+    def get_internal_type(self) -> str:
+        # Not "DateTimeField": the backends' converters for that type would
+        # choke on SQLite's REAL seconds before from_db_value sees them.
+        return "DBLockTimeField"
+
+    def from_db_value(self, value: Any, expression: Any, connection: Any) -> datetime | None:
+        return to_utc(value)
+
+
+class Lock(models.Model):
+    lock_key = models.CharField("key", max_length=255, primary_key=True)
+    owner = models.CharField(max_length=255)
+    token = models.CharField(max_length=32)
+    fence = models.BigIntegerField()
+    acquired_at = LockTimeField("acquired")
+    expires_at = LockTimeField("lease ends")
+
+    class Meta:
+        managed = False
+        db_table = conf.table_names().table
+        ordering = ("lock_key",)
+        default_permissions = ("view",)
+        permissions = (("force_release_lock", "Can force-release a lock"),)
+        verbose_name = "held lock"
+
+    def __str__(self) -> str:
+        return str(self.lock_key)

@@ -1,0 +1,340 @@
+"""Flask integration: ``DBLock(app)`` or ``DBLock()`` + ``init_app(app)``.
+
+::
+
+    from dblock.contrib.flask import DBLock
+
+    dblock = DBLock()           # in extensions.py, before any app exists
+
+    @dblock.locked("user:{user_id}", blocking=False)
+    def withdraw(user_id: int, amount: int) -> int: ...
+
+    def create_app():
+        app = Flask(__name__)
+        app.config["DBLOCK_TTL"] = 60
+        db.init_app(app)        # Flask-SQLAlchemy, if the app has it
+        dblock.init_app(app)
+        return app
+
+Configuration is read from ``app.config`` keys ``DBLOCK_<NAME>``: every
+:class:`~dblock.Config` field (``DBLOCK_TABLE``, ``DBLOCK_TTL``,
+``DBLOCK_TIMEOUT``, ...) and ``DBLOCK_URL``, ``DBLOCK_ENGINE_OPTIONS``,
+``DBLOCK_SWEEPER``, ``DBLOCK_SWEEPER_INTERVAL``, ``DBLOCK_SWEEPER_MAX_AGE``,
+``DBLOCK_BUSY_STATUS`` (409 or 423), ``DBLOCK_BUSY_RESPONSE`` and
+``DBLOCK_USE_SQLALCHEMY``. The database is, in this order: ``DBLOCK_URL``;
+``$DBLOCK_URL``; the engine of Flask-SQLAlchemy when the app has the
+extension (borrowed: dblock runs its statements on its own pooled
+connections in autocommit, never in the request's session); the SQLite file
+``./dblock.sqlite3``.
+
+The extension adds ``flask dblock`` (``migrate``, ``sweep``, ``list``,
+``release``), turns a :class:`~dblock.LockNotAcquired` escaping a view into a
+409 (or 423) response unless the app registered its own handler for it, and
+with ``DBLOCK_SWEEPER = True`` sweeps expired rows in the background from the
+first request of each process on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, ParamSpec, TypeVar
+
+import click
+from flask import Flask, Response, current_app, has_app_context, request
+from flask.cli import AppGroup
+from sqlalchemy.engine import Engine
+
+from .. import decorators, migrations
+from .._engine import ENV_URL
+from ..decorators import KeySpec, OnBusy
+from ..errors import DBLockError, LockArgumentError, LockBusy, LockNotAcquired, LockTimeout
+from ..lock import UNSET, Unset
+from ..manager import LockManager, LockRequest
+from ..multi import LockManyRequest
+from . import _admin
+from ._http import busy_body, log_busy, wants_json
+from ._settings import Settings, read_settings
+
+__all__ = ["DBLock", "cli"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+EXTENSION = "dblock"
+_FLASK_ONLY = {"USE_SQLALCHEMY": True, "BUSY_RESPONSE": True}
+
+
+class _State:
+    """What the extension keeps per app, in ``app.extensions["dblock"]``."""
+
+    def __init__(self, manager: LockManager, settings: Settings) -> None:
+        self.manager = manager
+        self.settings = settings
+        self.sweeper: _admin.Sweeper | None = None
+        self.sweeper_pid: int | None = None
+        self.lock = threading.Lock()
+
+
+class DBLock:
+    """The Flask extension. ``DBLock(app)`` or ``DBLock()`` then ``init_app(app)``.
+
+    ``manager=`` uses a :class:`~dblock.LockManager` you made instead of one
+    built from the config. Locks taken through the extension use the manager
+    of the current app (or of the app given to the constructor, outside an
+    app context), so decorators can be applied before any app exists.
+    """
+
+    def __init__(self, app: Flask | None = None, *, manager: LockManager | None = None) -> None:
+        self._manager = manager
+        self._app: Flask | None = None
+        if app is not None:
+            self.init_app(app)
+            self._app = app
+
+    def init_app(self, app: Flask) -> None:
+        values = {k[len("DBLOCK_") :]: v for k, v in app.config.items() if k.startswith("DBLOCK_")}
+        settings = read_settings(values, name=lambda k: f"DBLOCK_{k}", extra=_FLASK_ONLY)
+        for flag in _FLASK_ONLY:
+            if not isinstance(settings.extra[flag], bool):
+                raise LockArgumentError(
+                    f"DBLOCK_{flag} must be True or False, got {settings.extra[flag]!r}"
+                )
+        manager = self._manager or _make_manager(app, settings)
+        state = _State(manager, settings)
+        app.extensions[EXTENSION] = state
+        app.cli.add_command(cli)
+        if settings.extra["BUSY_RESPONSE"] and not _handles_busy(app):
+            app.register_error_handler(LockNotAcquired, _busy_response)
+        if settings.sweeper:
+            app.before_request(_start_sweeper_once)
+
+    # -- the manager of the current app -----------------------------------
+
+    @property
+    def manager(self) -> LockManager:
+        """The current app's :class:`~dblock.LockManager`."""
+        return self._state().manager
+
+    def _state(self) -> _State:
+        if has_app_context():
+            app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+        elif self._app is not None:
+            app = self._app
+        else:
+            raise RuntimeError(
+                "dblock: no Flask app here: call this inside an app context, or give the "
+                "app to DBLock(app)"
+            )
+        return state_of(app)
+
+    def lock(
+        self,
+        key: str,
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+    ) -> LockRequest:
+        """``LockManager.lock`` on the current app's manager (``manager``
+        has the rest: ``acquire``, ``acquire_many``, ...)."""
+        return self.manager.lock(key, blocking=blocking, timeout=timeout, ttl=ttl)
+
+    def lock_many(
+        self,
+        keys: Iterable[str],
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+    ) -> LockManyRequest:
+        return self.manager.lock_many(keys, blocking=blocking, timeout=timeout, ttl=ttl)
+
+    def locked(
+        self,
+        template: KeySpec,
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        on_busy: OnBusy = "raise",
+    ) -> Callable[[Callable[P, R]], Callable[P, R]]:
+        """``LockManager.locked``, resolving the app's manager at each call.
+        On a view, a busy lock (with the default ``on_busy="raise"``) becomes
+        the extension's 409/423 response."""
+        return decorators.locked(
+            lambda: self.manager,
+            template,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            on_busy=on_busy,
+        )
+
+    # -- the in-app sweeper ------------------------------------------------
+
+    def start_sweeper(self, app: Flask | None = None) -> _admin.Sweeper:
+        """Start this process's background sweeper now (``DBLOCK_SWEEPER``
+        starts it at the first request instead)."""
+        return _start_sweeper(state_of(app) if app is not None else self._state())
+
+    def stop_sweeper(self, app: Flask | None = None) -> None:
+        state = state_of(app) if app is not None else self._state()
+        with state.lock:
+            sweeper, state.sweeper = state.sweeper, None
+        if sweeper is not None:
+            sweeper.stop()
+
+
+def state_of(app: Flask) -> _State:
+    state = app.extensions.get(EXTENSION)
+    if not isinstance(state, _State):
+        raise RuntimeError(f"dblock is not set up on {app.name}: call DBLock(app) or init_app")
+    return state
+
+
+def _make_manager(app: Flask, settings: Settings) -> LockManager:
+    options: dict[str, Any] = {"config": settings.config}
+    url = settings.url or os.environ.get(ENV_URL)
+    if url is not None:
+        return LockManager(url, engine_options=settings.engine_options, **options)
+    if settings.extra["USE_SQLALCHEMY"]:
+        engine = _sqlalchemy_engine(app)
+        if engine is not None:
+            if engine.dialect.name == "sqlite":
+                # A borrowed SQLite engine lacks dblock's busy timeout and WAL
+                # pragmas; the same file through dblock's own engine has them.
+                return LockManager(engine.url, engine_options=settings.engine_options, **options)
+            return LockManager(engine, **options)
+        if "SQLALCHEMY_DATABASE_URI" in app.config:
+            # Locks in a local SQLite file would not be shared with the other
+            # servers: that mistake must not pass silently.
+            raise LockArgumentError(
+                "the app configures SQLALCHEMY_DATABASE_URI but Flask-SQLAlchemy is not set up "
+                "on it yet: call db.init_app(app) before dblock's init_app, or set DBLOCK_URL"
+            )
+    return LockManager(engine_options=settings.engine_options, **options)
+
+
+def _sqlalchemy_engine(app: Flask) -> Engine | None:
+    """The default engine of Flask-SQLAlchemy on ``app``, if it is set up there."""
+    ext = app.extensions.get("sqlalchemy")
+    if ext is None:
+        return None
+    with app.app_context():
+        engine = ext.engine
+    assert isinstance(engine, Engine)
+    return engine
+
+
+# -- busy responses -----------------------------------------------------------
+
+
+def _handles_busy(app: Flask) -> bool:
+    """Whether the app registered its own handler for a busy lock already."""
+    handlers = app.error_handler_spec.get(None, {}).get(None, {})
+    return any(cls in handlers for cls in (LockNotAcquired, LockBusy, LockTimeout))
+
+
+def _busy_response(exc: LockNotAcquired) -> Response:
+    status = state_of(current_app._get_current_object()).settings.busy_status  # type: ignore[attr-defined]
+    log_busy(exc, f"{request.method} {request.path}")
+    body, content_type = busy_body(
+        exc, status, as_json=wants_json(request.headers.get("Accept"), request.content_type)
+    )
+    return Response(body, status=status, content_type=content_type)
+
+
+# -- the in-app sweeper -------------------------------------------------------
+
+
+def _start_sweeper(state: _State) -> _admin.Sweeper:
+    with state.lock:
+        pid = os.getpid()
+        if state.sweeper is None or state.sweeper_pid != pid:
+            # After a fork the parent's scheduler thread is gone: start anew.
+            state.sweeper = _admin.Sweeper(
+                state.manager,
+                interval=state.settings.sweeper_interval,
+                max_age=state.settings.sweeper_max_age,
+            ).start()
+            state.sweeper_pid = pid
+        return state.sweeper
+
+
+def _start_sweeper_once() -> None:
+    state = state_of(current_app._get_current_object())  # type: ignore[attr-defined]
+    if state.sweeper is None or state.sweeper_pid != os.getpid():
+        _start_sweeper(state)
+
+
+# -- flask dblock ... ----------------------------------------------------------
+
+cli = AppGroup("dblock", help="dblock's lock table: migrate, sweep, list, release.")
+
+
+def _manager() -> LockManager:
+    return state_of(current_app._get_current_object()).manager  # type: ignore[attr-defined]
+
+
+def _run(action: Callable[[], str | None]) -> None:
+    try:
+        output = action()
+    except LockArgumentError as exc:
+        raise click.UsageError(str(exc)) from exc
+    except DBLockError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if output:
+        click.echo(output)
+
+
+@cli.command("migrate")
+@click.option("--sql", is_flag=True, help="Print the DDL for a DBA instead of running it.")
+def migrate_command(sql: bool) -> None:
+    """Create or upgrade the lock table (dblock's alembic migrations)."""
+
+    def run() -> str | None:
+        manager = _manager()
+        if sql:
+            migrations.upgrade_sql(manager.engine.url, manager.names, sys.stdout)
+            return None
+        before = migrations.current(manager.engine, manager.names)
+        manager.create_schema()
+        after = migrations.current(manager.engine, manager.names)
+        table = manager.names.table
+        if before == after:
+            return f"{table} on {manager.url} is up to date (revision {after})"
+        return f"migrated {table} on {manager.url}: {before or 'empty'} -> {after}"
+
+    _run(run)
+
+
+@cli.command("sweep")
+@click.option(
+    "--max-age", type=float, default=None, help="Also delete rows held longer than this (s)."
+)
+def sweep_command(max_age: float | None) -> None:
+    """Delete rows whose lease ended (and, with --max-age, rows held too long)."""
+    _run(lambda: _admin.sweep_report(_manager(), max_age=max_age))
+
+
+@cli.command("list")
+@click.option("--prefix", default=None, help="Only keys starting with this.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def list_command(prefix: str | None, as_json: bool) -> None:
+    """Show the locks held now."""
+    _run(lambda: _admin.list_report(_manager(), prefix=prefix, as_json=as_json))
+
+
+@cli.command("release")
+@click.argument("key")
+@click.option("--force", is_flag=True, help="Required: delete the row whoever holds it.")
+def release_command(key: str, force: bool) -> None:
+    """Force-release KEY: delete its row whoever holds it.
+
+    The holder is not told and goes on without mutual exclusion; use this only
+    for a lock whose holder is known to be gone.
+    """
+    _run(lambda: _admin.release_report(_manager(), key, force=force))

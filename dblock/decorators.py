@@ -1,0 +1,200 @@
+"""The locking decorator behind ``LockManager.locked`` and the integrations.
+
+A decorated call builds its key (or keys) from its own arguments, holds the
+lock(s) for the call, and when the lock cannot be had does what ``on_busy``
+says: raise (the default), or call a handler with the error and the call's
+arguments and return what it returns (:func:`returns` makes a handler that
+returns a fixed value). Everything that can be checked without a call is
+checked when the decorator is applied: the template's fields against the
+signature, the options, the handler's signature.
+
+The manager is looked up per call through ``resolve``, so the integrations
+can decorate at import time, before their application is configured.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
+
+from .config import OnLost, check_max_hold, check_on_lost, check_timeout, check_ttl
+from .errors import LockArgumentError, LockNotAcquired
+from .keys import KeyTemplate, check_key
+from .lock import UNSET, HeldLock, Unset
+from .multi import HeldLocks, order_keys
+
+if TYPE_CHECKING:
+    from .manager import LockManager
+
+__all__ = ["BusyHandler", "KeySpec", "OnBusy", "locked", "returns"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: ``handler(error, *args, **kwargs)``: called instead of the function when its
+#: lock is not granted (``error`` is the LockBusy or LockTimeout).
+BusyHandler = Callable[..., Any]
+OnBusy = Literal["raise"] | BusyHandler
+#: One format string, a list of them (several keys, taken with ``lock_many``),
+#: or a callable taking the function's arguments and returning a key or keys.
+KeySpec = str | Sequence[str] | Callable[..., str | Iterable[str]]
+
+
+def returns(value: Any) -> BusyHandler:
+    """An ``on_busy`` handler that returns ``value`` when the lock is busy."""
+
+    def busy(*_args: Any, **_kwargs: Any) -> Any:
+        return value
+
+    busy.__qualname__ = busy.__name__ = f"returns({value!r})"
+    return busy
+
+
+def locked(
+    resolve: Callable[[], LockManager],
+    spec: KeySpec,
+    *,
+    blocking: bool = True,
+    timeout: float | Unset | None = UNSET,
+    ttl: float | None = None,
+    renew: bool | None = None,
+    max_hold: float | None = None,
+    on_lost: OnLost | None = None,
+    on_busy: OnBusy = "raise",
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """A decorator holding the lock(s) named by ``spec`` around each call.
+
+    ``resolve`` returns the :class:`~dblock.LockManager` to use, at call time.
+    The other arguments are those of ``LockManager.locked``.
+    """
+    if not isinstance(blocking, bool):
+        raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
+    if timeout is not UNSET:
+        check_timeout(timeout)
+    if ttl is not None:
+        check_ttl(ttl)
+    if renew is not None and not isinstance(renew, bool):
+        raise LockArgumentError(f"renew must be True or False, got {renew!r}")
+    check_max_hold(max_hold)
+    check_on_lost(on_lost)
+    options: dict[str, Any] = {
+        "blocking": blocking,
+        "timeout": timeout,
+        "ttl": ttl,
+        "renew": renew,
+        "max_hold": max_hold,
+        "on_lost": on_lost,
+    }
+    if on_busy != "raise" and not callable(on_busy):
+        raise LockArgumentError(
+            f"on_busy must be 'raise' or a callable handler(error, *args, **kwargs) "
+            f"(dblock.returns(value) returns a value), got {on_busy!r}"
+        )
+
+    def decorate(func: Callable[P, R]) -> Callable[P, R]:
+        if isinstance(func, (classmethod, staticmethod)):
+            # Applied above @classmethod / @staticmethod: lock the function inside.
+            return type(func)(decorate(func.__func__))
+        if not callable(func):
+            raise LockArgumentError(f"locked() decorates a function, got {func!r}")
+        _refuse_unsupported(func)
+        make_keys = _key_builder(spec, func)
+        handler = None if on_busy == "raise" else on_busy
+        if handler is not None:
+            _check_handler(handler, func)
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            keys = make_keys(args, kwargs)
+            manager = resolve()
+            held: HeldLock | HeldLocks
+            try:
+                if isinstance(keys, str):
+                    held = manager.acquire(keys, **options)
+                else:
+                    held = manager.acquire_many(keys, **options)
+            except LockNotAcquired as exc:
+                if handler is None:
+                    raise
+                return handler(exc, *args, **kwargs)  # type: ignore[no-any-return]
+            with held:
+                return func(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def _refuse_unsupported(func: Callable[..., Any]) -> None:
+    name = getattr(func, "__qualname__", repr(func))
+    if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+        raise LockArgumentError(
+            f"{name} is a coroutine function; dblock locks are synchronous "
+            "(run the locked part with asyncio.to_thread)"
+        )
+    if inspect.isgeneratorfunction(func):
+        raise LockArgumentError(
+            f"{name} is a generator function: the lock would be released before its body "
+            "runs; lock inside the generator with `with locks.lock(...)` instead"
+        )
+
+
+KeysOf = Callable[[tuple[Any, ...], dict[str, Any]], str | tuple[str, ...]]
+
+
+def _key_builder(spec: KeySpec, func: Callable[..., Any]) -> KeysOf:
+    """What turns a call's arguments into its key (a str) or keys (ordered)."""
+    if isinstance(spec, str):
+        return KeyTemplate(spec, func)
+    if callable(spec):
+        make = spec
+        name = getattr(spec, "__qualname__", repr(spec))
+
+        def from_callable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | tuple[str, ...]:
+            made = make(*args, **kwargs)
+            if isinstance(made, str):
+                return check_key(made)
+            try:
+                return order_keys(made)
+            except LockArgumentError as exc:
+                raise LockArgumentError(
+                    f"the key function {name} returned {made!r}: {exc}"
+                ) from exc
+
+        return from_callable
+    if isinstance(spec, Sequence) and spec and all(isinstance(s, str) for s in spec):
+        templates = [KeyTemplate(s, func) for s in spec]
+        return lambda args, kwargs: order_keys(t(args, kwargs) for t in templates)
+    raise LockArgumentError(
+        "the key must be a format string, a non-empty list of format strings, or a callable "
+        f"returning a key or keys; got {spec!r}"
+    )
+
+
+def _check_handler(handler: BusyHandler, func: Callable[..., Any]) -> None:
+    """Refuse, now, a handler that could not take ``(error, *args, **kwargs)``."""
+    try:
+        handler_sig = inspect.signature(handler)
+        func_sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        return  # no introspectable signature (some builtins): trust it
+    args: list[Any] = [None]
+    kwargs: dict[str, Any] = {}
+    for p in func_sig.parameters.values():
+        if p.default is not p.empty:
+            continue  # a call may leave it out
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            args.append(None)
+        elif p.kind is p.KEYWORD_ONLY:
+            kwargs[p.name] = None
+    try:
+        handler_sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        name = getattr(handler, "__qualname__", repr(handler))
+        raise LockArgumentError(
+            f"on_busy handler {name}{handler_sig} cannot be called as handler(error, *args, "
+            f"**kwargs) with the arguments of {getattr(func, '__qualname__', func)}{func_sig}: "
+            f"{exc}"
+        ) from exc

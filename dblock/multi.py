@@ -1,0 +1,193 @@
+"""Several keys held at once, taken in one order so that callers cannot deadlock.
+
+Two requests for (A, B) and (B, A) that each took their first key would wait
+for each other forever. :func:`acquire_many` sorts the keys (after
+normalisation, duplicates removed) and takes them one by one in that order,
+so every caller competes for the smallest key first and no cycle of waiters
+can form. The order is the keys' code-point order: the same in every process
+and on every machine. If one key cannot be had, every key taken so far is
+released again, newest first, before the error is raised.
+
+The guarantee covers ``lock_many`` calls among themselves. A thread that
+already holds some key and then asks for others can still deadlock with
+someone asking in the opposite order; ask for all of them in one call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from .errors import LockArgumentError, LockLost, LockTimeout
+from .keys import check_key
+from .lock import HeldLock, Locker, LockOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["HeldLocks", "LockManyRequest", "acquire_many", "order_keys"]
+
+log = logging.getLogger("dblock")
+
+
+def order_keys(keys: Iterable[str]) -> tuple[str, ...]:
+    """The normalised keys, without duplicates, in the order they are taken."""
+    if isinstance(keys, (str, bytes)):
+        raise LockArgumentError(
+            f"lock_many takes an iterable of keys, not a single {type(keys).__name__} {keys!r}"
+        )
+    try:
+        unique = {check_key(key) for key in keys}
+    except TypeError as exc:
+        raise LockArgumentError(f"lock_many takes an iterable of keys, got {keys!r}") from exc
+    if not unique:
+        raise LockArgumentError("lock_many needs at least one key")
+    return tuple(sorted(unique))
+
+
+class HeldLocks(Mapping[str, HeldLock]):
+    """The locks taken by ``lock_many()``: a read-only mapping ``key ->``
+    :class:`~dblock.HeldLock` in the order they were acquired. Releasing it
+    releases all of them, newest first."""
+
+    __slots__ = ("_by_key", "_released")
+
+    def __init__(self, held: Iterable[HeldLock]) -> None:
+        self._by_key = {lock.key: lock for lock in held}
+        self._released = False
+
+    def __getitem__(self, key: str) -> HeldLock:
+        return self._by_key[check_key(key)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_key)
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> bool:
+        """Release every lock, newest first. Returns False if the database
+        could not be reached for some of them (see ``HeldLock.release``);
+        raises the first :class:`~dblock.LockLost` after releasing the rest."""
+        self._released = True
+        return release_all(list(self._by_key.values()))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self.release()
+        except LockLost:
+            if exc_type is None:
+                raise
+            log.exception("dblock: a lock of %r was lost while its holder failed", list(self))
+
+    def __repr__(self) -> str:
+        state = " released" if self._released else ""
+        return f"<HeldLocks {list(self._by_key)!r}{state}>"
+
+
+def release_all(held: list[HeldLock]) -> bool:
+    """Release ``held`` newest first, all of them even if some fail."""
+    ok = True
+    lost: LockLost | None = None
+    for lock in reversed(held):
+        try:
+            ok = lock.release() and ok
+        except LockLost as exc:
+            lost = lost or exc
+    if lost is not None:
+        raise lost
+    return ok
+
+
+def acquire_many(
+    locker: Locker,
+    keys: tuple[str, ...],
+    *,
+    blocking: bool,
+    timeout: float | None,
+    ttl: float,
+    options: LockOptions | None = None,
+) -> HeldLocks:
+    """Take ``keys`` (already ordered by :func:`order_keys`) one by one within
+    one overall ``timeout``; on any failure release what was taken."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    held: list[HeldLock] = []
+    try:
+        for key in keys:
+            wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            held.append(
+                locker.acquire(key, blocking=blocking, timeout=wait, ttl=ttl, options=options)
+            )
+    except BaseException as exc:
+        try:
+            release_all(held)
+        except LockLost:
+            log.exception("dblock: a lock was lost while giving up on %r", keys)
+        if isinstance(exc, LockTimeout) and timeout is not None:
+            # Report the caller's timeout, not the part left for the last key.
+            raise LockTimeout(
+                exc.key, timeout=timeout, level=exc.level, holder=exc.holder
+            ) from None
+        raise
+    return HeldLocks(held)
+
+
+class LockManyRequest:
+    """What ``LockManager.lock_many()`` returns: acquires every key on
+    ``with`` entry, releases them all on exit, and yields :class:`HeldLocks`."""
+
+    __slots__ = ("_held", "_locker", "blocking", "keys", "options", "timeout", "ttl")
+
+    def __init__(
+        self,
+        locker: Locker,
+        keys: tuple[str, ...],
+        *,
+        blocking: bool,
+        timeout: float | None,
+        ttl: float,
+        options: LockOptions | None = None,
+    ) -> None:
+        self._locker = locker
+        self.options = options
+        self.keys = keys
+        self.blocking = blocking
+        self.timeout = timeout
+        self.ttl = ttl
+        self._held: HeldLocks | None = None
+
+    def __enter__(self) -> HeldLocks:
+        self._held = acquire_many(
+            self._locker,
+            self.keys,
+            blocking=self.blocking,
+            timeout=self.timeout,
+            ttl=self.ttl,
+            options=self.options,
+        )
+        return self._held
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.__exit__(exc_type, exc, tb)

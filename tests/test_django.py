@@ -1,0 +1,505 @@
+"""dblock.contrib.django and the example project under examples/django_project,
+on PostgreSQL with pytest-django (its test database is this run's own):
+migration, settings, decorators, middleware, commands, admin, and concurrent
+requests for one user against two running servers."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from django.contrib.auth.models import Permission, User
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
+from django.http import HttpRequest, JsonResponse
+from django.test import Client, RequestFactory, override_settings
+from django.urls import path
+
+import dblock.contrib.django as dj
+from dblock import LockArgumentError, LockBusy, LockManager, migrations
+from dblock.contrib.django import _ddl, conf
+from dblock.contrib.django.apps import current_sweeper, stop_sweeper
+from dblock.contrib.django.middleware import LockBusyMiddleware
+from dblock.schema import TableNames
+from tests.support import web
+from tests.support.db import private_database
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "django_project"
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_manager() -> Iterator[None]:
+    dj.reset_manager()
+    yield
+    dj.reset_manager()
+
+
+@pytest.fixture
+def accounts() -> None:
+    from accounts.models import Account
+
+    for user_id in (1, 2):
+        Account.objects.update_or_create(id=user_id, defaults={"balance": 1000})
+
+
+def other_manager() -> LockManager:
+    """Another process's view of the lock table (its own registry)."""
+    return LockManager(conf.url_for("default"))
+
+
+def ledger() -> list[tuple[Any, ...]]:
+    from accounts.models import Ledger
+
+    return list(Ledger.objects.order_by("id").values_list("user_id", "request_id", "event"))
+
+
+# -- the migration ------------------------------------------------------------------
+
+
+def _reflect(url: str, names: TableNames) -> dict[str, Any]:
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        inspector = sa.inspect(engine)
+        columns = [
+            (c["name"], str(c["type"]), c["nullable"], c.get("autoincrement"), c.get("default"))
+            for c in inspector.get_columns(names.table)
+        ]
+        shape: dict[str, Any] = {
+            "columns": columns,
+            "pk": inspector.get_pk_constraint(names.table),
+            "indexes": sorted(
+                (i["name"], tuple(i["column_names"]), i["unique"])
+                for i in inspector.get_indexes(names.table)
+            ),
+            "unique": sorted(
+                (u["name"], tuple(u["column_names"]))
+                for u in inspector.get_unique_constraints(names.table)
+            ),
+            "version": migrations.current(engine, names),
+        }
+        if engine.dialect.name == "postgresql":
+            with engine.connect() as conn:
+                shape["sequences"] = conn.execute(
+                    sa.text(
+                        "SELECT sequencename, data_type::text, start_value, increment_by, "
+                        "max_value, cycle FROM pg_sequences WHERE sequencename LIKE :t"
+                    ),
+                    {"t": f"{names.table}%"},
+                ).all()
+        if engine.dialect.name == "sqlite":
+            with engine.connect() as conn:
+                shape["triggers"] = sorted(
+                    conn.execute(
+                        sa.text("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'")
+                    ).all()
+                )
+        if engine.dialect.name in ("mysql", "mariadb"):
+            with engine.connect() as conn:
+                shape["create"] = conn.execute(sa.text(f"SHOW CREATE TABLE {names.table}")).all()[
+                    0
+                ][1]
+        return shape
+    finally:
+        engine.dispose()
+
+
+def test_django_migrate_makes_the_alembic_schema(tmp_path: Path) -> None:
+    """The table `manage.py migrate` made in the test database, reflected on
+    PostgreSQL, equals what dblock's alembic revision makes elsewhere."""
+    names = conf.table_names()
+    django_url = conf.url_for("default").render_as_string(hide_password=False)
+    with private_database("postgresql", tmp_path) as alembic_url:
+        with LockManager(alembic_url) as m:
+            m.create_schema()
+        assert _reflect(django_url, names) == _reflect(alembic_url, names)
+    assert migrations.head() == _ddl.ALEMBIC_REVISION
+
+
+@pytest.mark.django_db(transaction=False)
+def test_migration_sql_matches_alembic_on_every_database(db: str, tmp_path: Path) -> None:
+    """The SQL the Django migration runs, compiled for each database, makes
+    the same schema as alembic there (private databases, a private table name)."""
+    names = TableNames(table=f"dblock_dj_{uuid.uuid4().hex[:8]}")
+    vendor = {"sqlite": "sqlite", "postgresql": "postgresql", "mariadb": "mysql"}[db]
+    with private_database(db, tmp_path) as one, private_database(db, tmp_path) as two:
+        engine = sa.create_engine(one, poolclass=sa.pool.NullPool)
+        with engine.begin() as conn:
+            for sql in _ddl.create_sql(vendor, names):
+                conn.exec_driver_sql(sql)
+        engine.dispose()
+        with LockManager(two, table=names.table) as m:
+            m.create_schema()
+        assert _reflect(one, names) == _reflect(two, names)
+        with LockManager(one, table=names.table) as m, m.lock("works") as held:
+            assert held.fence >= 1
+        engine = sa.create_engine(one, poolclass=sa.pool.NullPool)
+        with engine.begin() as conn:
+            for sql in _ddl.drop_sql(vendor, names):
+                conn.exec_driver_sql(sql)
+        assert sa.inspect(engine).get_table_names() == []
+        engine.dispose()
+
+
+def test_migrate_backwards_and_over_an_alembic_table() -> None:
+    names = conf.table_names()
+    call_command("migrate", "dblock", "zero", verbosity=0)
+    assert names.table not in connection.introspection.table_names()
+    # A project that ran `dblock migrate` before adopting the app keeps its table.
+    with other_manager() as m:
+        m.create_schema()
+        held = m.acquire("kept")
+        call_command("migrate", "dblock", verbosity=0)
+        assert names.table in connection.introspection.table_names()
+        assert held.release()  # its row survived the migration
+    call_command("migrate", "dblock", "zero", verbosity=0)
+    call_command("migrate", "dblock", verbosity=0)
+    with other_manager() as m:
+        assert migrations.current(m.engine, names) == migrations.head()
+
+
+# -- settings -----------------------------------------------------------------------
+
+
+def test_manager_uses_the_test_database_and_settings() -> None:
+    manager = dj.get_manager()
+    assert manager.engine.url.database == connection.settings_dict["NAME"]
+    assert manager.engine.url.database.startswith("test_dblock_")
+    assert manager.config.ttl == 30.0  # the example's DBLOCK["TTL"]
+    assert dj.get_manager() is manager
+    with override_settings(DBLOCK={"TTL": 7, "TIMEOUT": 2, "CLIENT_ID": "web-7"}):
+        changed = dj.get_manager()
+        assert changed is not manager
+        assert (changed.config.ttl, changed.config.timeout, changed.config.client_id) == (
+            7.0,
+            2.0,
+            "web-7",
+        )
+
+
+@pytest.mark.django_db(transaction=False)
+@pytest.mark.parametrize(
+    ("dblock", "message"),
+    [
+        pytest.param({"TLL": 3}, r"unknown dblock setting DBLOCK\['TLL'\]", id="typo"),
+        pytest.param({"TTL": 0}, "ttl must be", id="ttl"),
+        pytest.param({"DATABASE": "nope"}, "not in DATABASES", id="alias"),
+        pytest.param({"BUSY_STATUS": 200}, "409 or 423", id="status"),
+        pytest.param([("TTL", 3)], "must be a dict", id="not-dict"),
+    ],
+)
+def test_bad_settings_are_refused(dblock: Any, message: str) -> None:
+    with override_settings(DBLOCK=dblock), pytest.raises(LockArgumentError, match=message):
+        dj.get_manager()
+
+
+@pytest.mark.django_db(transaction=False)
+def test_url_from_databases() -> None:
+    url = conf.url_for("default")
+    assert url.drivername == "postgresql+psycopg"
+    assert (url.host, url.port, url.username) == ("127.0.0.1", 5432, "postgres")
+    assert url.database == connection.settings_dict["NAME"]
+    pg = conf.url_from(
+        "postgresql",
+        {
+            "NAME": "app",
+            "USER": "u",
+            "PASSWORD": "p@ss",
+            "HOST": "db",
+            "PORT": "6432",
+            "OPTIONS": {"sslmode": "require", "pool": True, "isolation_level": 1},
+        },
+    )
+    assert pg.render_as_string(hide_password=False) == (
+        "postgresql+psycopg://u:p%40ss@db:6432/app?sslmode=require"
+    )
+    assert str(conf.url_from("mysql", {"NAME": "app", "HOST": "h", "USER": "root"})) == (
+        "mysql+pymysql://root@h/app"
+    )
+    assert str(conf.url_from("sqlite", {"NAME": Path("/srv/db.sqlite3")})) == (
+        "sqlite:////srv/db.sqlite3"
+    )
+    with pytest.raises(LockArgumentError, match="'oracle'; dblock supports"):
+        conf.url_from("oracle", {"NAME": "x"})
+
+
+# -- the example through Django's test client -----------------------------------------
+
+
+def test_withdraw_through_the_test_client(accounts: None) -> None:
+    client = Client()
+    response = client.post("/users/1/withdraw", {"amount": 5}, content_type="application/json")
+    assert response.json() == {"user_id": 1, "balance": 995}
+    too_much = client.post("/users/1/withdraw", {"amount": 5000}, content_type="application/json")
+    assert too_much.status_code == 400
+    assert client.get("/users/1/balance").json()["balance"] == 995
+    rows = ledger()
+    assert [r[2] for r in rows] == ["enter", "exit", "enter", "exit"]
+    assert web.ledger_problems(rows) == []
+
+
+def test_view_decorator_answers_409(accounts: None) -> None:
+    client = Client()
+    with other_manager() as other, other.lock("user:1"):
+        as_json = client.get("/users/1/balance", HTTP_ACCEPT="application/json")
+        as_text = client.get("/users/1/balance", HTTP_ACCEPT="text/html")
+        free = client.get("/users/2/balance")
+        with override_settings(DBLOCK={"BUSY_STATUS": 423}):
+            locked_status = client.get("/users/1/balance").status_code
+    assert as_json.status_code == 409
+    assert as_json.json()["error"] == "locked"
+    assert as_text.status_code == 409
+    assert as_text.content.decode().startswith("409 Conflict: Another request holds")
+    assert free.status_code == 200
+    assert locked_status == 423
+
+
+@dj.locked("report:{user_id}", blocking=False)
+def _report(user_id: int) -> str:
+    return "report"
+
+
+def _report_view(request: HttpRequest, user_id: int) -> JsonResponse:
+    return JsonResponse({"report": _report(user_id)})
+
+
+urlpatterns = [path("report/<int:user_id>", _report_view)]
+
+
+@override_settings(ROOT_URLCONF=__name__)
+def test_middleware_answers_409_for_the_service_layer() -> None:
+    client = Client()
+    assert client.get("/report/3").json() == {"report": "report"}
+    with other_manager() as other, other.lock("report:3"):
+        response = client.get("/report/3", HTTP_ACCEPT="application/json")
+    assert response.status_code == 409
+    assert response.json()["message"].startswith("Another request holds")
+
+
+@pytest.mark.django_db(transaction=False)
+def test_middleware_leaves_other_errors_alone() -> None:
+    request = RequestFactory().get("/x")
+    middleware = LockBusyMiddleware(lambda r: JsonResponse({}))
+    assert middleware.process_exception(request, ValueError("x")) is None
+    response = middleware.process_exception(request, LockBusy("k", level=2))
+    assert response is not None
+    assert response.status_code == 409
+
+
+@pytest.mark.django_db(transaction=False)
+def test_async_views_are_refused_at_decoration() -> None:
+    with pytest.raises(LockArgumentError, match="coroutine"):
+
+        @dj.locked_view("user:{user_id}")
+        async def view(request: HttpRequest, user_id: int) -> None:
+            await asyncio.sleep(0)
+
+
+@pytest.mark.django_db(transaction=False)
+def test_view_template_is_checked_at_decoration() -> None:
+    with pytest.raises(LockArgumentError, match="'uid', which is not a parameter"):
+
+        @dj.locked_view("user:{uid}")
+        def view(request: HttpRequest, user_id: int) -> None: ...
+
+
+def test_class_based_view_method(accounts: None) -> None:
+    from django.views import View
+
+    class Balance(View):
+        @dj.locked_view("user:{user_id}", blocking=False)
+        def get(self, request: HttpRequest, user_id: int) -> JsonResponse:
+            return JsonResponse({"ok": True})
+
+    view = Balance.as_view()
+    request = RequestFactory().get("/x", HTTP_ACCEPT="application/json")
+    assert view(request, user_id=1).status_code == 200
+    with other_manager() as other, other.lock("user:1"):
+        assert view(request, user_id=1).status_code == 409
+
+
+# -- management commands ------------------------------------------------------------
+
+
+def test_management_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with other_manager() as other:
+        held = other.acquire("cmd:held", ttl=60)
+        other.acquire("cmd:short", ttl=0.2, renew=False)
+        time.sleep(0.5)
+
+        call_command("dblock_list")
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[1].startswith("cmd:held")
+        assert lines[1].endswith("s left")
+        assert lines[2].startswith("cmd:short")
+        assert lines[2].endswith("expired")
+
+        call_command("dblock_list", "--json", "--prefix", "cmd:h")
+        assert '"key": "cmd:held"' in capsys.readouterr().out
+
+        call_command("dblock_sweep")
+        assert capsys.readouterr().out.strip() == "swept 1 row(s) from dblock_locks"
+
+        with pytest.raises(CommandError, match="pass --force"):
+            call_command("dblock_release", "cmd:held")
+        call_command("dblock_release", "cmd:held", "--force")
+        assert capsys.readouterr().out.strip() == "released cmd:held"
+        with pytest.raises(CommandError, match="no lock 'cmd:held' is held"):
+            call_command("dblock_release", "cmd:held", "--force")
+        with pytest.raises(Exception, match="lost"):
+            held.release()
+
+
+def test_release_command_wakes_a_waiter_at_once() -> None:
+    """On PostgreSQL a force-release announces the key like a release, so a
+    waiter in another process gets it without waiting for a re-check."""
+    with other_manager() as holder, other_manager() as waiter:
+        holder.acquire("cmd:wake", ttl=60)
+        got: list[float] = []
+
+        def wait() -> None:
+            with waiter.lock("cmd:wake", timeout=30):
+                got.append(time.monotonic())
+
+        import threading
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        time.sleep(0.5)  # the waiter is asleep on LISTEN
+        released_at = time.monotonic()
+        call_command("dblock_release", "cmd:wake", "--force", verbosity=0)
+        thread.join(30)
+    assert got
+    assert got[0] - released_at < 1.5  # its re-check interval is 2 s
+
+
+# -- the admin page -------------------------------------------------------------------
+
+
+def test_admin_lists_locks_read_only_and_force_releases() -> None:
+    admin_user = User.objects.create_superuser("root", "root@example.com", "pw")
+    client = Client()
+    client.force_login(admin_user)
+    with other_manager() as other:
+        held = other.acquire("admin:held", ttl=60)
+        page = client.get("/admin/dblock/lock/")
+        assert page.status_code == 200
+        html = page.content.decode()
+        assert "admin:held" in html
+        assert held.owner in html
+        assert "Force-release the selected locks" in html
+        assert "/admin/dblock/lock/add/" not in html
+        detail = client.get("/admin/dblock/lock/admin:held/change/")
+        assert detail.status_code == 200
+        assert held.token not in detail.content.decode()
+        assert client.get("/admin/dblock/lock/add/").status_code == 403
+
+        response = client.post(
+            "/admin/dblock/lock/",
+            {"action": "force_release", "_selected_action": ["admin:held"]},
+            follow=True,
+        )
+        assert "Released 1 lock(s): admin:held" in response.content.decode()
+        assert "admin:held" not in client.get("/admin/dblock/lock/").content.decode()
+        with pytest.raises(Exception, match="lost"):
+            held.release()
+
+
+def test_admin_permissions() -> None:
+    staff = User.objects.create_user("staff", password="pw", is_staff=True)
+    client = Client()
+    client.force_login(staff)
+    assert client.get("/admin/dblock/lock/").status_code == 403
+    staff.user_permissions.add(Permission.objects.get(codename="view_lock"))
+    staff = User.objects.get(pk=staff.pk)
+    client.force_login(staff)
+    with other_manager() as other, other.lock("admin:perm"):
+        page = client.get("/admin/dblock/lock/").content.decode()
+        assert "admin:perm" in page
+        assert "Force-release" not in page  # seen, not touched
+        refused = client.post(
+            "/admin/dblock/lock/",
+            {"action": "force_release", "_selected_action": ["admin:perm"]},
+        )
+        assert refused.status_code in (200, 302, 403)
+        assert "admin:perm" in client.get("/admin/dblock/lock/").content.decode()
+        staff.user_permissions.add(Permission.objects.get(codename="force_release_lock"))
+        client.force_login(User.objects.get(pk=staff.pk))
+        assert "Force-release" in client.get("/admin/dblock/lock/").content.decode()
+
+
+# -- the in-app sweeper ----------------------------------------------------------------
+
+
+def test_sweeper_starts_with_the_first_request(accounts: None) -> None:
+    from django.core.signals import request_started
+
+    from dblock.contrib.django.apps import _maybe_start_sweeper
+
+    with override_settings(DBLOCK={"SWEEPER": True, "SWEEPER_INTERVAL": 0.2}):
+        # ready() connects the signal when SWEEPER is set at start-up.
+        request_started.connect(_maybe_start_sweeper, dispatch_uid="dblock-sweeper")
+        try:
+            with other_manager() as other:
+                other.acquire("sweep:me", ttl=0.2, renew=False)
+                assert Client().get("/users/2/balance").status_code == 200
+                sweeper = current_sweeper()
+                assert sweeper is not None
+                deadline = time.monotonic() + 30
+                while sweeper.swept == 0 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert sweeper.swept >= 1
+        finally:
+            request_started.disconnect(dispatch_uid="dblock-sweeper")
+            stop_sweeper()
+
+
+# -- the example under real concurrent HTTP requests ------------------------------------
+
+
+@pytest.mark.slow
+def test_running_servers_let_one_request_per_user_in(accounts: None) -> None:
+    """Two `manage.py runserver` processes (threaded) on the test database;
+    many concurrent withdrawals for two users."""
+    env = {
+        "EXAMPLE_DB_NAME": connection.settings_dict["NAME"],
+        "DJANGO_DEBUG": "0",
+        "PYTHONPATH": str(EXAMPLE.parent.parent),
+    }
+    ports = [web.free_port(), web.free_port()]
+    per_user = 24
+
+    def server(port: int) -> Any:
+        return web.serving(
+            [sys.executable, "manage.py", "runserver", "--noreload", f"127.0.0.1:{port}"],
+            cwd=EXAMPLE,
+            env=env,
+            port=port,
+            ready_path="/users/2/balance",
+        )
+
+    with server(ports[0]) as one, server(ports[1]) as two:
+        calls = [
+            ("POST", f"{(one, two)[i % 2]}/users/{1 + (i // 2) % 2}/withdraw", {"amount": 1})
+            for i in range(per_user * 2)
+        ]
+        statuses = web.concurrently(calls, threads=12)
+    assert statuses == [200] * len(calls)
+    rows = ledger()
+    assert web.ledger_problems(rows) == []
+    assert len(rows) == 2 * len(calls)
+    from accounts.models import Account
+
+    assert dict(Account.objects.values_list("id", "balance")) == {
+        1: 1000 - per_user,
+        2: 1000 - per_user,
+    }

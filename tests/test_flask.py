@@ -1,0 +1,435 @@
+"""dblock.contrib.flask and the example app in examples/flask_app: the test
+client, the `flask dblock` commands, busy responses, configuration, and real
+concurrent HTTP requests against two running server processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from flask import Flask, jsonify
+from flask_sqlalchemy import SQLAlchemy
+
+from dblock import LockArgumentError, LockBusy, LockManager, LockNotAcquired
+from dblock.contrib.flask import DBLock
+from tests.support import web
+from tests.support.db import private_database
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "flask_app"
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("dblock_flask_example", EXAMPLE / "app.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+example = load_example()
+
+
+@pytest.fixture
+def private_url(db: str, tmp_path: Path) -> Iterator[str]:
+    with private_database(db, tmp_path) as url:
+        yield url
+
+
+@pytest.fixture
+def app(private_url: str) -> Iterator[Flask]:
+    """The example app on a database of its own, set up with its commands."""
+    app = example.create_app({"SQLALCHEMY_DATABASE_URI": private_url, "TESTING": True})
+    runner = app.test_cli_runner()
+    result = runner.invoke(args=["init-db"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(args=["dblock", "migrate"])
+    assert result.exit_code == 0, result.output
+    assert "migrated dblock_locks" in result.output
+    yield app
+    with app.app_context():
+        example.db.engine.dispose()
+    app.extensions["dblock"].manager.close()
+
+
+def ledger(app: Flask) -> list[tuple[Any, ...]]:
+    with app.app_context():
+        rows = example.db.session.execute(
+            sa.select(
+                example.Ledger.user_id, example.Ledger.request_id, example.Ledger.event
+            ).order_by(example.Ledger.id)
+        ).all()
+        example.db.session.remove()
+    return [tuple(r) for r in rows]
+
+
+def other_manager(app: Flask) -> LockManager:
+    """Another process's view of the same lock table (its own registry)."""
+    return LockManager(app.extensions["dblock"].manager.engine.url)
+
+
+# -- the example through the test client ---------------------------------------
+
+
+def test_withdraw_through_the_test_client(app: Flask) -> None:
+    client = app.test_client()
+    assert client.post("/users/1/withdraw", json={"amount": 5}).get_json() == {
+        "user_id": 1,
+        "balance": 995,
+    }
+    too_much = client.post("/users/1/withdraw", json={"amount": 5000})
+    assert too_much.status_code == 400
+    assert client.get("/users/1/balance").get_json()["balance"] == 995
+    rows = ledger(app)
+    assert [r[2] for r in rows] == ["enter", "exit", "enter", "exit"]
+    assert web.ledger_problems(rows) == []
+
+
+def test_busy_lock_becomes_409_json_or_text(app: Flask) -> None:
+    client = app.test_client()
+    with other_manager(app) as other, other.lock("user:1"):
+        as_json = client.get("/users/1/balance", headers={"Accept": "application/json"})
+        as_text = client.get("/users/1/balance", headers={"Accept": "text/html,*/*;q=0.8"})
+        other_user = client.get("/users/2/balance")
+    assert as_json.status_code == 409
+    assert as_json.content_type == "application/json"
+    assert as_json.get_json() == {
+        "error": "locked",
+        "status": 409,
+        "message": "Another request holds the lock for this resource. Try again shortly.",
+        "retryable": True,
+    }
+    assert as_text.status_code == 409
+    assert as_text.content_type.startswith("text/plain")
+    assert as_text.get_data(as_text=True).startswith("409 Conflict: Another request holds")
+    assert "user:1" not in as_text.get_data(as_text=True)  # keys are not for clients
+    assert other_user.status_code == 200
+    assert client.get("/users/1/balance").status_code == 200  # released
+
+
+@pytest.mark.databases("sqlite")
+def test_waiting_request_that_times_out_is_409(app: Flask) -> None:
+    @app.get("/slow/<int:user_id>")
+    @example.dblock.locked("user:{user_id}", timeout=0.2)
+    def slow(user_id: int) -> str:
+        return "ok"
+
+    with other_manager(app) as other, other.lock("user:1"):
+        response = app.test_client().get("/slow/1", headers={"Accept": "application/json"})
+    assert response.status_code == 409
+    assert "longer than 0.2 s" in response.get_json()["message"]
+
+
+@pytest.mark.databases("sqlite")
+def test_busy_status_423_and_busy_response_off(private_url: str) -> None:
+    for config, expected in (({"DBLOCK_BUSY_STATUS": 423}, 423), ({}, 409)):
+        app = example.create_app({"SQLALCHEMY_DATABASE_URI": private_url, **config})
+        app.test_cli_runner().invoke(args=["dblock", "migrate"])
+        with other_manager(app) as other, other.lock("user:1"):
+            response = app.test_client().get("/users/1/balance")
+        assert response.status_code == expected
+        if expected == 423:
+            assert response.get_data(as_text=True).startswith("423 Locked:")
+
+    app = example.create_app(
+        {"SQLALCHEMY_DATABASE_URI": private_url, "DBLOCK_BUSY_RESPONSE": False, "TESTING": True}
+    )
+    with other_manager(app) as other, other.lock("user:1"), pytest.raises(LockBusy):
+        app.test_client().get("/users/1/balance")
+
+
+@pytest.mark.databases("sqlite")
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_app_handler_wins(private_url: str, when: str) -> None:
+    """An app that handles a busy lock itself keeps its own handler, whether
+    it registered it before or after init_app."""
+    app = Flask(__name__)
+    app.config["DBLOCK_URL"] = private_url
+    ext = DBLock()
+
+    def mine(exc: LockNotAcquired) -> tuple[Any, int]:
+        return jsonify(mine=True), 429
+
+    if when == "before":
+        app.register_error_handler(LockBusy, mine)
+    ext.init_app(app)
+    if when == "after":
+        app.register_error_handler(LockNotAcquired, mine)
+
+    @app.get("/x")
+    @ext.locked(lambda: "x", blocking=False)
+    def view() -> str:
+        return "ok"
+
+    with app.app_context():
+        ext.manager.create_schema()
+    with LockManager(private_url) as other, other.lock("x"):
+        response = app.test_client().get("/x")
+    assert (response.status_code, response.get_json()) == (429, {"mine": True})
+    app.extensions["dblock"].manager.close()
+
+
+# -- configuration -------------------------------------------------------------
+
+
+@pytest.mark.databases("sqlite")
+def test_config_keys_reach_the_manager(private_url: str) -> None:
+    app = Flask(__name__)
+    app.config.update(
+        DBLOCK_URL=private_url,
+        DBLOCK_TABLE="flask_locks",
+        DBLOCK_TTL=12,
+        DBLOCK_TIMEOUT=3,
+        DBLOCK_HANDOFF_LIMIT=0,
+        DBLOCK_CLIENT_ID="web-1",
+    )
+    ext = DBLock(app)
+    m = ext.manager  # outside an app context: the app given to DBLock(app)
+    assert (m.config.table, m.config.ttl, m.config.timeout) == ("flask_locks", 12.0, 3.0)
+    assert (m.config.handoff_limit, m.config.client_id) == (0, "web-1")
+    assert m.url == private_url
+    m.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        pytest.param({"DBLOCK_TLL": 5}, "unknown dblock setting DBLOCK_TLL", id="typo"),
+        pytest.param({"DBLOCK_TTL": -5}, "ttl must be", id="bad-ttl"),
+        pytest.param({"DBLOCK_BUSY_STATUS": 500}, "DBLOCK_BUSY_STATUS must be 409 or 423", id="st"),
+        pytest.param({"DBLOCK_SWEEPER": "yes"}, "DBLOCK_SWEEPER must be True", id="sweeper"),
+        pytest.param({"DBLOCK_USE_SQLALCHEMY": 1}, "DBLOCK_USE_SQLALCHEMY", id="flag"),
+        pytest.param({"DBLOCK_URL": "nonsense://"}, "cannot make an engine", id="bad-url"),
+    ],
+)
+def test_bad_config_is_refused_at_init(config: dict[str, Any], message: str) -> None:
+    app = Flask(__name__)
+    app.config.update(config)
+    with pytest.raises(LockArgumentError, match=message):
+        DBLock(app)
+
+
+def test_reuses_flask_sqlalchemy_engine(db: str, db_url: str, tmp_path: Path) -> None:
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = db_url
+    sqla = SQLAlchemy()
+    sqla.init_app(app)
+    ext = DBLock(app)
+    with app.app_context():
+        app_engine = sqla.engine
+        manager = ext.manager
+        if db == "sqlite":
+            # dblock's own engine on the same file, with its busy timeout and WAL.
+            assert manager.store.owns_engine
+            assert manager.engine.url.database == app_engine.url.database
+        else:
+            assert not manager.store.owns_engine
+            assert manager.engine.pool is app_engine.pool
+        with manager.lock(f"flask:reuse:{tmp_path.name}") as held:
+            assert held.fence > 0
+    manager.close()
+    with app.app_context():
+        sqla.engine.dispose()
+
+
+@pytest.mark.databases("postgresql")
+def test_lock_does_not_join_the_session_transaction(app: Flask) -> None:
+    """A lock taken while the request's session has an open transaction is
+    committed at once, and the session rolling back does not undo it."""
+    with app.app_context():
+        example.db.session.execute(sa.text("SELECT 1"))  # session transaction open
+        held = example.dblock.manager.acquire("user:tx")
+        example.db.session.rollback()
+        with other_manager(app) as other, pytest.raises(LockBusy):
+            other.acquire("user:tx", blocking=False)
+        held.release()
+
+
+def test_sqlalchemy_uri_without_extension_is_refused(tmp_path: Path) -> None:
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = f"sqlite:///{tmp_path}/x.sqlite3"
+    with pytest.raises(LockArgumentError, match=r"db\.init_app\(app\) before dblock"):
+        DBLock(app)
+
+
+def test_one_extension_many_apps(tmp_path: Path) -> None:
+    ext = DBLock()
+    apps = []
+    for name in ("a", "b"):
+        app = Flask(name)
+        app.config["DBLOCK_URL"] = f"sqlite:///{tmp_path}/{name}.sqlite3"
+        ext.init_app(app)
+        apps.append(app)
+    with apps[0].app_context():
+        first = ext.manager
+    with apps[1].app_context():
+        second = ext.manager
+    assert first is not second
+    assert first.url.endswith("a.sqlite3")
+    with pytest.raises(RuntimeError, match="no Flask app here"):
+        _ = ext.manager
+    first.close()
+    second.close()
+
+
+# -- flask dblock ... ------------------------------------------------------------
+
+
+def test_cli_list_sweep_release(app: Flask) -> None:
+    runner = app.test_cli_runner()
+    with other_manager(app) as other:
+        held = other.acquire("user:9", ttl=60)
+        short = other.acquire("user:8", ttl=0.2, renew=False)
+        time.sleep(0.5)  # user:8's lease ends
+
+        listed = runner.invoke(args=["dblock", "list"])
+        assert listed.exit_code == 0, listed.output
+        lines = listed.output.splitlines()
+        assert lines[0].split() == ["KEY", "OWNER", "FENCE", "ACQUIRED", "(UTC)", "LEASE"]
+        assert lines[1].startswith("user:8")
+        assert lines[1].endswith("expired")
+        assert lines[2].startswith("user:9")
+        assert lines[2].endswith("s left")
+
+        as_json = runner.invoke(args=["dblock", "list", "--json", "--prefix", "user:9"])
+        (row,) = [json.loads(line) for line in as_json.output.splitlines()]
+        assert (row["key"], row["fence"], row["expired"]) == ("user:9", held.fence, False)
+
+        swept = runner.invoke(args=["dblock", "sweep"])
+        assert swept.output.strip() == "swept 1 row(s) from dblock_locks"
+
+        refused = runner.invoke(args=["dblock", "release", "user:9"])
+        assert refused.exit_code == 2
+        assert "pass --force" in refused.output
+
+        released = runner.invoke(args=["dblock", "release", "user:9", "--force"])
+        assert released.exit_code == 0
+        assert released.output.strip() == "released user:9"
+        missing = runner.invoke(args=["dblock", "release", "user:9", "--force"])
+        assert missing.exit_code == 1
+        assert "no lock 'user:9' is held" in missing.output
+
+        assert runner.invoke(args=["dblock", "list"]).output.strip() == "no locks held"
+        del short
+        with pytest.raises(Exception, match="lost"):
+            held.release()
+
+
+def test_cli_migrate_sql_and_up_to_date(app: Flask) -> None:
+    runner = app.test_cli_runner()
+    again = runner.invoke(args=["dblock", "migrate"])
+    assert "is up to date (revision 0001)" in again.output
+    sql = runner.invoke(args=["dblock", "migrate", "--sql"])
+    assert sql.exit_code == 0
+    assert "CREATE TABLE dblock_locks" in sql.output
+
+
+@pytest.mark.databases("sqlite")
+def test_cli_reports_missing_table(private_url: str) -> None:
+    app = example.create_app({"SQLALCHEMY_DATABASE_URI": private_url})
+    result = app.test_cli_runner().invoke(args=["dblock", "list"])
+    assert result.exit_code == 1
+    assert "run `dblock migrate`" in result.output
+
+
+# -- the in-app sweeper ---------------------------------------------------------
+
+
+@pytest.mark.databases("sqlite", "postgresql")
+def test_sweeper_starts_with_the_first_request(private_url: str) -> None:
+    app = example.create_app(
+        {
+            "SQLALCHEMY_DATABASE_URI": private_url,
+            "DBLOCK_SWEEPER": True,
+            "DBLOCK_SWEEPER_INTERVAL": 0.2,
+        }
+    )
+    runner = app.test_cli_runner()
+    runner.invoke(args=["init-db"])
+    runner.invoke(args=["dblock", "migrate"])
+    state = app.extensions["dblock"]
+    assert state.sweeper is None  # commands do not start it
+    with other_manager(app) as other:
+        other.acquire("user:77", ttl=0.2, renew=False)
+        assert app.test_client().get("/users/1/balance").status_code == 200
+        try:
+            assert state.sweeper is not None
+            assert state.sweeper.running
+            deadline = time.monotonic() + 30
+            left = None
+            while left != 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+                with other.engine.connect() as conn:
+                    left = conn.execute(sa.text("SELECT count(*) FROM dblock_locks")).scalar()
+            assert left == 0
+            assert state.sweeper.swept >= 1
+        finally:
+            example.dblock.stop_sweeper(app)
+    assert state.sweeper is None
+
+
+# -- the example under real concurrent HTTP requests ----------------------------
+
+
+@pytest.mark.slow
+def test_running_servers_let_one_request_per_user_in(db: str, app: Flask, private_url: str) -> None:
+    """Two `flask run` processes, threaded, on one database; many concurrent
+    withdrawals for two users. The ledger shows no two requests for one user
+    inside the critical section at once, and no update was lost."""
+    env = {"DATABASE_URL": private_url, "PYTHONPATH": str(EXAMPLE.parent.parent)}
+    ports = [web.free_port(), web.free_port()]
+    command = [sys.executable, "-m", "flask", "--app", "app", "run", "--with-threads"]
+    per_user = 24
+    with (
+        web.serving(
+            [*command, "--port", str(ports[0])],
+            cwd=EXAMPLE,
+            env=env,
+            port=ports[0],
+            ready_path="/users/2/balance",
+        ) as one,
+        web.serving(
+            [*command, "--port", str(ports[1])],
+            cwd=EXAMPLE,
+            env=env,
+            port=ports[1],
+            ready_path="/users/2/balance",
+        ) as two,
+    ):
+        calls = [
+            ("POST", f"{(one, two)[i % 2]}/users/{1 + (i // 2) % 2}/withdraw", {"amount": 1})
+            for i in range(per_user * 2)
+        ]
+        statuses = web.concurrently(calls, threads=12)
+    assert statuses == [200] * len(calls)
+    rows = ledger(app)
+    assert web.ledger_problems(rows) == []
+    assert len(rows) == 2 * len(calls)
+    with app.app_context():
+        balances = dict(
+            example.db.session.execute(sa.select(example.Account.id, example.Account.balance)).all()
+        )
+        example.db.session.remove()
+    assert balances == {1: 1000 - per_user, 2: 1000 - per_user}
+
+
+def test_ledger_check_notices_an_overlap() -> None:
+    """The check the server test relies on does catch two requests inside."""
+    rows = [(1, "a", "enter"), (1, "b", "enter"), (1, "a", "exit"), (1, "b", "exit")]
+    assert web.ledger_problems(rows)
+    assert web.ledger_problems([(1, "a", "enter")]) == ["user 1: a never left"]
+    assert (
+        web.ledger_problems(
+            [(1, "a", "enter"), (2, "b", "enter"), (1, "a", "exit"), (2, "b", "exit")]
+        )
+        == []
+    )
