@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         "list", parents=[common], help="the lock rows: key, owner, age, lease left, fence"
     )
     listing.add_argument("--json", action="store_true", help="a JSON array, for scripts")
+    listing.add_argument("--prefix", help="only keys starting with this (taken literally)")
     listing.add_argument(
         "--limit",
         type=_positive_int,
@@ -222,7 +223,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     with _manager(args) as manager:
-        rows = manager.store.rows(limit=args.limit + 1)
+        rows = manager.store.rows(prefix=args.prefix, limit=args.limit + 1)
         shown = rows[: args.limit]
         if args.json:
             print(json.dumps([row.as_json() for row in shown], indent=2))

@@ -154,6 +154,9 @@ class Sweeper:
         self._stopping = threading.Event()
         self._state_lock = threading.Lock()
         self._scheduler: Any = None
+        #: Runs that held the sweeper lock, and the rows they deleted, so far.
+        self.runs = 0
+        self.swept = 0
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -204,6 +207,9 @@ class Sweeper:
             seconds=time.monotonic() - start,
             complete=complete,
         )
+        with self._state_lock:
+            self.runs += 1
+            self.swept += result.swept
         log.log(
             logging.INFO if result.swept or not complete else logging.DEBUG,
             "dblock sweeper: %s: %s",

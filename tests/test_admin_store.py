@@ -44,6 +44,21 @@ def test_rows_and_stats(private: LockManager, keys: object) -> None:
     live.release()
 
 
+def test_rows_by_prefix_take_it_literally(private: LockManager, key: str) -> None:
+    names = [f"{key}:a%b", f"{key}:a_c", f"{key}:A%b", f"{key}:ab"]
+    held = [private.acquire(name, ttl=60) for name in names]
+
+    def keys_with(prefix: str) -> list[str]:
+        return sorted(row.key for row in private.store.rows(prefix=prefix))
+
+    assert keys_with(f"{key}:a%") == [f"{key}:a%b"]  # % is no wildcard
+    assert keys_with(f"{key}:a_") == [f"{key}:a_c"]  # nor is _
+    assert keys_with(f"{key}:A") == [f"{key}:A%b"]  # case-sensitive, on SQLite too
+    assert keys_with(key) == sorted(names)
+    for h in held:
+        h.release()
+
+
 def test_stats_of_an_empty_table(private: LockManager) -> None:
     stats = private.store.stats()
     assert (stats.rows, stats.expired, stats.oldest) == (0, 0, None)

@@ -114,6 +114,11 @@ def test_list_and_stats(db_url: str, private: LockManager, keys: object) -> None
     assert rows[0]["age"] > 3600
     assert "token" not in rows[0]
 
+    done = dblock("list", "--prefix", live_key, *on)
+    assert done.returncode == 0, done.stderr
+    assert live_key in done.stdout
+    assert dead_key not in done.stdout
+
     done = dblock("list", "--limit", "1", *on)
     assert done.returncode == 0, done.stderr
     assert live_key not in done.stdout

@@ -415,17 +415,27 @@ class Store:
     #: How the DBAPI driver spells a named parameter.
     param_style: ClassVar[str] = "%({})s"
 
-    def rows(self, *, key: str | None = None, limit: int | None = None) -> list[LockRow]:
-        """Lock rows, oldest acquisition first: all of them, at most ``limit``,
-        or the one of ``key``."""
-        where = f"WHERE lock_key = {self.param_style.format('key')} " if key is not None else ""
+    def rows(
+        self, *, key: str | None = None, prefix: str | None = None, limit: int | None = None
+    ) -> list[LockRow]:
+        """Lock rows, oldest acquisition first: all of them, the one of
+        ``key``, or those whose key starts with ``prefix`` (taken literally,
+        case-sensitive); at most ``limit``."""
+        bind = self.param_style.format
+        where = ""
+        params: dict[str, Any] = {}
+        if key is not None:
+            where, params = f"WHERE lock_key = {bind('key')} ", {"key": key}
+        elif prefix:
+            # Not LIKE: its wildcards would need escaping, and SQLite's LIKE ignores case.
+            where = f"WHERE substr(lock_key, 1, {len(prefix)}) = {bind('prefix')} "
+            params = {"prefix": prefix}
         bound = f" LIMIT {int(limit)}" if limit is not None else ""
         sql = (
             f"SELECT {COLUMNS}, {self.now_sql} FROM {self.quoted(self.names.table)} "
             f"{where}ORDER BY acquired_at, lock_key{bound}"
         )
-        rows = self.run(sql, {"key": key} if key is not None else {}, fetch=True).rows
-        return [lock_row(r) for r in rows]
+        return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
 
     def stats(self) -> LockStats:
         """How many rows, how many of them expired, and the oldest."""

@@ -26,11 +26,14 @@ from typing import ClassVar
 from sqlalchemy.engine import Engine
 
 from ..config import Config
+from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
 from .base import Grant, Holder, Lease, Store
 
 _NO_SUCH_TABLE = 1146
+_DEADLOCK = (1213, 1205)  # chosen as a deadlock victim, lock wait timeout
+_DEADLOCK_RETRIES = 3
 _UTC = timezone.utc
 # How many times one attempt may find the key freed or expired under its feet
 # (deleted between our INSERT and our SELECT) before reporting it busy.
@@ -185,7 +188,16 @@ class MySQLStore(Store):
                 f"DELETE FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
                 f"RETURNING {COLUMNS}, UTC_TIMESTAMP(6)"
             )
-            return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
+            for attempt in range(_DEADLOCK_RETRIES + 1):
+                try:
+                    return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
+                except BackendError as exc:
+                    # InnoDB may choose this range DELETE as the victim of a
+                    # deadlock with concurrent acquires and renewals; it was
+                    # rolled back whole, so running it again is safe.
+                    if attempt == _DEADLOCK_RETRIES or not _deadlocked(exc):
+                        raise
+                    time.sleep(0.05 * 2**attempt)
         # MySQL has no DELETE ... RETURNING: read a batch, then delete each row
         # by its token, so a row taken over in between is left alone.
         found = self.run(
@@ -200,3 +212,9 @@ class MySQLStore(Store):
             if self.run(delete, {**params, "key": row.key, "token": row.token}).rowcount:
                 gone.append(row)
         return gone
+
+
+def _deadlocked(exc: BackendError) -> bool:
+    cause = exc.__cause__
+    args: tuple[object, ...] = getattr(getattr(cause, "orig", None) or cause, "args", ())
+    return bool(args) and args[0] in _DEADLOCK
