@@ -15,13 +15,11 @@ release, so waiters wake at once instead of at their next re-check.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .._store.admin import SweepReason
+from .._store.admin import LockRow, SweepReason
 from ..config import check_ttl
 from ..errors import DBLockError, LockArgumentError
 from ..keys import check_key
@@ -48,48 +46,13 @@ _BATCH = 500
 _RELEASE_ATTEMPTS = 3
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class LockInfo:
-    """One row of the lock table, as an admin sees it."""
-
-    key: str
-    owner: str
-    fence: int
-    acquired_at: datetime
-    expires_at: datetime
-    #: Seconds of lease left by the database's clock (negative: expired).
-    expires_in: float
-
-    @property
-    def expired(self) -> bool:
-        return self.expires_in <= 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "owner": self.owner,
-            "fence": self.fence,
-            "acquired_at": self.acquired_at.isoformat(),
-            "expires_at": self.expires_at.isoformat(),
-            "expires_in": round(self.expires_in, 3),
-            "expired": self.expired,
-        }
+#: One row of the lock table, as an admin sees it (the rows ``dblock list`` shows).
+LockInfo = LockRow
 
 
 def list_locks(manager: LockManager, *, prefix: str | None = None) -> list[LockInfo]:
     """Every row of the lock table (keys starting with ``prefix``), by key."""
-    rows = sorted(manager.store.rows(prefix=prefix), key=lambda row: row.key)
-    return [
-        LockInfo(
-            key=row.key,
-            owner=row.owner,
-            fence=row.fence,
-            acquired_at=row.acquired_at,
-            expires_at=row.expires_at,
-            expires_in=row.lease_left,
-        )
-        for row in rows
-    ]
+    return sorted(manager.store.rows(prefix=prefix), key=lambda row: row.key)
 
 
 def sweep(manager: LockManager, *, max_age: float | None = None) -> int:
@@ -140,7 +103,7 @@ def render_table(locks: list[LockInfo]) -> str:
             info.owner,
             str(info.fence),
             info.acquired_at.strftime("%Y-%m-%d %H:%M:%S"),
-            "expired" if info.expired else f"{info.expires_in:.1f} s left",
+            "expired" if info.expired else f"{info.lease_left:.1f} s left",
         )
         for info in locks
     ]
@@ -214,7 +177,7 @@ class Sweeper:
 def list_report(manager: LockManager, *, prefix: str | None, as_json: bool) -> str:
     locks = list_locks(manager, prefix=prefix)
     if as_json:
-        return "\n".join(json.dumps(info.as_dict()) for info in locks)
+        return "\n".join(json.dumps(info.as_json()) for info in locks)
     return render_table(locks)
 
 
