@@ -127,6 +127,7 @@ def test_missing_schema_says_run_migrate(db_url: str, key: str) -> None:
         with pytest.raises(SchemaMissing, match="dblock migrate") as info:
             m.acquire(key)
         assert "dblock_never_created" in str(info.value)
+        assert "dblock migrate --table dblock_never_created" in str(info.value)
         assert len(m._locker.registry) == 0
 
 
