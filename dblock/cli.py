@@ -2,32 +2,52 @@
 
 Every command takes the database from ``--url`` or ``$DBLOCK_URL`` (default:
 the SQLite file ``./dblock.sqlite3``) and the lock table from ``--table``.
-User mistakes and unreachable databases end in one clear line on stderr and a
-non-zero exit code, never a traceback:
+URLs are printed and logged with the password masked. User mistakes and
+unreachable databases end in one clear line on stderr and a non-zero exit
+code, never a traceback:
 
 * 0: done; 1: the database refused or failed (unreachable, no lock table, a
-  check failed); 2: bad arguments.
+  check failed, nothing to release); 2: bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
+import json
 import logging
+import re
+import signal
+import socket
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from . import __version__, migrations
 from ._engine import ENV_URL, mask, resolve_url
+from ._store.admin import LockRow, LockStats
 from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
 from .errors import DBLockError, LockArgumentError
+from .manager import LockManager
 from .schema import TableNames
+from .sweeper import Sweeper
 
-__all__ = ["main"]
+__all__ = ["main", "parse_duration"]
 
 log = logging.getLogger("dblock.cli")
 
 Command = Callable[[argparse.Namespace], int]
+
+_LIST_LIMIT = 1000
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (and exit code 2), not usage + error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,10 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dblock: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dblock list | head`: the reader left, nothing to report
+        sys.stdout = None  # no flush (and error) at exit
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument(
         "--url",
         default=None,
@@ -62,11 +85,74 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--table", default="dblock_locks", help="lock table name")
     common.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
 
-    parser = argparse.ArgumentParser(
-        prog="dblock", description="Distributed locks in your relational database."
-    )
+    parser = _Parser(prog="dblock", description="Distributed locks in your relational database.")
     parser.add_argument("--version", action="version", version=f"dblock {__version__}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    migrate = sub.add_parser(
+        "migrate", parents=[common], help="create or upgrade the lock table (alembic)"
+    )
+    migrate.add_argument(
+        "--index",
+        default=None,
+        help="name of the expires_at index (default: <table>_expires_at_idx)",
+    )
+    migrate.add_argument(
+        "--sql", action="store_true", help="print the DDL for a DBA instead of running it"
+    )
+    migrate.set_defaults(command=cmd_migrate)
+
+    listing = sub.add_parser(
+        "list", parents=[common], help="the lock rows: key, owner, age, lease left, fence"
+    )
+    listing.add_argument("--json", action="store_true", help="a JSON array, for scripts")
+    listing.add_argument("--prefix", help="only keys starting with this (taken literally)")
+    listing.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=_LIST_LIMIT,
+        help=f"show at most this many rows, oldest first (default {_LIST_LIMIT})",
+    )
+    listing.set_defaults(command=cmd_list)
+
+    stats = sub.add_parser("stats", parents=[common], help="rows held, expired, the oldest")
+    stats.add_argument("--json", action="store_true", help="a JSON object, for scripts")
+    stats.set_defaults(command=cmd_stats)
+
+    release = sub.add_parser(
+        "release", parents=[common], help="delete a lock row, whoever holds it (--force)"
+    )
+    release.add_argument("key", metavar="KEY", help="the lock key")
+    release.add_argument(
+        "--force", action="store_true", help="required: the holder is not asked and gets LockLost"
+    )
+    release.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
+    release.set_defaults(command=cmd_release)
+
+    sweep = sub.add_parser(
+        "sweep", parents=[common], help="delete rows whose lease expired (once, or every N)"
+    )
+    when = sweep.add_mutually_exclusive_group(required=True)
+    when.add_argument("--once", action="store_true", help="one run, then exit")
+    when.add_argument(
+        "--every",
+        type=parse_duration,
+        metavar="DURATION",
+        help="run every DURATION (30s, 5m, ...) until SIGTERM or Ctrl-C",
+    )
+    sweep.add_argument(
+        "--grace", type=parse_duration, help="delete a row this long after its lease ended (5s)"
+    )
+    sweep.add_argument(
+        "--max-hold",
+        type=parse_duration,
+        help="also delete rows held longer than this, live or not, with a warning (off)",
+    )
+    sweep.add_argument("--batch-size", type=_positive_int, help="rows per DELETE (500)")
+    sweep.add_argument(
+        "--lock-ttl", type=parse_duration, help="lease of the sweeper's own lock (10s)"
+    )
+    sweep.set_defaults(command=cmd_sweep)
 
     demo = sub.add_parser(
         "demo",
@@ -78,14 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--users", type=_positive_int, default=5)
     demo.add_argument("--requests", type=_positive_int, default=50, help="per thread")
     demo.set_defaults(command=cmd_demo)
-
-    migrate = sub.add_parser(
-        "migrate", parents=[common], help="create or upgrade the lock table (alembic)"
-    )
-    migrate.add_argument(
-        "--sql", action="store_true", help="print the DDL for a DBA instead of running it"
-    )
-    migrate.set_defaults(command=cmd_migrate)
 
     bench = sub.add_parser(
         "bench",
@@ -99,6 +177,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# -- argument types ------------------------------------------------------------
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\Z")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``"30"``, ``"30s"``, ``"500ms"``, ``"5m"``, ``"2h"``, ``"1d"``."""
+    match = _DURATION.match(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"not a duration: {text!r} (write e.g. 30s, 500ms, 5m, 2h)"
+        )
+    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -110,7 +204,202 @@ def _positive_int(text: str) -> int:
 
 
 def _names(args: argparse.Namespace) -> TableNames:
-    return TableNames.of(Config(table=args.table))  # Config validates the name
+    # Config validates the names before they get near any SQL.
+    return TableNames.of(Config(table=args.table, index=getattr(args, "index", None)))
+
+
+def _manager(args: argparse.Namespace) -> LockManager:
+    return LockManager(args.url, table=_names(args).table)
+
+
+# -- commands ------------------------------------------------------------------
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    names = _names(args)
+    url = resolve_url(args.url)
+    if args.sql:
+        migrations.upgrade_sql(url, names, sys.stdout)
+        return 0
+    with LockManager(url, table=names.table, index=names.index) as manager:
+        before = migrations.current(manager.engine, names)
+        migrations.upgrade(manager.engine, names)
+        after = migrations.current(manager.engine, names)
+    if before == after:
+        print(f"{names.table} on {mask(url)} is up to date (revision {after})")
+    else:
+        print(f"migrated {names.table} on {mask(url)}: {before or 'empty'} -> {after}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    with _manager(args) as manager:
+        rows = manager.store.rows(prefix=args.prefix, limit=args.limit + 1)
+        shown = rows[: args.limit]
+        if args.json:
+            print(json.dumps([row.as_json() for row in shown], indent=2))
+            return 0
+        stats = manager.store.stats() if len(rows) > args.limit else None
+        print(f"{manager.config.table} on {manager.url}: {_rows_summary(shown, stats)}")
+    if shown:
+        print()
+        print(_table(shown))
+    if stats is not None:
+        print(f"\n... {stats.rows - len(shown)} more, not shown (--limit)")
+    return 0
+
+
+def _rows_summary(rows: list[LockRow], stats: LockStats | None) -> str:
+    total = stats.rows if stats is not None else len(rows)
+    expired = stats.expired if stats is not None else sum(row.expired for row in rows)
+    return f"{total} row{'s' if total != 1 else ''}, {expired} expired"
+
+
+def _table(rows: list[LockRow]) -> str:
+    lines = [("KEY", "OWNER", "AGE", "LEASE LEFT", "FENCE")]
+    lines += [
+        (row.key, row.owner, span(row.age), _lease(row.lease_left), str(row.fence)) for row in rows
+    ]
+    widths = [max(len(line[i]) for line in lines) for i in range(4)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line[:4], widths, strict=True))
+        + "  "
+        + line[4]
+        for line in lines
+    )
+
+
+def _lease(left: float) -> str:
+    return span(left) if left > 0 else f"expired {span(-left)} ago"
+
+
+def span(seconds: float) -> str:
+    """A duration for people: ``0.25s``, ``12.3s``, ``5m03s``, ``2h05m``, ``3d04h``."""
+    if seconds < 10:
+        return f"{seconds:.2f}s"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _manager(args) as manager:
+        stats = manager.store.stats()
+        where = {"table": manager.config.table, "url": manager.url}
+    if args.json:
+        print(json.dumps({**where, **stats.as_json()}, indent=2))
+        return 0
+    oldest = stats.oldest
+    print(f"{where['table']} on {where['url']}")
+    print(f"  rows     {stats.rows:>8}")
+    print(f"  live     {stats.live:>8}")
+    print(f"  expired  {stats.expired:>8}")
+    if oldest is not None:
+        print(
+            f"  oldest   {oldest.key!r}, held by {oldest.owner} for {span(oldest.age)} "
+            f"(lease: {_lease(oldest.lease_left)})"
+        )
+    return 0
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    if not args.force:
+        raise LockArgumentError(
+            "dblock release takes a lock away from whoever holds it (the holder gets "
+            "LockLost); add --force to say you mean it"
+        )
+    with _manager(args) as manager:
+        found = manager.store.rows(key=args.key)
+        if not found:
+            print(f"dblock: no lock {args.key!r} in {manager.config.table} on {manager.url}")
+            return 1
+        row = found[0]
+        what = (
+            f"{row.key!r} held by {row.owner} for {span(row.age)} "
+            f"(lease: {_lease(row.lease_left)}, fence {row.fence})"
+        )
+        if not args.yes and not _confirm(f"force-release {what}? [y/N] "):
+            print("dblock: not released")
+            return 1
+        # Only the row we showed: if it changed hands meanwhile, it is not the
+        # lock the operator agreed to take away.
+        if not manager.store.release(row.key, row.token):
+            print(f"dblock: {row.key!r} changed hands meanwhile; nothing released")
+            return 1
+        log.warning(
+            "dblock: %s force-released %s in %s on %s",
+            _who(),
+            what,
+            manager.config.table,
+            manager.url,
+        )
+    print(f"released {what}")
+    return 0
+
+
+def _confirm(prompt: str) -> bool:
+    if not sys.stdin.isatty():
+        raise LockArgumentError(
+            "not asking for confirmation: standard input is not a terminal; add --yes"
+        )
+    try:
+        answer = input(prompt)
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _who() -> str:
+    try:
+        user = getpass.getuser()
+    except (OSError, KeyError):  # no login name in a bare container
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    options = {
+        name: getattr(args, name)
+        for name in ("grace", "max_hold", "batch_size", "lock_ttl")
+        if getattr(args, name) is not None
+    }
+    if args.every is not None:
+        options["interval"] = args.every
+    with _manager(args) as manager:
+        sweeper = Sweeper(manager, **options)
+        if args.once:
+            if not args.verbose:  # the summary below says it once
+                logging.getLogger("dblock.sweeper").setLevel(logging.WARNING)
+            result = sweeper.run_once()
+            print(f"{manager.config.table} on {manager.url}: {result.describe()}")
+            return 0
+        manager.store.rows(limit=0)  # a missing table or database fails now, not every run
+        _sweep_until_signalled(sweeper)
+    return 0
+
+
+def _sweep_until_signalled(sweeper: Sweeper) -> None:
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info(
+            "dblock sweep: %s received; finishing the batch in hand", signal.Signals(signum).name
+        )
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        sweeper.start()
+        stop.wait()
+        sweeper.stop()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -126,25 +415,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     print(report.render())
     return 0 if report.ok else 1
-
-
-def cmd_migrate(args: argparse.Namespace) -> int:
-    names = _names(args)
-    url = resolve_url(args.url)
-    if args.sql:
-        migrations.upgrade_sql(url, names, sys.stdout)
-        return 0
-    from .manager import LockManager
-
-    with LockManager(url, table=names.table) as manager:
-        before = migrations.current(manager.engine, names)
-        migrations.upgrade(manager.engine, names)
-        after = migrations.current(manager.engine, names)
-    if before == after:
-        print(f"{names.table} on {mask(url)} is up to date (revision {after})")
-    else:
-        print(f"migrated {names.table} on {mask(url)}: {before or 'empty'} -> {after}")
-    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -10,16 +10,26 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import LockArgumentError
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from .lock import HeldLock
 
-__all__ = ["Config", "check_max_hold", "check_on_lost", "check_timeout", "check_ttl"]
+__all__ = [
+    "Config",
+    "apply_options",
+    "check_max_hold",
+    "check_on_lost",
+    "check_timeout",
+    "check_ttl",
+]
 
 OnLost = Callable[["HeldLock"], object]
+C = TypeVar("C", bound="DataclassInstance")
 
 # Identifiers we splice into SQL must be plain names: they are quoted anyway,
 # but a name that needs quoting is almost always a configuration mistake.
@@ -164,13 +174,19 @@ class Config:
     @classmethod
     def from_options(cls, base: Config | None, options: Mapping[str, Any]) -> Config:
         """``base`` with ``options`` applied; unknown option names are refused."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise LockArgumentError(
-                f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                f"known options: {', '.join(sorted(known))}"
-            )
-        if base is None:
-            return cls(**options)
-        return dataclasses.replace(base, **options)
+        return apply_options(cls, base, options)
+
+
+def apply_options(cls: type[C], base: C | None, options: Mapping[str, Any], what: str = "") -> C:
+    """The frozen dataclass ``cls``: ``base`` with ``options`` applied, or
+    built from them; names that are not fields of ``cls`` are refused."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise LockArgumentError(
+            f"unknown {what}option{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(map(repr, unknown))}; known options: {', '.join(sorted(known))}"
+        )
+    if base is None:
+        return cls(**options)
+    return dataclasses.replace(base, **options)

@@ -117,9 +117,10 @@ class SchemaMissing(DBLockError):
     __module__ = "dblock"
 
     def __init__(self, table: str, url: str) -> None:
+        option = "" if table == "dblock_locks" else f" --table {table}"
         super().__init__(
             f"the lock table {table!r} does not exist in {url}; "
-            "run `dblock migrate` (or LockManager.create_schema()) first"
+            f"run `dblock migrate{option}` (or LockManager.create_schema()) first"
         )
         self.table = table
         self.url = url

@@ -36,6 +36,8 @@ from .schema import TableNames
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from .sweeper import Sweeper
+
 __all__ = ["LockManager", "LockRequest"]
 
 P = ParamSpec("P")
@@ -126,6 +128,7 @@ class LockManager:
             raise
         self._locker = Locker(self._store, self.config)
         self._closed = False
+        self._sweeper: Sweeper | None = None
         _managers.add(self)
 
     # -- what it is --------------------------------------------------------
@@ -300,6 +303,8 @@ class LockManager:
         Held locks are not released: their rows expire with their leases."""
         if self._closed:
             return
+        if self._sweeper is not None:
+            self._sweeper.stop()
         self._closed = True
         _managers.discard(self)
         self._locker.close()
@@ -315,6 +320,23 @@ class LockManager:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    def start_sweeper(self, *, interval: float = 30.0, **options: Any) -> Sweeper:
+        """Delete expired rows of this manager's table every ``interval`` seconds
+        on a background thread (APScheduler), until :meth:`close` or interpreter
+        exit. Options: the fields of :class:`~dblock.sweeper.SweeperConfig`
+        (``grace``, ``max_hold``, ``batch_size``, ``lock_ttl``). Several
+        processes may each start one: they take turns through a lock."""
+        from .sweeper import Sweeper
+
+        if self._closed:
+            raise DBLockError("this LockManager is closed")
+        if self._sweeper is not None and self._sweeper.running:
+            raise DBLockError(f"{self._sweeper!r} already runs for this manager")
+        sweeper = Sweeper(self, interval=interval, **options)
+        sweeper.start()
+        self._sweeper = sweeper
+        return sweeper
 
     def _after_fork(self) -> None:
         self._locker.after_fork()

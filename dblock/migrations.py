@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from sqlalchemy import URL, inspect
+from sqlalchemy import URL, MetaData, Table, inspect
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
@@ -95,10 +95,15 @@ def upgrade(engine: Engine, names: TableNames, revision: str = "head") -> None:
 
 
 def downgrade(engine: Engine, names: TableNames, revision: str = "base") -> None:
+    """Downgrade to ``revision``; to ``"base"`` also drops the version table,
+    so nothing of dblock is left."""
     from alembic import command
 
     with _transactional(engine) as conn:
         command.downgrade(_config(names, connection=conn), revision)
+        if revision == "base":
+            version = Table(names.version_table, MetaData())
+            version.drop(conn, checkfirst=True)
         conn.commit()
 
 

@@ -80,6 +80,20 @@ def manager(db_url: str) -> Iterator[LockManager]:
 
 
 @pytest.fixture
+def private(db_url: str) -> Iterator[LockManager]:
+    """A manager on a lock table of its own, created for this test and dropped
+    after it: for tests that count, list, sweep or delete rows table-wide.
+    Its locks are not renewed, so a lease runs out as a crashed holder's does."""
+    table = f"dblock_t_{uuid.uuid4().hex[:8]}"
+    m = LockManager(db_url, table=table, renew=False)
+    m.create_schema()
+    yield m
+    m.close()
+    with LockManager(db_url, table=table) as admin:
+        admin.drop_schema()
+
+
+@pytest.fixture
 def make_manager(db_url: str) -> Iterator[object]:
     """A factory for extra managers on the same database (closed after the test)."""
     made: list[LockManager] = []

@@ -33,7 +33,7 @@ def test_list_shows_rows_with_database_lease(private: LockManager) -> None:
     assert [i.key for i in infos] == ["a%b", "a_c", "zz"]
     first = infos[0]
     assert (first.owner, first.fence) == (held.owner, held.fence)
-    assert 25 < first.expires_in <= 30
+    assert 25 < first.lease_left <= 30
     assert not first.expired
     assert infos[1].expired
     # LIKE wildcards in the prefix are taken literally.

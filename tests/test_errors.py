@@ -127,12 +127,21 @@ def test_missing_schema_says_run_migrate(db_url: str, key: str) -> None:
         with pytest.raises(SchemaMissing, match="dblock migrate") as info:
             m.acquire(key)
         assert "dblock_never_created" in str(info.value)
+        assert "dblock migrate --table dblock_never_created" in str(info.value)
         assert len(m._locker.registry) == 0
 
 
-def test_unreachable_database_is_a_backend_error(key: str) -> None:
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://nobody:secret@127.0.0.1:1/x",
+        "mysql+pymysql://nobody:secret@127.0.0.1:1/x",
+    ],
+    ids=["postgresql", "mysql"],
+)
+def test_unreachable_database_is_a_backend_error(url: str, key: str) -> None:
     # A port nothing listens on: refused at once.
-    with LockManager("postgresql+psycopg://nobody:secret@127.0.0.1:1/x") as m:
+    with LockManager(url) as m:
         with pytest.raises(BackendError) as info:
             m.acquire(key)
         assert "secret" not in str(info.value)

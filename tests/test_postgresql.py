@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 import sqlalchemy as sa
@@ -100,7 +101,11 @@ def test_listener_is_one_connection_per_manager_and_stops_on_close(
 
 def test_listener_survives_its_connection_being_killed(make_manager: object, key: str) -> None:
     holder = make_manager()  # type: ignore[operator]
-    waiter = make_manager()  # type: ignore[operator]
+    # A name of its own, so we kill our listener and nobody else's on the shared server.
+    app = f"dblock-test-{uuid.uuid4().hex[:12]}"
+    waiter = make_manager(  # type: ignore[operator]
+        engine_options={"connect_args": {"application_name": app}}
+    )
     held = holder.acquire(key)
     got = threading.Event()
 
@@ -116,8 +121,9 @@ def test_listener_survives_its_connection_being_killed(make_manager: object, key
         killed = conn.execute(
             sa.text(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE query LIKE 'LISTEN %' AND pid <> pg_backend_pid()"
-            )
+                "WHERE query LIKE 'LISTEN %' AND application_name = :app"
+            ),
+            {"app": app},
         ).fetchall()
     admin.dispose()
     assert killed

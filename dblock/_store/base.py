@@ -35,6 +35,7 @@ from sqlalchemy.pool import PoolProxiedConnection
 from ..config import Config
 from ..errors import BackendError, SchemaMissing
 from ..schema import TableNames, lock_table
+from .admin import COLUMNS, LockRow, LockStats, SweepReason, lock_row
 
 __all__ = [
     "Backoff",
@@ -405,6 +406,55 @@ class Store:
         self, sql: str, params: Params, *, fetch: bool = False, lastrowid: bool = False
     ) -> Result:
         return self.executor.run(sql, params, fetch=fetch, lastrowid=lastrowid)
+
+    # -- admin: dblock list / stats / release --force, and the sweeper ------
+    # Not on the lock's hot path. Every comparison uses the database's clock.
+
+    #: SQL for the database's current time, in the form the dialect stores times.
+    now_sql: ClassVar[str] = "CURRENT_TIMESTAMP"
+    #: How the DBAPI driver spells a named parameter.
+    param_style: ClassVar[str] = "%({})s"
+
+    def rows(
+        self, *, key: str | None = None, prefix: str | None = None, limit: int | None = None
+    ) -> list[LockRow]:
+        """Lock rows, oldest acquisition first: all of them, the one of
+        ``key``, or those whose key starts with ``prefix`` (taken literally,
+        case-sensitive); at most ``limit``."""
+        bind = self.param_style.format
+        where = ""
+        params: dict[str, Any] = {}
+        if key is not None:
+            where, params = f"WHERE lock_key = {bind('key')} ", {"key": key}
+        elif prefix:
+            # Not LIKE: its wildcards would need escaping, and SQLite's LIKE ignores case.
+            where = f"WHERE substr(lock_key, 1, {len(prefix)}) = {bind('prefix')} "
+            params = {"prefix": prefix}
+        bound = f" LIMIT {int(limit)}" if limit is not None else ""
+        sql = (
+            f"SELECT {COLUMNS}, {self.now_sql} FROM {self.quoted(self.names.table)} "
+            f"{where}ORDER BY acquired_at, lock_key{bound}"
+        )
+        return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
+
+    def stats(self) -> LockStats:
+        """How many rows, how many of them expired, and the oldest."""
+        sql = (
+            f"SELECT count(*), coalesce(sum(CASE WHEN expires_at <= {self.now_sql} "
+            f"THEN 1 ELSE 0 END), 0) FROM {self.quoted(self.names.table)}"
+        )
+        total, expired = self.run(sql, {}, fetch=True).rows[0]
+        oldest = self.rows(limit=1)
+        return LockStats(
+            rows=int(total), expired=int(expired), oldest=oldest[0] if oldest else None
+        )
+
+    def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
+        """Delete at most ``limit`` rows whose ``reason.column`` lies more than
+        ``older_than`` seconds in the past (database time), in one short
+        statement (or, without RETURNING, a few), and return them as deleted.
+        Rows another transaction is changing right now are skipped, not waited for."""
+        raise NotImplementedError
 
 
 def first(rows: Sequence[tuple[Any, ...]]) -> tuple[Any, ...] | None:

@@ -28,15 +28,16 @@ from sqlalchemy.engine import Engine
 from ..config import Config
 from ..errors import BackendError
 from . import register
+from .admin import COLUMNS, LockRow, SweepReason, lock_row
 from .base import Grant, Holder, Lease, Params, Result, Store
 
 _NO_SUCH_TABLE = 1146
+_DEADLOCK = (1213, 1205)  # chosen as a deadlock victim, lock wait timeout
+_DEADLOCK_RETRIES = 3
 _UTC = timezone.utc
 # How many times one attempt may find the key freed or expired under its feet
 # (deleted between our INSERT and our SELECT) before reporting it busy.
 _RACE_RETRIES = 3
-# ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK: InnoDB rolled the statement back.
-_CONTENTION = frozenset({1205, 1213})
 
 
 @register("mysql", "mariadb")
@@ -73,8 +74,9 @@ class MySQLStore(Store):
         with self._caps_lock:
             if self.returning is not None:
                 return
-            with self.engine.connect():  # runs the dialect's version detection
-                pass
+            # The first connection runs the dialect's version detection; through
+            # the executor, so an unreachable server is a BackendError.
+            self.run("SELECT 1", {})
             dialect = self.engine.dialect
             self.returning = bool(
                 getattr(dialect, "is_mariadb", False)
@@ -168,27 +170,68 @@ class MySQLStore(Store):
         args: tuple[object, ...] = getattr(exc, "args", ())
         return bool(args) and args[0] == _NO_SUCH_TABLE
 
+    # -- admin ---------------------------------------------------------------
+
+    now_sql: ClassVar[str] = "UTC_TIMESTAMP(6)"
+
+    def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
+        if self.returning is None:
+            self._capabilities()
+        t = self.quoted(self.names.table)
+        column = reason.column
+        old = f"{column} <= UTC_TIMESTAMP(6) - INTERVAL %(older_us)s MICROSECOND"
+        params = {"older_us": round(older_than * 1e6), "limit": limit}
+        if self.returning:
+            # MariaDB: one bounded DELETE walking the index in order; its row
+            # locks cover at most ``limit`` rows and end with the statement.
+            sql = (
+                f"DELETE FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
+                f"RETURNING {COLUMNS}, UTC_TIMESTAMP(6)"
+            )
+            for attempt in range(_DEADLOCK_RETRIES + 1):
+                try:
+                    return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
+                except BackendError as exc:
+                    # InnoDB may choose this range DELETE as the victim of a
+                    # deadlock with concurrent acquires and renewals; it was
+                    # rolled back whole, so running it again is safe.
+                    if attempt == _DEADLOCK_RETRIES or not _deadlocked(exc):
+                        raise
+                    time.sleep(0.05 * 2**attempt)
+        # MySQL has no DELETE ... RETURNING: read a batch, then delete each row
+        # by its token, so a row taken over in between is left alone.
+        found = self.run(
+            f"SELECT {COLUMNS}, UTC_TIMESTAMP(6) FROM {t} WHERE {old} "
+            f"ORDER BY {column} LIMIT %(limit)s",
+            params,
+            fetch=True,
+        ).rows
+        delete = f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s AND {old}"
+        gone = []
+        for row in map(lock_row, found):
+            if self.run(delete, {**params, "key": row.key, "token": row.token}).rowcount:
+                gone.append(row)
+        return gone
+
     def run(
         self, sql: str, params: Params, *, fetch: bool = False, lastrowid: bool = False
     ) -> Result:
         """Run one statement; InnoDB's deadlock and lock-wait victims are
         contention, not failure. A victim was rolled back whole (it is its own
         transaction), so an INSERT IGNORE victim counts as ignored (the caller
-        reads the holder next) and any other statement is run again (each one
-        only touches the row carrying its token, so running it twice is safe)."""
+        reads the holder next) and any other statement is simply run again."""
         for attempt in range(_RACE_RETRIES):
             try:
                 return super().run(sql, params, fetch=fetch, lastrowid=lastrowid)
             except BackendError as exc:
-                if _error_code(exc) not in _CONTENTION or attempt == _RACE_RETRIES - 1:
+                if not _deadlocked(exc) or attempt == _RACE_RETRIES - 1:
                     raise
                 if sql is self._insert_sql or sql is self._insert_returning_sql:
                     return Result((), 0, None)
         raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _error_code(exc: BaseException) -> object:
+def _deadlocked(exc: BackendError) -> bool:
     cause = exc.__cause__
-    cause = getattr(cause, "orig", None) or cause  # SQLAlchemy's wrapper on the observed path
-    args: tuple[object, ...] = getattr(cause, "args", ())
-    return args[0] if args else None
+    args: tuple[object, ...] = getattr(getattr(cause, "orig", None) or cause, "args", ())
+    return bool(args) and args[0] in _DEADLOCK

@@ -26,6 +26,7 @@ from sqlalchemy.engine import Engine
 
 from ..config import Config
 from . import register
+from .admin import COLUMNS, LockRow, SweepReason, lock_row
 from .base import Backoff, Grant, Holder, Lease, Store, Wait
 
 log = logging.getLogger("dblock")
@@ -149,6 +150,27 @@ class PostgresStore(Store):
         self._listener = None
         self._listener_lock = threading.Lock()
         super().after_fork()
+
+    # -- admin ---------------------------------------------------------------
+
+    now_sql: ClassVar[str] = "now()"
+
+    def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
+        # SKIP LOCKED: a row being taken over or handed on right now is left
+        # for the next batch instead of making the sweeper wait on it. The
+        # condition is checked again on the locked row, and each deleted key
+        # is announced like a release, so its waiters wake at once.
+        t = self.quoted(self.names.table)
+        column = reason.column
+        old = f"{column} <= now() - make_interval(secs => %(older_than)s)"
+        sql = (
+            f"WITH gone AS (DELETE FROM {t} WHERE lock_key IN ("
+            f"SELECT lock_key FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
+            f"FOR UPDATE SKIP LOCKED) AND {old} RETURNING {COLUMNS}) "
+            f"SELECT {COLUMNS}, now(), pg_notify(%(channel)s, lock_key) FROM gone"
+        )
+        params = {"older_than": older_than, "limit": limit, "channel": self._channel}
+        return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
 
 
 class NotifyWait(Wait):

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Engine
 
 from ..config import Config
 from . import register
+from .admin import COLUMNS, LockRow, SweepReason, lock_row
 from .base import Grant, Holder, Lease, Store
 
 _UTC = timezone.utc
@@ -107,6 +108,24 @@ class SQLiteStore(Store):
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return "no such table" in str(exc)
+
+    # -- admin ---------------------------------------------------------------
+
+    now_sql: ClassVar[str] = NOW
+    param_style: ClassVar[str] = ":{}"
+
+    def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
+        # One writer at a time anyway; the bound keeps each write transaction
+        # (and so every other process's wait for the file lock) short.
+        t = self.quoted(self.names.table)
+        column = reason.column
+        sql = (
+            f"DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} "
+            f"WHERE {column} <= {NOW} - :older_than ORDER BY {column} LIMIT :limit) "
+            f"RETURNING {COLUMNS}, {NOW}"
+        )
+        rows = self.run(sql, {"older_than": older_than, "limit": limit}, fetch=True).rows
+        return [lock_row(r) for r in rows]
 
 
 def _grant(row: tuple[object, ...]) -> Grant:

@@ -1,0 +1,120 @@
+"""What the admin side reads from the lock table: rows and counts.
+
+The store's admin operations (``Store.rows``, ``Store.stats``,
+``Store.sweep``) return these. Every time in them comes from the database's
+clock, including ``now``, the moment the statement ran, so ages and leases
+are differences of two database readings and never involve the client clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from ..schema import to_utc
+
+__all__ = ["LockRow", "LockStats", "SweepReason", "lock_row"]
+
+# The columns every admin statement selects (or returns), in this order,
+# followed by the database's current time.
+COLUMNS = "lock_key, owner, token, fence, acquired_at, expires_at"
+
+
+class SweepReason(enum.Enum):
+    """Why the sweeper deletes a row."""
+
+    EXPIRED = "expired"
+    """The lease ran out (more than the grace period ago)."""
+    MAX_HOLD = "max_hold"
+    """Held longer than the configured maximum, lease or not: the safety net."""
+
+    @property
+    def column(self) -> str:
+        """The column the condition is on (and the batch is ordered by)."""
+        return "expires_at" if self is SweepReason.EXPIRED else "acquired_at"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LockRow:
+    """One lock row, read at ``now`` (database time, UTC)."""
+
+    key: str
+    owner: str
+    token: str
+    fence: int
+    acquired_at: datetime
+    expires_at: datetime
+    now: datetime
+
+    @property
+    def age(self) -> float:
+        """Seconds since it was acquired."""
+        return (self.now - self.acquired_at).total_seconds()
+
+    @property
+    def lease_left(self) -> float:
+        """Seconds of lease left; negative once it has expired."""
+        return (self.expires_at - self.now).total_seconds()
+
+    @property
+    def expired(self) -> bool:
+        return self.lease_left <= 0
+
+    def as_json(self) -> dict[str, Any]:
+        """For ``dblock list --json``: no token (it is the holder's, not the operator's)."""
+        return {
+            "key": self.key,
+            "owner": self.owner,
+            "fence": self.fence,
+            "acquired_at": self.acquired_at.isoformat(),
+            "expires_at": self.expires_at.isoformat(),
+            "age": round(self.age, 6),
+            "lease_left": round(self.lease_left, 6),
+            "expired": self.expired,
+        }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LockStats:
+    """Counts over the whole lock table."""
+
+    rows: int
+    expired: int
+    oldest: LockRow | None
+
+    @property
+    def live(self) -> int:
+        return self.rows - self.expired
+
+    def as_json(self) -> dict[str, Any]:
+        oldest = self.oldest
+        return {
+            "rows": self.rows,
+            "live": self.live,
+            "expired": self.expired,
+            "oldest": None if oldest is None else oldest.as_json(),
+        }
+
+
+def lock_row(row: Sequence[Any]) -> LockRow:
+    """A :class:`LockRow` from ``COLUMNS`` and the database's now, as any dialect returns them."""
+    key, owner, token, fence, acquired_at, expires_at, now = row[:7]
+    return LockRow(
+        key=key,
+        owner=owner,
+        token=token,
+        fence=int(fence),
+        acquired_at=_utc(acquired_at),
+        expires_at=_utc(expires_at),
+        now=_utc(now),
+    )
+
+
+def _utc(value: Any) -> datetime:
+    converted = to_utc(value)
+    if converted is None:
+        raise TypeError("a lock row time was NULL")
+    return converted

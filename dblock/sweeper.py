@@ -1,0 +1,327 @@
+"""The sweeper: deletes lock rows that nobody is going to release.
+
+A holder that crashed, or whose release could not reach the database, leaves
+its row behind. The next acquirer of that key takes an expired row over
+anyway; the sweeper keeps the table from filling up with keys nobody asks
+for again, and, as a safety net, deletes rows held longer than a configured
+maximum (``max_hold``), each such deletion logged as a WARNING with the key,
+the owner and the age. A live row is never deleted for any other reason.
+
+It deletes in bounded batches (``batch_size`` rows per statement, in each
+database's idiom, see the store), so a huge backlog never holds a long lock
+on the table. Several sweepers may run on many machines: a run first takes a
+dblock lock of its own (``dblock:sweeper:<table>``, fail-fast, a lease of
+``lock_ttl``); whoever does not get it skips the run. A sweeper that dies
+mid-run blocks the others for at most that lease. A run ends once half the
+lease is used up, so it never sweeps past its own lease; the next run goes
+on where it stopped.
+
+Runs are scheduled with APScheduler (3.x, a ``BackgroundScheduler``):
+in an application through ``LockManager.start_sweeper()``, alone through
+``dblock sweep --every 30s``. :meth:`Sweeper.stop` (called by
+``LockManager.close()``, and at interpreter exit) lets the batch in hand
+finish, releases the sweeper's lock and returns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from ._store.admin import LockRow, SweepReason
+from .config import apply_options, check_ttl
+from .errors import DBLockError, LockArgumentError, LockBusy, LockLost
+
+if TYPE_CHECKING:
+    from .lock import HeldLock
+    from .manager import LockManager
+
+__all__ = ["SweepResult", "Sweeper", "SweeperConfig"]
+
+log = logging.getLogger("dblock.sweeper")
+
+_MAX_BATCH = 100_000
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SweeperConfig:
+    """How a :class:`Sweeper` works. All times are seconds.
+
+    interval
+        Time between two runs when scheduled.
+    grace
+        A row is deleted only once its lease ended more than this long ago,
+        so an acquirer about to take it over, or a renewal in flight, wins.
+    max_hold
+        Safety net: also delete rows acquired more than this long ago, lease
+        or not, each logged as a WARNING. Default: the manager's ``max_hold``
+        (which also caps renewal); ``None``: never delete a live row. Must
+        exceed ``lock_ttl``.
+    batch_size
+        Rows per DELETE: the most any one statement locks.
+    lock_ttl
+        Lease of the sweeper's own lock. A run stops once half of it is used
+        up; a sweeper that dies mid-run holds the others off this long at most.
+    """
+
+    interval: float = 30.0
+    grace: float = 5.0
+    max_hold: float | None = None
+    batch_size: int = 500
+    lock_ttl: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "lock_ttl"):
+            object.__setattr__(self, name, check_ttl(getattr(self, name), name))
+        grace = self.grace
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 1e9:
+            raise LockArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
+        object.__setattr__(self, "grace", float(grace))
+        if self.max_hold is not None:
+            max_hold = check_ttl(self.max_hold, "max_hold")
+            if max_hold <= self.lock_ttl:
+                raise LockArgumentError(
+                    f"max_hold ({max_hold:g} s) must exceed lock_ttl ({self.lock_ttl:g} s), "
+                    "or the sweeper would sweep its own lock"
+                )
+            object.__setattr__(self, "max_hold", max_hold)
+        size = self.batch_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= _MAX_BATCH:
+            raise LockArgumentError(
+                f"batch_size must be a whole number from 1 to {_MAX_BATCH}, got {size!r}"
+            )
+
+    @classmethod
+    def from_options(cls, base: SweeperConfig | None, options: Mapping[str, Any]) -> SweeperConfig:
+        """``base`` with ``options`` applied; unknown option names are refused."""
+        return apply_options(cls, base, options, "sweeper ")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SweepResult:
+    """What one run did."""
+
+    expired: int = 0
+    """Rows deleted because their lease had ended."""
+    max_hold: int = 0
+    """Live rows deleted because they were held longer than ``max_hold``."""
+    batches: int = 0
+    seconds: float = 0.0
+    busy: str | None = None
+    """Set (to the other sweeper's owner string) when another sweeper held
+    the sweeper lock, so this run did nothing."""
+    complete: bool = True
+    """False when the run stopped with rows possibly left (stop requested, or
+    half its lease used up); the next run goes on."""
+
+    @property
+    def swept(self) -> int:
+        return self.expired + self.max_hold
+
+    def describe(self) -> str:
+        if self.busy is not None:
+            return f"another sweeper ({self.busy}) is at work; nothing done"
+        text = (
+            f"swept {self.expired} expired row{'s' if self.expired != 1 else ''}"
+            f" and {self.max_hold} held past max_hold in {self.batches} "
+            f"batch{'es' if self.batches != 1 else ''}, {self.seconds:.2f} s"
+        )
+        return text if self.complete else text + " (stopped early; the next run goes on)"
+
+
+class Sweeper:
+    """Sweeps the lock table of ``manager``: once (:meth:`run_once`) or on a
+    schedule (:meth:`start` / :meth:`stop`). Options are the fields of
+    :class:`SweeperConfig`, as keywords or as ``config=``."""
+
+    def __init__(
+        self, manager: LockManager, *, config: SweeperConfig | None = None, **options: Any
+    ) -> None:
+        self.manager = manager
+        if config is None and "max_hold" not in options and manager.config.max_hold is not None:
+            # The manager's max_hold caps renewal; the sweeper enforces the same limit.
+            options = {**options, "max_hold": manager.config.max_hold}
+        self.config = SweeperConfig.from_options(config, options)
+        self.table = manager.config.table
+        self.key = f"dblock:sweeper:{self.table}"
+        self._stopping = threading.Event()
+        self._state_lock = threading.Lock()
+        self._scheduler: Any = None
+        #: Runs that held the sweeper lock, and the rows they deleted, so far.
+        self.runs = 0
+        self.swept = 0
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<Sweeper {self.table!r} on {self.manager.url} {state}>"
+
+    # -- one run -------------------------------------------------------------
+
+    def run_once(self) -> SweepResult:
+        """Sweep expired rows (then rows past ``max_hold``, if set) in batches,
+        unless another sweeper holds the sweeper lock. Database errors raise
+        :class:`~dblock.BackendError`."""
+        config = self.config
+        start = time.monotonic()
+        try:
+            # Not renewed: a run is bounded by this one lease (see the module doc).
+            held = self.manager.acquire(self.key, blocking=False, ttl=config.lock_ttl, renew=False)
+        except LockBusy as exc:
+            log.info("dblock sweeper: %s holds %r; skipping this run", exc.holder, self.key)
+            return SweepResult(busy=exc.holder or "another process")
+        passes = [(SweepReason.EXPIRED, config.grace)]
+        if config.max_hold is not None:
+            passes.append((SweepReason.MAX_HOLD, config.max_hold))
+        swept = dict.fromkeys(SweepReason, 0)
+        batches = 0
+        complete = True
+        try:
+            for reason, older_than in passes:
+                while True:
+                    if self._stopping.is_set() or held.remaining < config.lock_ttl / 2:
+                        complete = False
+                        break
+                    rows = self.manager.store.sweep(
+                        reason, older_than=older_than, limit=config.batch_size
+                    )
+                    batches += 1
+                    swept[reason] += len(rows)
+                    self._report(reason, rows)
+                    if len(rows) < config.batch_size:
+                        break
+                if not complete:
+                    break
+        finally:
+            self._release(held)
+        result = SweepResult(
+            expired=swept[SweepReason.EXPIRED],
+            max_hold=swept[SweepReason.MAX_HOLD],
+            batches=batches,
+            seconds=time.monotonic() - start,
+            complete=complete,
+        )
+        with self._state_lock:
+            self.runs += 1
+            self.swept += result.swept
+        log.log(
+            logging.INFO if result.swept or not complete else logging.DEBUG,
+            "dblock sweeper: %s: %s",
+            self.table,
+            result.describe(),
+        )
+        return result
+
+    def _report(self, reason: SweepReason, rows: list[LockRow]) -> None:
+        for row in rows:
+            if reason is SweepReason.MAX_HOLD:
+                log.warning(
+                    "dblock sweeper: deleted %r held by %s for %.1f s, longer than max_hold "
+                    "(%g s), with %.1f s of lease left; its holder will get LockLost",
+                    row.key,
+                    row.owner,
+                    row.age,
+                    self.config.max_hold,
+                    row.lease_left,
+                )
+            else:
+                log.debug(
+                    "dblock sweeper: deleted %r held by %s (age %.1f s, expired %.1f s ago)",
+                    row.key,
+                    row.owner,
+                    row.age,
+                    -row.lease_left,
+                )
+
+    def _release(self, held: HeldLock) -> None:
+        try:
+            held.release()  # a database error here is logged by the lock itself
+        except LockLost:
+            log.warning(
+                "dblock sweeper: the sweeper lock %r ran out during the run; another "
+                "sweeper may have swept at the same time (harmless: every deletion "
+                "checks its condition again)",
+                self.key,
+            )
+
+    # -- on a schedule ---------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._scheduler is not None
+
+    def start(self) -> None:
+        """Run every ``interval`` seconds, the first run now, on a background
+        thread (an APScheduler ``BackgroundScheduler``)."""
+        from apscheduler.executors.debug import DebugExecutor
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        with self._state_lock:
+            if self._scheduler is not None:
+                raise DBLockError(f"{self!r} is already running")
+            # The job runs on the scheduler's own (daemon) thread, not in a
+            # worker pool: a pool's workers would hold interpreter exit until
+            # the run ended, before our exit hook could ask it to stop.
+            scheduler = BackgroundScheduler(
+                executors={"default": DebugExecutor()}, timezone=timezone.utc
+            )
+            scheduler.add_job(
+                self._scheduled_run,
+                "interval",
+                seconds=self.config.interval,
+                id=self.key,
+                name=f"dblock sweeper for {self.table}",
+                next_run_time=datetime.now(timezone.utc),
+                coalesce=True,
+                max_instances=1,
+                misfire_grace_time=None,
+            )
+            self._stopping.clear()
+            log.info(
+                "dblock sweeper: sweeping %s on %s every %g s",
+                self.table,
+                self.manager.url,
+                self.config.interval,
+            )
+            scheduler.start()
+            self._scheduler = scheduler
+            _running.add(self)
+
+    def stop(self) -> None:
+        """Stop the schedule: the batch in hand finishes, the sweeper lock is
+        released, then this returns. Does nothing if not running."""
+        with self._state_lock:
+            scheduler, self._scheduler = self._scheduler, None
+            _running.discard(self)
+        if scheduler is None:
+            return
+        self._stopping.set()
+        # Blocks until a run in progress returns (the job holds the scheduler's
+        # job store lock while it runs), then joins the scheduler thread.
+        scheduler.shutdown(wait=True)
+        self._stopping.clear()  # a later run_once() or start() sweeps again
+        log.info("dblock sweeper: stopped sweeping %s", self.table)
+
+    def _scheduled_run(self) -> None:
+        try:
+            self.run_once()
+        except DBLockError as exc:
+            # The next run tries again; a database blip must not end the schedule.
+            log.error("dblock sweeper: run on %s failed: %s", self.table, exc)
+        except Exception:
+            log.exception("dblock sweeper: run on %s failed", self.table)
+
+
+_running: weakref.WeakSet[Sweeper] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for sweeper in list(_running):
+        sweeper.stop()
