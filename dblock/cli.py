@@ -27,6 +27,7 @@ from typing import NoReturn
 from . import __version__, migrations
 from ._engine import ENV_URL, mask, resolve_url
 from ._store.admin import LockRow, LockStats
+from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
 from .errors import DBLockError, LockArgumentError
 from .manager import LockManager
@@ -163,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--users", type=_positive_int, default=5)
     demo.add_argument("--requests", type=_positive_int, default=50, help="per thread")
     demo.set_defaults(command=cmd_demo)
+
+    bench = sub.add_parser(
+        "bench",
+        help="the benchmark suite: dblock vs raw drivers, advisory locks and Redis",
+        description="Every benchmark side by side in one run; prints Markdown tables and "
+        "writes bench.md, bench.json and bench.png (needs: pip install 'dblock[bench]').",
+    )
+    bench.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    add_bench_arguments(bench)
+    bench.set_defaults(command=cmd_bench)
     return parser
 
 
@@ -404,6 +415,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     print(report.render())
     return 0 if report.ok else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,5 +1,6 @@
-# Sourced by scripts/demo and scripts/test: make .venv and install dblock with
-# its development extras into it, again whenever pyproject.toml changes.
+# Sourced by scripts/demo, scripts/test and scripts/bench: make .venv and
+# install dblock with its development extras into it, again whenever
+# pyproject.toml changes.
 set -euo pipefail
 : "${PYTHON:=python3}"
 if [ ! -x .venv/bin/python ]; then

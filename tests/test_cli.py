@@ -277,7 +277,7 @@ def test_missing_table_says_run_migrate(db_url: str) -> None:
         assert done.returncode == 1, done.stderr
         line = _one_line_error(done)
         assert f"lock table {table!r} does not exist" in line
-        assert "run `dblock migrate`" in line
+        assert f"run `dblock migrate --table {table}`" in line
 
 
 @pytest.mark.databases("postgresql", "mariadb")

@@ -29,7 +29,7 @@ from ..config import Config
 from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Lease, Store
+from .base import Grant, Holder, Lease, Params, Result, Store
 
 _NO_SUCH_TABLE = 1146
 _DEADLOCK = (1213, 1205)  # chosen as a deadlock victim, lock wait timeout
@@ -212,6 +212,23 @@ class MySQLStore(Store):
             if self.run(delete, {**params, "key": row.key, "token": row.token}).rowcount:
                 gone.append(row)
         return gone
+
+    def run(
+        self, sql: str, params: Params, *, fetch: bool = False, lastrowid: bool = False
+    ) -> Result:
+        """Run one statement; InnoDB's deadlock and lock-wait victims are
+        contention, not failure. A victim was rolled back whole (it is its own
+        transaction), so an INSERT IGNORE victim counts as ignored (the caller
+        reads the holder next) and any other statement is simply run again."""
+        for attempt in range(_RACE_RETRIES):
+            try:
+                return super().run(sql, params, fetch=fetch, lastrowid=lastrowid)
+            except BackendError as exc:
+                if not _deadlocked(exc) or attempt == _RACE_RETRIES - 1:
+                    raise
+                if sql is self._insert_sql or sql is self._insert_returning_sql:
+                    return Result((), 0, None)
+        raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _deadlocked(exc: BackendError) -> bool:

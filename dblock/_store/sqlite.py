@@ -25,6 +25,10 @@ from .base import Grant, Holder, Lease, Store
 
 _UTC = timezone.utc
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+# SQLite's 'now' is truncated to the millisecond, so a lease may start (and
+# end) up to this much before the client sent its statement; the holder's
+# view of the lease is shortened by as much, so it never outlasts the row's.
+_CLOCK_STEP = 0.001
 
 
 @register("sqlite")
@@ -98,7 +102,7 @@ class SQLiteStore(Store):
             fetch=True,
         ).rows
         return {
-            token: Lease(datetime.fromtimestamp(expires_at, _UTC), expires_at - now)
+            token: Lease(datetime.fromtimestamp(expires_at, _UTC), expires_at - now - _CLOCK_STEP)
             for token, expires_at, now in rows
         }
 
@@ -129,4 +133,4 @@ def _grant(row: tuple[object, ...]) -> Grant:
     assert isinstance(fence, int)
     assert isinstance(expires_at, float)
     assert isinstance(now, float)
-    return Grant(fence, datetime.fromtimestamp(expires_at, _UTC), expires_at - now)
+    return Grant(fence, datetime.fromtimestamp(expires_at, _UTC), expires_at - now - _CLOCK_STEP)

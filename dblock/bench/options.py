@@ -1,0 +1,224 @@
+"""What ``dblock bench`` measures and where: one frozen options object.
+
+The command-line arguments are defined here (and added to the ``dblock``
+parser by :mod:`dblock.cli`), so ``dblock bench`` and ``scripts/bench`` read
+exactly the same options. This module imports nothing heavy: the benchmark's
+own dependencies (the ``bench`` extra) are imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from ..errors import LockArgumentError
+
+__all__ = ["DATABASES", "SECTIONS", "BenchOptions", "Variant", "add_arguments"]
+
+DATABASES = ("postgresql", "mariadb", "sqlite")
+SECTIONS = ("uncontended", "level1", "hotkey", "handoff", "memory")
+
+_DEFAULT_URLS = {
+    "postgresql": (
+        "DBLOCK_BENCH_POSTGRESQL_URL",
+        "postgresql+psycopg://postgres@127.0.0.1:5432/test",
+    ),
+    "mariadb": ("DBLOCK_BENCH_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test"),
+    "redis": ("DBLOCK_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Variant:
+    """A dblock contender with extra manager options (``--variant``), measured
+    beside plain dblock: e.g. ``renewal:renew=True`` once leases renew."""
+
+    name: str
+    options: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        name, sep, rest = text.partition(":")
+        if not sep or not name.strip():
+            raise LockArgumentError(
+                f"--variant must look like NAME:option=value,option=value, got {text!r}"
+            )
+        options: list[tuple[str, Any]] = []
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            opt, eq, raw = item.partition("=")
+            if not eq:
+                raise LockArgumentError(f"--variant {name}: {item!r} is not option=value")
+            try:
+                value: Any = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                value = raw  # a bare word is a string
+            options.append((opt.strip(), value))
+        variant = cls(name=name.strip(), options=tuple(options))
+        Config.from_options(None, variant.manager_options())  # refuse bad options now
+        return variant
+
+    def manager_options(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BenchOptions:
+    """Every knob of one benchmark run. ``quick()`` shrinks it to a smoke test."""
+
+    databases: tuple[str, ...] = DATABASES
+    sections: tuple[str, ...] = SECTIONS
+    urls: tuple[tuple[str, str], ...] = ()
+    redis_url: str = _DEFAULT_URLS["redis"][1]
+    out: Path = Path("bench-results")
+    chart: bool = True
+    progress: bool = True
+    seed: int = 20240601
+    # Measured beside plain dblock (whose defaults renew leases): without renewal.
+    variants: tuple[Variant, ...] = (Variant(name="no-renew", options=(("renew", False),)),)
+    # uncontended: interleaved blocks of `block` cycles, `rounds` of them per contender
+    rounds: int = 100
+    block: int = 20
+    # level 1: in-process micro-benchmarks
+    micro_ops: int = 200_000
+    # hot key
+    processes: int = 4
+    threads: int = 8
+    seconds: float = 5.0
+    hold: float = 0.001
+    retry_after: float = 0.001
+    # hand-off
+    handoffs: int = 100
+    handoff_hold: float = 0.020
+    # memory
+    memory_keys: int = 1_000_000
+    memory_burst: int = 2_000
+
+    def url(self, database: str) -> str:
+        return dict(self.urls)[database]
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> BenchOptions:
+        small: dict[str, Any] = {
+            "rounds": 8,
+            "block": 5,
+            "micro_ops": 20_000,
+            "processes": 2,
+            "threads": 3,
+            "seconds": 1.0,
+            "handoffs": 10,
+            "memory_keys": 20_000,
+            "memory_burst": 1_500,
+        }
+        small.update(overrides)
+        return cls(**small)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchOptions:
+        given: dict[str, Any] = {
+            name: getattr(args, name)
+            for name in (
+                "rounds",
+                "block",
+                "processes",
+                "threads",
+                "seconds",
+                "handoffs",
+                "memory_keys",
+                "seed",
+            )
+            if getattr(args, name) is not None
+        }
+        if args.hold is not None:
+            given["hold"] = args.hold / 1000.0
+        urls = {
+            db: getattr(args, attr) or os.environ.get(env) or default
+            for db, attr, (env, default) in (
+                ("postgresql", "postgresql", _DEFAULT_URLS["postgresql"]),
+                ("mariadb", "mysql", _DEFAULT_URLS["mariadb"]),
+            )
+        }
+        out = Path(args.out)
+        urls["sqlite"] = f"sqlite:///{(out / 'bench.sqlite3').resolve()}"
+        env, default = _DEFAULT_URLS["redis"]
+        given.update(
+            databases=_choices(args.databases, DATABASES, "--databases"),
+            sections=_choices(args.only, SECTIONS, "--only"),
+            urls=tuple(urls.items()),
+            redis_url=args.redis or os.environ.get(env) or default,
+            out=out,
+            chart=not args.no_chart,
+            progress=not args.no_progress,
+        )
+        if args.variant:  # given variants replace the default one
+            given["variants"] = tuple(Variant.parse(v) for v in args.variant)
+        options = cls.quick(**given) if args.quick else cls(**given)
+        options.check()
+        return options
+
+    def check(self) -> None:
+        for name in ("rounds", "block", "micro_ops", "processes", "threads", "handoffs"):
+            if getattr(self, name) < 1:
+                raise LockArgumentError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.handoffs < 2:
+            raise LockArgumentError("handoffs must be at least 2")
+        if self.seconds <= 0 or self.hold < 0:
+            raise LockArgumentError("seconds must be > 0 and hold >= 0")
+        if self.memory_keys < self.memory_burst:
+            raise LockArgumentError("memory-keys must be at least the burst size")
+
+
+def _choices(text: str | None, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    if not text:
+        return allowed
+    chosen = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [c for c in chosen if c not in allowed]
+    if unknown or not chosen:
+        raise LockArgumentError(
+            f"{flag} takes a comma-separated list of {', '.join(allowed)}; got {text!r}"
+        )
+    return chosen
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``dblock bench`` arguments."""
+    where = parser.add_argument_group("where")
+    where.add_argument(
+        "--postgresql", metavar="URL", help="PostgreSQL URL ($DBLOCK_BENCH_POSTGRESQL_URL)"
+    )
+    where.add_argument("--mysql", metavar="URL", help="MariaDB/MySQL URL ($DBLOCK_BENCH_MYSQL_URL)")
+    where.add_argument("--redis", metavar="URL", help="Redis URL ($DBLOCK_BENCH_REDIS_URL)")
+    where.add_argument(
+        "--databases", metavar="LIST", help=f"comma-separated subset of {','.join(DATABASES)}"
+    )
+    where.add_argument("--only", metavar="LIST", help=f"sections: {','.join(SECTIONS)}")
+    where.add_argument(
+        "--out",
+        default="bench-results",
+        metavar="DIR",
+        help="where bench.md, bench.json and bench.png go (default: bench-results)",
+    )
+    where.add_argument("--no-chart", action="store_true", help="do not write the PNG chart")
+    where.add_argument("--no-progress", action="store_true", help="no progress bar")
+    where.add_argument(
+        "--variant",
+        action="append",
+        metavar="NAME:OPT=VAL,...",
+        help="also measure dblock with these manager options (repeatable; "
+        "default: no-renew:renew=False)",
+    )
+    how = parser.add_argument_group("how much")
+    how.add_argument("--quick", action="store_true", help="a smoke run: small sizes everywhere")
+    how.add_argument("--rounds", type=int, help="uncontended: interleaved rounds (100)")
+    how.add_argument("--block", type=int, help="uncontended: cycles per block (20)")
+    how.add_argument("--processes", type=int, help="hot key: processes (4)")
+    how.add_argument("--threads", type=int, help="hot key: threads per process (8)")
+    how.add_argument("--seconds", type=float, help="hot key: seconds per configuration (5)")
+    how.add_argument("--hold", type=float, help="hot key: critical section in ms (1)")
+    how.add_argument("--handoffs", type=int, help="hand-off: measured hand-offs (100)")
+    how.add_argument("--memory-keys", type=int, help="memory: distinct keys (1000000)")
+    how.add_argument("--seed", type=int, help="shuffle seed for the interleaving")

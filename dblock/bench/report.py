@@ -1,0 +1,374 @@
+"""The benchmark's results as Markdown tables, a target check and a PNG chart."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .runner import Results
+
+__all__ = ["Target", "render_markdown", "targets", "write_chart"]
+
+
+@dataclasses.dataclass
+class Target:
+    what: str
+    goal: str
+    measured: str
+    met: bool | None  # None: not measured in this run
+    note: str = ""
+
+
+def _table(head: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _f(x: float | None, digits: int = 0) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:,.{digits}f}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1048576:+.2f} MiB" if n else "0"
+
+
+_MEMORY_SLACK = 1024
+
+
+def _verdict(t: Target) -> str:
+    word = {True: "yes", False: "**no**", None: "–"}[t.met]
+    return f"{word} ({t.note})" if t.note else word
+
+
+def targets(results: Results) -> list[Target]:
+    """The issue's targets on PostgreSQL, judged on this run's numbers."""
+    out: list[Target] = []
+    cycle = {(r.database, r.name): r for r in results.uncontended}
+    pg = cycle.get(("postgresql", "dblock"))
+    if pg is not None and pg.ratio is not None:
+        ratio = pg.ratio[1]
+        out.append(
+            Target(
+                "uncontended lock+unlock vs raw psycopg (same SQL)",
+                "≤ 1.10×",
+                f"{ratio:.3f}× wall (p10–p90 {pg.ratio[0]:.2f}–{pg.ratio[2]:.2f}), "
+                f"{_f(pg.cpu_ratio, 2)}× client CPU",
+                ratio <= 1.10,
+                "" if ratio <= 1.10 else f"missed by {(ratio / 1.10 - 1) * 100:.1f}%",
+            )
+        )
+    for l1 in results.level1:
+        out.append(
+            Target(
+                "level-1 refusal, zero SQL",
+                "< 5 µs, 0 statements",
+                f"{l1.refusal_with_us:.2f} µs (`with lock()`), {l1.refusal_us:.2f} µs "
+                f"(`acquire()`), {l1.statements} statements",
+                l1.refusal_with_us < 5 and l1.statements == 0,
+            )
+        )
+        out.append(
+            Target(
+                "re-entrant acquire",
+                "< 3 µs",
+                f"{l1.reentrant_acquire_us:.2f} µs",
+                l1.reentrant_acquire_us < 3,
+            )
+        )
+    hot = {(h.database, h.mode, h.label): h for h in results.hotkey}
+    mine = hot.get(("postgresql", "waiting", "dblock"))
+    theirs = hot.get(("postgresql", "waiting", "level 2 only"))
+    if mine is not None and theirs is not None:
+        shape = f"{mine.processes}×{mine.threads}"
+        judged = (mine.processes, mine.threads) == (4, 8)
+        speedup = mine.grants_per_s / theirs.grants_per_s if theirs.grants_per_s else math.inf
+        out.append(
+            Target(
+                f"hot key {shape}, waiting: SQL per grant",
+                "≤ 2.5",
+                f"{mine.statements_per_grant:.2f}",
+                (mine.statements_per_grant <= 2.5) if judged else None,
+                "" if judged else "the target is for 4×8",
+            )
+        )
+        out.append(
+            Target(
+                f"hot key {shape}, waiting: grants/s vs level 2 only",
+                "≥ 5×",
+                f"{speedup:.1f}× ({mine.grants_per_s:,.0f} vs {theirs.grants_per_s:,.0f}/s)",
+                (speedup >= 5) if judged else None,
+                "" if judged else "the target is for 4×8",
+            )
+        )
+    for h in results.handoff:
+        if h.database == "postgresql" and h.label == "LISTEN/NOTIFY":
+            out.append(
+                Target(
+                    "cross-process hand-off p50, LISTEN/NOTIFY",
+                    "< 3 ms",
+                    f"{h.p50_ms:.2f} ms",
+                    h.p50_ms < 3,
+                )
+            )
+    for m in results.memory:
+        if m.what.startswith("registry"):
+            # "Baseline" allows a few stray objects (a dict from the interpreter's
+            # free list is not traced, a fresh one is: 64 B); a leak of even one
+            # byte per key would show as the number of keys in bytes.
+            grown = m.registry_after - m.registry_before
+            back = grown <= _MEMORY_SLACK and m.entries_after == 0
+            out.append(
+                Target(
+                    f"registry memory after {m.keys:,} keys",
+                    f"back to baseline (±{_MEMORY_SLACK} B)",
+                    f"{grown:+,} B in registry.py, "
+                    f"{m.traced_after - m.traced_before:+,} B traced in all, "
+                    f"{m.entries_after} entries left",
+                    back,
+                )
+            )
+    return out
+
+
+def render_markdown(results: Results) -> str:
+    o = results.options
+    lines = [f"### dblock bench, {results.started}", ""]
+    m = results.machine
+    lines.append(
+        f"Machine: {m.get('cpus')} × {m.get('cpu model')}, {m.get('memory')} RAM, "
+        f"{m.get('os')}; Python {m.get('python')}, SQLAlchemy {m.get('sqlalchemy')}; "
+        + ", ".join(f"{db} {m[db]}" for db in ("postgresql", "mariadb", "sqlite") if db in m)
+        + f". Load average before {m.get('loadavg before')}, after {m.get('loadavg after')}."
+        + (f" dblock {m['dblock commit']}." if "dblock commit" in m else "")
+    )
+    lines.append("")
+    found = targets(results)
+    if found:
+        lines += ["**Targets** (PostgreSQL)", ""]
+        lines += _table(
+            ["target", "goal", "measured", "met"],
+            ((t.what, t.goal, t.measured, _verdict(t)) for t in found),
+        )
+        lines.append("")
+    if results.uncontended:
+        lines += [
+            f"**Uncontended lock+unlock**, distinct keys, one thread: {o['rounds']} interleaved "
+            f"rounds of {o['block']} cycles per contender, shuffled each round. µs per cycle: "
+            "median of block means [p10–p90]; ratio: dblock's block over the raw driver's block "
+            "of the same round (median [p10–p90]); client CPU from `time.thread_time`.",
+            "",
+        ]
+        rows = []
+        for r in results.uncontended:
+            if r.error:
+                rows.append((r.database, r.name, f"failed: {r.error}", "", "", "", ""))
+                continue
+            ratio = f"{r.ratio[1]:.2f}× [{r.ratio[0]:.2f}–{r.ratio[2]:.2f}]" if r.ratio else "1"
+            if r.kind == "raw":
+                ratio = "1 (baseline)"
+            rows.append(
+                (
+                    r.database,
+                    r.name,
+                    f"{r.wall_us[1]:,.0f} [{r.wall_us[0]:,.0f}–{r.wall_us[2]:,.0f}]",
+                    f"{r.cpu_us[1]:,.0f}",
+                    ratio,
+                    _f(r.cpu_ratio, 2) + ("×" if r.cpu_ratio else ""),
+                    _f(r.ratio_plain, 2) + ("×" if r.ratio_plain else ""),
+                )
+            )
+        rows += [(u.database, u.name, f"not measured: {u.reason}", "", "", "", "")
+                 for u in results.unavailable]  # fmt: skip
+        lines += _table(
+            [
+                "database",
+                "contender",
+                "µs/cycle",
+                "client CPU µs",
+                "ratio to raw driver",
+                "CPU ratio",
+                "ratio to plain",
+            ],
+            rows,
+        )
+        lines.append("")
+    if results.level1:
+        lines += ["**Level 1**, in-process (median of 5 timed runs; no SQL may be sent)", ""]
+        lines += _table(
+            ["operation", "µs/op"],
+            [
+                row
+                for r in results.level1
+                for row in (
+                    ("refusal: `acquire(key, blocking=False)`", f"{r.refusal_us:.2f}"),
+                    ("refusal: `with lock(key, blocking=False)`", f"{r.refusal_with_us:.2f}"),
+                    ("re-entrant `acquire(key)`", f"{r.reentrant_acquire_us:.2f}"),
+                    ("re-entrant `release()`", f"{r.reentrant_release_us:.2f}"),
+                    ("re-entrant `with lock(key)`", f"{r.reentrant_with_us:.2f}"),
+                    ("SQL statements sent by all of the above", str(r.statements)),
+                )
+            ],
+        )
+        lines.append("")
+    if results.hotkey:
+        h0 = results.hotkey[0]
+        lines += [
+            f"**Hot key**: {h0.processes} processes × {h0.threads} threads on one key, "
+            f"~{float(o['seconds']):g} s each, critical section {float(o['hold']) * 1e3:g} ms, "
+            f"fail-fast retries after {float(o['retry_after']) * 1e3:g} ms. Waits are of "
+            "granted requests. Statements counted by an engine listener in every process.",
+            "",
+        ]
+        lines += _table(
+            [
+                "database",
+                "mode",
+                "lock",
+                "grants/s",
+                "SQL/grant",
+                "wait p50 ms",
+                "wait p99 ms",
+                "refused L1 / L2",
+                "timeouts, errors",
+            ],
+            (
+                (
+                    h.database,
+                    h.mode,
+                    h.label,
+                    _f(h.grants_per_s),
+                    _f(h.statements_per_grant, 2),
+                    _f(h.wait_p50_ms, 2),
+                    _f(h.wait_p99_ms, 1),
+                    f"{h.refused_level1:,} / {h.refused_level2:,}",
+                    f"{h.timeouts}, {h.errors}",
+                )
+                for h in results.hotkey
+            ),
+        )
+        lines.append("")
+    if results.handoff:
+        lines += [
+            "**Hand-off across processes**: from `release()` in one process to `acquire()` "
+            f"returning in another (holder keeps the key {float(o['handoff_hold']) * 1e3:g} ms).",
+            "",
+        ]
+        lines += _table(
+            ["database", "waiter learns by", "hand-offs", "p50 ms", "p90 ms", "p99 ms", "max ms"],
+            (
+                (
+                    h.database,
+                    h.label,
+                    h.handoffs,
+                    _f(h.p50_ms, 2),
+                    _f(h.p90_ms, 2),
+                    _f(h.p99_ms, 2),
+                    _f(h.max_ms, 1),
+                )
+                for h in results.handoff
+            ),
+        )
+        lines.append("")
+    if results.memory:
+        lines += ["**Memory** after every key came and went (in bursts held at once)", ""]
+        lines += _table(
+            [
+                "run",
+                "keys (burst)",
+                "s",
+                "registry.py bytes before → after",
+                "all traced, change",
+                "RSS change",
+                "entries left",
+                "dict bytes before → after",
+            ],
+            (
+                (
+                    m.what,
+                    f"{m.keys:,} ({m.burst:,})",
+                    _f(m.seconds, 1),
+                    f"{m.registry_before:,} → {m.registry_after:,}" if m.traced_before else "–",
+                    f"{m.traced_after - m.traced_before:+,} B" if m.traced_before else "–",
+                    _mib(m.rss_after - m.rss_before),
+                    m.entries_after,
+                    f"{m.dict_bytes_before:,} → {m.dict_bytes_after:,}",
+                )
+                for m in results.memory
+            ),
+        )
+        lines.append("")
+    lines.append(f"Whole run: {results.seconds:.0f} s.")
+    return "\n".join(lines)
+
+
+def _grouped_bars(ax: Any, results: Results, attr: str) -> None:
+    """One group of bars per (database, mode), one bar per lock in each."""
+    groups = list(dict.fromkeys((h.database, h.mode) for h in results.hotkey))
+    labels = list(dict.fromkeys(h.label for h in results.hotkey))
+    if not groups:
+        return
+    width = 0.8 / len(labels)
+    value = {(h.database, h.mode, h.label): getattr(h, attr) for h in results.hotkey}
+    for j, label in enumerate(labels):
+        xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(groups))]
+        ys = [value.get((db, mode, label), 0.0) for db, mode in groups]
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks(range(len(groups)), [f"{db}\n{mode}" for db, mode in groups], fontsize=8)
+    ax.legend(fontsize=8)
+
+
+def write_chart(results: Results, path: Path) -> Path:
+    """A 2x2 PNG: uncontended cycle, hot-key grants/s, SQL per grant, hand-off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    ax = axes[0][0]
+    cycles = [r for r in results.uncontended if not r.error]
+    if cycles:
+        names = [f"{r.database}: {r.name}" for r in cycles]
+        medians = [r.wall_us[1] for r in cycles]
+        errs = [
+            [r.wall_us[1] - r.wall_us[0] for r in cycles],
+            [r.wall_us[2] - r.wall_us[1] for r in cycles],
+        ]
+        colours = ["tab:blue" if r.kind == "dblock" else "tab:gray" for r in cycles]
+        ax.barh(names, medians, xerr=errs, color=colours)
+        ax.invert_yaxis()
+        ax.set_xlabel("µs per lock+unlock (median, p10–p90)")
+        ax.tick_params(axis="y", labelsize=7)
+    ax.set_title("Uncontended, distinct keys")
+
+    for ax, attr, title in (
+        (axes[0][1], "grants_per_s", "Hot key: grants per second"),
+        (axes[1][0], "statements_per_grant", "Hot key: SQL statements per grant (log)"),
+    ):
+        _grouped_bars(ax, results, attr)
+        ax.set_title(title)
+        if attr == "statements_per_grant":
+            ax.set_yscale("log")
+
+    ax = axes[1][1]
+    if results.handoff:
+        names = [f"{h.database}\n{h.label}" for h in results.handoff]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [h.p50_ms for h in results.handoff], 0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], [h.p99_ms for h in results.handoff], 0.4, label="p99")
+        ax.set_xticks(list(x), names, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.legend()
+    ax.set_title("Hand-off across processes")
+    fig.suptitle(f"dblock bench, {results.started} ({results.machine.get('cpus')} CPUs)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

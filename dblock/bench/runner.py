@@ -1,0 +1,328 @@
+"""One benchmark run: every section, side by side, with a progress bar.
+
+Sections run one after the other (never two at once: they would measure each
+other). Each database gets private tables named ``dblock_bench_<random>``,
+dropped at the end, so the run is safe on shared servers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..errors import DBLockError
+from .handoff import HandoffResult, HandoffSpec, run_handoff
+from .hotkey import HotKeyResult, HotKeySpec, run_hot_key
+from .memory import MemoryResult, run_memory
+from .options import BenchOptions
+from .uncontended import (
+    Bench,
+    CycleResult,
+    Level1Result,
+    Unavailable,
+    close_all,
+    make_contenders,
+    measure_interleaved,
+    measure_level1,
+)
+
+__all__ = ["Results", "run_bench"]
+
+
+@dataclasses.dataclass
+class Results:
+    options: dict[str, Any]
+    machine: dict[str, str]
+    started: str = ""
+    seconds: float = 0.0
+    uncontended: list[CycleResult] = dataclasses.field(default_factory=list)
+    unavailable: list[Unavailable] = dataclasses.field(default_factory=list)
+    level1: list[Level1Result] = dataclasses.field(default_factory=list)
+    hotkey: list[HotKeyResult] = dataclasses.field(default_factory=list)
+    handoff: list[HandoffResult] = dataclasses.field(default_factory=list)
+    memory: list[MemoryResult] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, default=str)
+
+
+class _Progress:
+    """A tqdm bar on stderr (or nothing), advanced in units of planned work."""
+
+    def __init__(self, total: float, enabled: bool) -> None:
+        self._bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=round(total, 3),
+                unit="step",
+                file=sys.stderr,
+                bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} [{elapsed}<{remaining}]",
+            )
+
+    def stage(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.set_description_str(text)
+
+    def advance(self, amount: float = 1.0) -> None:
+        if self._bar is not None:
+            self._bar.update(amount)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _plan(options: BenchOptions) -> float:
+    """Progress units: about one per second of expected run time."""
+    dbs = len(options.databases)
+    variants = len(options.variants)
+    total = 0.0
+    if "uncontended" in options.sections:
+        total += 4.0 * dbs
+    if "level1" in options.sections:
+        total += 2.0
+    if "hotkey" in options.sections:
+        total += dbs * 2 * (2 + variants) * (options.seconds + 2)
+    if "handoff" in options.sections:
+        total += (dbs + ("postgresql" in options.databases)) * 3.0
+    if "memory" in options.sections:
+        total += 4.0
+    return total
+
+
+def run_bench(options: BenchOptions) -> Results:
+    """Run every chosen section and return the results (see :mod:`dblock.bench`)."""
+    options.out.mkdir(parents=True, exist_ok=True)
+    results = Results(
+        options={k: str(v) for k, v in dataclasses.asdict(options).items() if k != "urls"},
+        machine=describe_machine(options),
+        started=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    )
+    benches: dict[str, Bench] = {}
+    progress = _Progress(_plan(options), options.progress)
+    t0 = time.monotonic()
+    try:
+        for db in options.databases:
+            progress.stage(f"{db}: private tables")
+            try:
+                benches[db] = Bench(db, options.url(db))
+            except DBLockError as exc:
+                raise DBLockError(f"dblock bench needs {db}: {exc}") from exc
+        for section in options.sections:
+            _SECTIONS[section](options, benches, results, progress)
+    finally:
+        progress.close()
+        for bench in benches.values():
+            bench.close()
+        sqlite_file = options.out / "bench.sqlite3"
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{sqlite_file}{suffix}").unlink(missing_ok=True)
+    results.seconds = time.monotonic() - t0
+    results.machine["loadavg after"] = _loadavg()
+    return results
+
+
+def _uncontended(
+    options: BenchOptions, benches: dict[str, Bench], results: Results, progress: _Progress
+) -> None:
+    rng = random.Random(options.seed)
+    for db, bench in benches.items():
+        progress.stage(f"uncontended, {db}")
+        contenders, missing = make_contenders(bench, options, options.redis_url)
+        results.unavailable += missing
+        try:
+            results.uncontended += measure_interleaved(
+                contenders,
+                rounds=options.rounds,
+                block=options.block,
+                rng=rng,
+                tick=lambda: progress.advance(4.0 / options.rounds),
+            )
+        finally:
+            close_all(contenders)
+
+
+def _level1(
+    options: BenchOptions, benches: dict[str, Bench], results: Results, progress: _Progress
+) -> None:
+    db = "postgresql" if "postgresql" in benches else next(iter(benches))
+    progress.stage(f"level 1 micro-benchmarks, {db}")
+    results.level1.append(measure_level1(benches[db].manager, db, options.micro_ops))
+    progress.advance(2.0)
+
+
+def _hotkey(
+    options: BenchOptions, benches: dict[str, Bench], results: Results, progress: _Progress
+) -> None:
+    for spec in _hot_specs(options, benches):
+        progress.stage(f"hot key, {spec.database}, {spec.mode}, {spec.label}")
+        results.hotkey.append(run_hot_key(spec))
+        progress.advance(spec.seconds + 2)
+
+
+def _handoff(
+    options: BenchOptions, benches: dict[str, Bench], results: Results, progress: _Progress
+) -> None:
+    for spec in _handoff_specs(options, benches):
+        progress.stage(f"hand-off, {spec.database}, {spec.label}")
+        results.handoff.append(run_handoff(spec))
+        progress.advance(3.0)
+
+
+def _memory(
+    options: BenchOptions, benches: dict[str, Bench], results: Results, progress: _Progress
+) -> None:
+    progress.stage("memory: registry alone")
+    results.memory.append(run_memory("registry", options.memory_keys, options.memory_burst))
+    progress.advance(1.0)
+    if "sqlite" in benches:
+        progress.stage(f"memory: {options.memory_keys:,} keys through LockManager")
+        bench = benches["sqlite"]
+        results.memory.append(
+            run_memory("lock", options.memory_keys, options.memory_burst, bench.url, bench.table)
+        )
+    progress.advance(3.0)
+
+
+_SECTIONS: dict[str, Callable[[BenchOptions, dict[str, Bench], Results, _Progress], None]] = {
+    "uncontended": _uncontended,
+    "level1": _level1,
+    "hotkey": _hotkey,
+    "handoff": _handoff,
+    "memory": _memory,
+}
+
+
+def _hot_specs(options: BenchOptions, benches: dict[str, Bench]) -> list[HotKeySpec]:
+    labels: list[tuple[str, tuple[tuple[str, Any], ...]]] = [
+        ("dblock", ()),
+        *((f"dblock {v.name}", v.options) for v in options.variants),
+        ("level 2 only", (("local_filter", False),)),
+    ]
+    return [
+        HotKeySpec(
+            database=db,
+            url=bench.url,
+            table=bench.table,
+            label=label,
+            options=opts,
+            blocking=blocking,
+            processes=options.processes,
+            threads=options.threads,
+            seconds=options.seconds,
+            hold=options.hold,
+            retry_after=options.retry_after,
+        )
+        for db, bench in benches.items()
+        for blocking in (False, True)
+        for label, opts in labels
+    ]
+
+
+def _handoff_specs(options: BenchOptions, benches: dict[str, Bench]) -> list[HandoffSpec]:
+    specs = []
+    for db, bench in benches.items():
+        ways = [("LISTEN/NOTIFY", True), ("polling", False)] if db == "postgresql" else []
+        ways = ways or [("polling", False)]
+        for label, notify in ways:
+            specs.append(
+                HandoffSpec(
+                    database=db,
+                    url=bench.url,
+                    table=bench.table,
+                    label=label,
+                    notify=notify,
+                    handoffs=options.handoffs,
+                    hold=options.handoff_hold,
+                )
+            )
+    return specs
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def describe_machine(options: BenchOptions) -> dict[str, str]:
+    """What the numbers came from: CPU, memory, versions, load."""
+    info: dict[str, str] = {
+        "cpus": str(os.cpu_count()),
+        "cpu model": _cpu_model(),
+        "memory": _ram(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "sqlalchemy": sa.__version__,
+        "loadavg before": _loadavg(),
+    }
+    for db in options.databases:
+        if db == "sqlite":
+            import sqlite3
+
+            info["sqlite"] = sqlite3.sqlite_version
+            continue
+        try:
+            engine = sa.create_engine(options.url(db), poolclass=sa.pool.NullPool)
+            with engine.connect() as conn:
+                query = "SHOW server_version" if db == "postgresql" else "SELECT VERSION()"
+                info[db] = str(conn.exec_driver_sql(query).scalar())
+            engine.dispose()
+        except Exception as exc:
+            info[db] = f"unreachable ({type(exc).__name__})"
+    commit = _git_commit()
+    if commit:
+        info["dblock commit"] = commit
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _ram() -> str:
+    try:
+        with open("/proc/meminfo") as f:
+            kb = int(f.readline().split()[1])
+        return f"{kb / 1024 / 1024:.1f} GiB"
+    except (OSError, ValueError, IndexError):
+        return "?"
+
+
+def _git_commit() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        done = subprocess.run(  # noqa: S603 - a fixed command, no shell
+            [shutil.which("git") or "git", "describe", "--always", "--dirty"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""

@@ -1,0 +1,607 @@
+"""Torture run: many processes x threads on a few hot keys, while faults are injected.
+
+    .venv/bin/python scripts/torture.py                 # PostgreSQL, MariaDB, SQLite; 60 s each
+    .venv/bin/python scripts/torture.py --db sqlite --seconds 20 --json out.json
+
+Run from the repository root. Every database is a PRIVATE instance this
+script starts itself in a temporary directory on a free port (PostgreSQL via
+initdb/pg_ctl, as the postgres user when run as root; MariaDB via
+mariadb-install-db/mariadbd); SQLite is a file. The shared servers are never
+touched.
+
+Workers (separate processes, each with several threads) loop: pick a hot key,
+ask for it (waiting with a random timeout, or fail-fast), and inside the
+critical section write its start and end to a ledger table (key, fence,
+token, pid, thread, monotonic times, the lease's end as the holder measured
+it), then release and write how the release went. The ledger is a SQLite
+file per worker process on local disk, outside the database under test, so
+the faults below never lose or delay a record: a committed row survives
+kill -9 of its writer.
+
+Faults, one at a time, every ``--fault-every`` seconds, in a shuffled cycle:
+
+* kill -9 of a process that holds a key (read from the lock table), replaced
+  by a fresh worker;
+* pause: SIGSTOP a holder for longer than its lease, then SIGCONT;
+* cut (servers): every connection through the TCP proxy the workers use is
+  closed at once (tests/support/proxy.py);
+* restart (servers): the private instance is crashed (immediate shutdown /
+  SIGKILL) and started again on the same port;
+* stall (SQLite): another connection holds the file's write lock for a second.
+
+The checker then reads every ledger and reports:
+
+* critical sections completed, and those cut short by kill -9;
+* overlapping sections for one key. Two sections overlap if one started
+  before the other ended (a killed holder's section ends when it was killed).
+  An overlap is REAL if the later section started while the earlier holder
+  was still inside its lease as that holder measured it; that measure is
+  conservative (counted from before the statement was sent), so a correct
+  lock never lets a new holder in before it. Otherwise the earlier holder was
+  STALE: it ran past its lease (paused, or unable to release during a
+  restart), the row was rightly taken over, and the later section's larger
+  fence is what downstream writes use to reject the stale one. Real overlaps
+  must be 0; a stale overlap whose fences are not in order counts as a fence
+  violation, which must be 0 too;
+* fences per key in the order sections started: they must only grow;
+* the longest time a key stayed blocked after its holder was killed: from
+  the kill to the next section on that key. It must stay within the lease
+  plus one poll interval (``--ttl`` + ``--poll-max``), plus ``--slack`` for
+  scheduling on a loaded machine.
+
+Exit code 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import heapq
+import itertools
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import sqlalchemy as sa  # noqa: E402
+
+from dblock import (  # noqa: E402
+    BackendError,
+    LockBusy,
+    LockLost,
+    LockManager,
+    LockTimeout,
+)
+
+TABLE = "dblock_torture"
+DATABASES = ("postgresql", "mariadb", "sqlite")
+FAULTS = {
+    "postgresql": ("kill", "pause", "cut", "restart"),
+    "mariadb": ("kill", "pause", "cut", "restart"),
+    "sqlite": ("kill", "pause", "stall"),
+}
+# Float rounding of lease arithmetic (microsecond timestamps): a takeover this
+# close to the previous holder's lease end still counts as after it.
+EPSILON = 1e-4
+
+LEDGER_DDL = (
+    "CREATE TABLE IF NOT EXISTS sections ("
+    " id INTEGER PRIMARY KEY, lock_key TEXT NOT NULL, fence INTEGER NOT NULL,"
+    " token TEXT NOT NULL, pid INTEGER NOT NULL, thread TEXT NOT NULL,"
+    " t_start REAL NOT NULL, lease_end REAL NOT NULL, wall_start REAL NOT NULL,"
+    " t_end REAL, lease_end_at_end REAL, outcome TEXT)",
+    "CREATE TABLE IF NOT EXISTS stats ("
+    " pid INTEGER, requests INTEGER, grants INTEGER, busy INTEGER, timeouts INTEGER,"
+    " backend_errors INTEGER, lost INTEGER, release_failed INTEGER)",
+)
+
+
+# -- the worker process ----------------------------------------------------
+
+
+def _ledger(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, timeout=60, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def worker(spec: dict[str, Any]) -> None:
+    pid = os.getpid()
+    ledger_path = str(Path(spec["run_dir"]) / f"ledger-{pid}.sqlite3")
+    setup = _ledger(ledger_path)
+    for ddl in LEDGER_DDL:
+        setup.execute(ddl)
+    manager = LockManager(
+        spec["url"],
+        table=TABLE,
+        ttl=spec["ttl"],
+        poll_max=spec["poll_max"],
+        poll_initial=min(0.005, spec["poll_max"]),
+        client_id=f"torture-{pid}",
+    )
+    keys = spec["keys"]
+    deadline = spec["deadline"]
+    totals: dict[str, int] = defaultdict(int)
+    totals_lock = threading.Lock()
+
+    def run(n: int) -> None:
+        rng = random.Random(pid * 1000 + n)
+        ledger = _ledger(ledger_path)
+        name = threading.current_thread().name
+        counts: dict[str, int] = defaultdict(int)
+        while time.monotonic() < deadline:
+            key = rng.choice(keys)
+            counts["requests"] += 1
+            try:
+                held = manager.acquire(
+                    key, blocking=rng.random() < 0.7, timeout=rng.uniform(0.2, 2.0)
+                )
+            except (LockBusy, LockTimeout) as exc:
+                counts["busy" if isinstance(exc, LockBusy) else "timeouts"] += 1
+                time.sleep(rng.uniform(0.001, 0.01))
+                continue
+            except BackendError:
+                counts["backend_errors"] += 1
+                time.sleep(rng.uniform(0.02, 0.1))
+                continue
+            t_start = time.monotonic()
+            lease_end = t_start + held.remaining
+            row = ledger.execute(
+                "INSERT INTO sections (lock_key, fence, token, pid, thread, t_start,"
+                " lease_end, wall_start) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (key, held.fence, held.token, pid, name, t_start, lease_end, time.time()),
+            ).lastrowid
+            counts["grants"] += 1
+            time.sleep(rng.uniform(0.001, 0.02))  # the work
+            t_end = time.monotonic()
+            ledger.execute(
+                "UPDATE sections SET t_end = ?, lease_end_at_end = ? WHERE id = ?",
+                (t_end, t_end + held.remaining, row),
+            )
+            try:
+                outcome = "released" if held.release() else "release-failed"
+            except LockLost:
+                outcome = "lost"
+            except BackendError:
+                outcome = "release-failed"
+            if outcome != "released":
+                counts[outcome.replace("-", "_")] += 1
+            ledger.execute("UPDATE sections SET outcome = ? WHERE id = ?", (outcome, row))
+        ledger.close()
+        with totals_lock:
+            for k, v in counts.items():
+                totals[k] += v
+
+    threads = [
+        threading.Thread(target=run, args=(n,), name=f"w{n}") for n in range(spec["threads"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    setup.execute(
+        "INSERT INTO stats VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (pid, totals["requests"], totals["grants"], totals["busy"], totals["timeouts"],
+         totals["backend_errors"], totals["lost"], totals["release_failed"]),
+    )  # fmt: skip
+    setup.close()
+    manager.close()
+
+
+# -- the parent: servers, workers, faults --------------------------------
+
+
+@dataclasses.dataclass
+class Fault:
+    kind: str
+    t: float  # time.monotonic() when it struck
+    detail: str = ""
+    pid: int | None = None
+    keys: list[str] = dataclasses.field(default_factory=list)
+    t_end: float | None = None
+
+
+class Run:
+    """One database's torture run."""
+
+    def __init__(self, db: str, args: argparse.Namespace, run_dir: Path) -> None:
+        self.db = db
+        self.args = args
+        self.run_dir = run_dir
+        self.server: Any = None
+        self.proxy: Any = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.faults: list[Fault] = []
+        self.rng = random.Random(args.seed)
+        self.keys = [f"hot:{i}" for i in range(args.keys)]
+        self.deadline = 0.0
+
+    # setup / teardown
+
+    def start(self) -> None:
+        if self.db == "sqlite":
+            self.url = f"sqlite:///{self.run_dir / 'locks.sqlite3'}"
+            self.worker_url = self.url
+        else:
+            from tests.support.proxy import Proxy
+            from tests.support.servers import PrivateMariaDB, PrivatePostgres
+
+            self.server = PrivatePostgres() if self.db == "postgresql" else PrivateMariaDB()
+            self.url = self.server.url
+            self.proxy = Proxy("127.0.0.1", self.server.port)
+            self.worker_url = self.proxy.url_for(self.url)
+        with LockManager(self.url, table=TABLE) as manager:
+            manager.create_schema()
+        self.direct = sa.create_engine(self.url, poolclass=sa.pool.NullPool)
+
+    def close(self) -> None:
+        for w in self.workers:
+            if w.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGCONT)
+                    w.kill()
+                w.wait(30)
+        if self.proxy is not None:
+            self.proxy.close()
+        with contextlib.suppress(Exception):
+            self.direct.dispose()
+        if self.server is not None:
+            self.server.close()
+
+    def spawn(self) -> None:
+        spec = {
+            "url": self.worker_url,
+            "run_dir": str(self.run_dir),
+            "keys": self.keys,
+            "threads": self.args.threads,
+            "ttl": self.args.ttl,
+            "poll_max": self.args.poll_max,
+            "deadline": self.deadline,
+        }
+        log = open(self.run_dir / f"worker-{len(self.workers)}.log", "ab")  # noqa: SIM115
+        self.workers.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--worker", json.dumps(spec)],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            )
+        )
+        log.close()
+
+    # the run
+
+    def go(self) -> None:
+        args = self.args
+        self.deadline = time.monotonic() + args.seconds
+        for _ in range(args.processes):
+            self.spawn()
+        time.sleep(min(2.0, args.seconds / 5))  # let them start and contend
+        kinds = list(FAULTS[self.db])
+        cycle: list[str] = []
+        last_slot = self.deadline - (args.ttl + args.poll_max + 1.0)
+        while time.monotonic() < last_slot:
+            if not cycle:
+                cycle = kinds[:]
+                self.rng.shuffle(cycle)
+            fault = getattr(self, f"_{cycle.pop()}")()
+            if fault is not None:
+                self.faults.append(fault)
+            time.sleep(args.fault_every)
+        for w in self.workers:
+            try:
+                w.wait(max(self.deadline - time.monotonic(), 0) + 60)
+            except subprocess.TimeoutExpired:
+                self.faults.append(Fault("kill", time.monotonic(), "straggler", w.pid))
+                w.kill()
+                w.wait(30)
+
+    def _holders(self) -> dict[int, list[str]]:
+        """Live worker pids holding a row now, with their keys."""
+        live = {w.pid for w in self.workers if w.poll() is None}
+        try:
+            with self.direct.connect() as conn:
+                rows = conn.exec_driver_sql(f"SELECT lock_key, owner FROM {TABLE}").fetchall()
+        except Exception:
+            return {}
+        held: dict[int, list[str]] = defaultdict(list)
+        for key, owner in rows:
+            client = str(owner).split(":", 1)[0]
+            if client.startswith("torture-") and int(client[8:]) in live:
+                held[int(client[8:])].append(str(key))
+        return held
+
+    def _pick_holder(self) -> tuple[int, list[str]] | None:
+        give_up = time.monotonic() + 2.0
+        while time.monotonic() < give_up:
+            held = self._holders()
+            if held:
+                pid = self.rng.choice(sorted(held))
+                return pid, held[pid]
+            time.sleep(0.01)
+        return None
+
+    def _kill(self) -> Fault | None:
+        picked = self._pick_holder()
+        if picked is None:
+            return None
+        pid, keys = picked
+        os.kill(pid, signal.SIGKILL)
+        fault = Fault("kill", time.monotonic(), "kill -9 of a holder", pid, keys)
+        for w in self.workers:
+            if w.pid == pid:
+                w.wait(30)
+        self.spawn()
+        return fault
+
+    def _pause(self) -> Fault | None:
+        picked = self._pick_holder()
+        if picked is None:
+            return None
+        pid, keys = picked
+        os.kill(pid, signal.SIGSTOP)
+        fault = Fault("pause", time.monotonic(), "SIGSTOP past the lease", pid, keys)
+        time.sleep(self.args.ttl + 0.5)
+        os.kill(pid, signal.SIGCONT)
+        fault.t_end = time.monotonic()
+        return fault
+
+    def _cut(self) -> Fault:
+        before = len(self.proxy._pairs)
+        self.proxy.cut_all()
+        return Fault("cut", time.monotonic(), f"{before} connections cut")
+
+    def _restart(self) -> Fault:
+        fault = Fault("restart", time.monotonic(), "crash and start of the private instance")
+        self.server.restart()
+        fault.t_end = time.monotonic()
+        return fault
+
+    def _stall(self) -> Fault:
+        path = self.run_dir / "locks.sqlite3"
+        conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+        conn.execute("BEGIN IMMEDIATE")
+        fault = Fault("stall", time.monotonic(), "write lock held for 1 s by another connection")
+        time.sleep(1.0)
+        conn.execute("ROLLBACK")
+        conn.close()
+        fault.t_end = time.monotonic()
+        return fault
+
+
+# -- the checker -----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Section:
+    key: str
+    fence: int
+    pid: int
+    t_start: float
+    lease_end: float
+    t_end: float | None
+    outcome: str | None
+
+
+def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
+    sections: list[Section] = []
+    stats: dict[str, int] = defaultdict(int)
+    for path in sorted(run_dir.glob("ledger-*.sqlite3")):
+        conn = sqlite3.connect(path)
+        for key, fence, pid, t0, lease, lease2, t1, outcome in conn.execute(
+            "SELECT lock_key, fence, pid, t_start, lease_end, lease_end_at_end, t_end, outcome"
+            " FROM sections"
+        ):
+            # A lease renewed during the section ends later; the later end counts.
+            end_of_lease = max(lease, lease2) if lease2 is not None else lease
+            sections.append(Section(key, fence, pid, t0, end_of_lease, t1, outcome))
+        names = ("requests", "grants", "busy", "timeouts", "backend_errors", "lost",
+                 "release_failed")  # fmt: skip
+        for row in conn.execute(f"SELECT {', '.join(names)} FROM stats"):
+            for name, value in zip(names, row, strict=True):
+                stats[name] += value
+        conn.close()
+    return sections, dict(stats)
+
+
+def check(
+    sections: list[Section], faults: list[Fault], *, ttl: float, poll_max: float, slack: float
+) -> dict[str, Any]:
+    killed = {f.pid: f.t for f in faults if f.kind == "kill" and f.pid is not None}
+
+    def end(s: Section) -> float:
+        if s.t_end is not None:
+            return s.t_end
+        if s.pid in killed:
+            return killed[s.pid]
+        return max(s.lease_end, s.t_start)  # never seen ending: stale after its lease anyway
+
+    def valid_until(s: Section) -> float:
+        """End of the part of the section its holder ran within its lease."""
+        return min(end(s), s.lease_end)
+
+    by_key: dict[str, list[Section]] = defaultdict(list)
+    for s in sections:
+        by_key[s.key].append(s)
+    real = stale = fence_violations = order_violations = 0
+    examples: list[str] = []
+    for key, group in by_key.items():
+        group.sort(key=lambda s: s.t_start)
+        valid = [s for s in group if s.t_start < valid_until(s) - EPSILON]
+        order_violations += sum(1 for x, y in itertools.pairwise(valid) if y.fence <= x.fence)
+        active: list[tuple[float, int, Section]] = []  # started sections, by end
+        for i, b in enumerate(group):
+            while active and active[0][0] <= b.t_start:
+                heapq.heappop(active)
+            at = b.t_start  # the overlap begins here; validity only ends after it
+            for _, _, a in active:
+                a_valid = at < valid_until(a) - EPSILON
+                b_valid = at < valid_until(b) - EPSILON
+                if a_valid and b_valid:
+                    real += 1
+                    if len(examples) < 5:
+                        examples.append(
+                            f"{key}: fence {a.fence} (pid {a.pid}) valid until "
+                            f"{valid_until(a):.4f}; fence {b.fence} (pid {b.pid}) entered at "
+                            f"{b.t_start:.4f}, valid until {valid_until(b):.4f}"
+                        )
+                    continue
+                stale += 1
+                # The one still inside its lease took the row over after the
+                # other's lease ended: its fence must be the larger.
+                if (a_valid and a.fence <= b.fence) or (b_valid and b.fence <= a.fence):
+                    fence_violations += 1
+            heapq.heappush(active, (end(b), i, b))
+    blocked: list[float] = []
+    unresolved = 0
+    for f in faults:
+        if f.kind != "kill":
+            continue
+        for key in f.keys:
+            later = [s.t_start for s in by_key.get(key, ()) if s.t_start > f.t]
+            if later:
+                blocked.append(min(later) - f.t)
+            else:
+                unresolved += 1
+    bound = ttl + poll_max
+    longest = max(blocked, default=0.0)
+    counts: dict[str, int] = defaultdict(int)
+    for f in faults:
+        counts[f.kind] += 1
+    result = {
+        "sections_completed": sum(1 for s in sections if s.t_end is not None),
+        "sections_killed_inside": sum(1 for s in sections if s.t_end is None and s.pid in killed),
+        "sections_unfinished": sum(1 for s in sections if s.t_end is None and s.pid not in killed),
+        "overlaps_real": real,
+        "overlaps_stale_fenced": stale,
+        "sections_past_lease": sum(1 for s in sections if end(s) > s.lease_end + EPSILON),
+        "fence_violations": fence_violations,
+        "fence_order_violations": order_violations,
+        "faults": dict(counts),
+        "blocked_after_kill_max_s": round(longest, 4),
+        "blocked_after_kill_count": len(blocked),
+        "blocked_after_kill_unresolved": unresolved,
+        "blocked_bound_s": round(bound, 4),
+        "blocked_allowed_s": round(bound + slack, 4),
+        "outcomes": _outcomes(sections),
+        "examples": examples,
+    }
+    result["ok"] = (
+        real == 0
+        and fence_violations == 0
+        and order_violations == 0
+        and result["sections_completed"] > 0
+        and longest <= bound + slack
+    )
+    return result
+
+
+def _outcomes(sections: list[Section]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for s in sections:
+        out[s.outcome or ("killed" if s.t_end is None else "unknown")] += 1
+    return dict(out)
+
+
+def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    head = (
+        "| database | sections completed | killed inside | overlapping pairs: real / stale "
+        "(stale holders) "
+        "| fence violations | faults injected | longest blocked after kill -9 (limit) "
+        "| locks lost | releases failed |"
+    )
+    lines = [
+        f"Torture: {args.processes} processes × {args.threads} threads, {args.keys} hot keys, "
+        f"{args.seconds:g} s per database, lease {args.ttl:g} s, poll cap {args.poll_max:g} s, "
+        f"a fault every {args.fault_every:g} s.",
+        "",
+        head,
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for db, r in results.items():
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(r["faults"].items())) or "none"
+        outcomes = r["outcomes"]
+        lines.append(
+            f"| {db} | {r['sections_completed']:,} | {r['sections_killed_inside']} "
+            f"| {r['overlaps_real']} / {r['overlaps_stale_fenced']} ({r['sections_past_lease']}) "
+            f"| {r['fence_violations'] + r['fence_order_violations']} | {faults} "
+            f"| {r['blocked_after_kill_max_s']:.2f} s ({r['blocked_bound_s']:g} s "
+            f"+ {args.slack:g} s slack) | {outcomes.get('lost', 0)} "
+            f"| {outcomes.get('release-failed', 0)} |"
+        )
+    return "\n".join(lines)
+
+
+def torture(db: str, args: argparse.Namespace) -> dict[str, Any]:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"dblock-torture-{db}-"))
+    run = Run(db, args, run_dir)
+    try:
+        run.start()
+        run.go()
+    finally:
+        run.close()
+    sections, stats = read_ledgers(run_dir)
+    result = check(sections, run.faults, ttl=args.ttl, poll_max=args.poll_max, slack=args.slack)
+    result["worker_stats"] = stats
+    result["run_dir"] = str(run_dir)
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--db", action="append", choices=DATABASES)
+    parser.add_argument("--seconds", type=float, default=60.0, help="per database (60)")
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--keys", type=int, default=3, help="hot keys (3)")
+    parser.add_argument("--ttl", type=float, default=2.0, help="lease in seconds (2)")
+    parser.add_argument("--poll-max", type=float, default=0.25, help="poll cap in seconds")
+    parser.add_argument("--fault-every", type=float, help="seconds between faults (ttl + 1)")
+    parser.add_argument("--slack", type=float, default=0.5, help="scheduling allowance (0.5 s)")
+    parser.add_argument("--seed", type=int, default=6)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    if args.fault_every is None:
+        args.fault_every = args.ttl + 1.0
+    results: dict[str, dict[str, Any]] = {}
+    for db in args.db or DATABASES:
+        print(f"... {db}: {args.seconds:g} s", file=sys.stderr, flush=True)
+        results[db] = torture(db, args)
+        for example in results[db]["examples"]:
+            print(f"    REAL OVERLAP {example}", file=sys.stderr)
+    print(render(results, args))
+    ok = all(r["ok"] for r in results.values())
+    print("\nOK: no real overlap, fences in order, blocked keys within the lease." if ok
+          else "\nFAILED: see the table.")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The torture run (scripts/torture.py), short: real processes, a private
+database instance, kill -9, pauses, cut connections and restarts; then the
+ledger must show no real overlap and keys blocked no longer than the lease.
+
+The checker itself is tested first on hand-made ledgers, so a checker that
+could not see an overlap would not pass here either.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "torture.py"
+
+# Short enough for the suite, long enough for one fault of every kind even on
+# a loaded machine (a restart can take seconds there): lease 1 s, a fault
+# every 1.6 s from the 2nd second, none in the last 2.1 s.
+SHORT = ["--seconds", "20", "--processes", "3", "--threads", "3", "--keys", "2",
+         "--ttl", "1.0", "--poll-max", "0.1", "--fault-every", "1.6"]  # fmt: skip
+
+
+def _torture() -> ModuleType:
+    if "torture_script" in sys.modules:
+        return sys.modules["torture_script"]
+    spec = importlib.util.spec_from_file_location("torture_script", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["torture_script"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_torture_run(db: str, tmp_path: Path) -> None:
+    out = tmp_path / "torture.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--db", db, *SHORT, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())[db]
+    assert result["overlaps_real"] == 0
+    assert result["fence_violations"] == 0
+    assert result["fence_order_violations"] == 0
+    assert result["sections_completed"] > 100
+    expected = {"kill", "pause", "stall"} if db == "sqlite" else {"kill", "pause", "cut", "restart"}
+    assert expected <= set(result["faults"]), result["faults"]
+    assert result["blocked_after_kill_count"] >= 1
+    assert result["blocked_after_kill_max_s"] <= result["blocked_allowed_s"]
+    assert result["sections_past_lease"] >= 1  # the pause made a stale holder
+    assert "| " + db + " |" in done.stdout
+
+
+def _section(torture: ModuleType, fence: int, pid: int, start: float, lease: float,
+             end: float | None) -> object:  # fmt: skip
+    return torture.Section("k", fence, pid, start, lease, end, "released")
+
+
+def _check(torture: ModuleType, sections: list[object], faults: list[object] = ()) -> dict:  # type: ignore[assignment,type-arg]
+    return torture.check(sections, list(faults), ttl=1.0, poll_max=0.1, slack=0.5)  # type: ignore[no-any-return]
+
+
+def test_checker_sees_a_real_overlap() -> None:
+    t = _torture()
+    both_valid = [_section(t, 1, 10, 10.0, 11.0, 10.05), _section(t, 2, 11, 10.01, 11.01, 10.03)]
+    result = _check(t, both_valid)
+    assert result["overlaps_real"] == 1
+    assert not result["ok"]
+
+
+def test_checker_tells_a_stale_holder_by_its_lease() -> None:
+    t = _torture()
+    # Paused past its lease (ended at 11.0) and resumed; the next holder took
+    # the row over at 11.2 with a larger fence: stale, fenced, not a violation.
+    paused = _section(t, 5, 10, 10.0, 11.0, 12.0)
+    result = _check(t, [paused, _section(t, 6, 11, 11.2, 12.2, 11.3)])
+    assert (result["overlaps_real"], result["overlaps_stale_fenced"]) == (0, 1)
+    assert result["fence_violations"] == 0
+    assert result["ok"]
+    # The same with a smaller fence for the newer holder is a fence violation.
+    result = _check(t, [paused, _section(t, 4, 11, 11.2, 12.2, 11.3)])
+    assert result["fence_violations"] == 1
+    assert not result["ok"]
+
+
+def test_checker_recorded_late_stale_holder_is_not_a_real_overlap() -> None:
+    t = _torture()
+    # Paused between acquire() returning and writing its start: its lease
+    # (to 9.5) had ended before the start it recorded.
+    late = _section(t, 525, 11, 10.01, 9.5, 10.03)
+    result = _check(t, [_section(t, 660, 10, 10.0, 11.0, 10.02), late])
+    assert result["overlaps_real"] == 0
+    assert result["ok"]
+
+
+def test_checker_measures_blocked_time_after_a_kill() -> None:
+    t = _torture()
+    killed = t.Fault("kill", 10.5, pid=10, keys=["k"])
+    dead = _section(t, 1, 10, 10.0, 11.0, None)
+    result = _check(t, [dead, _section(t, 2, 11, 11.02, 12.0, 11.05)], [killed])
+    assert result["sections_killed_inside"] == 1
+    assert result["blocked_after_kill_max_s"] == pytest.approx(0.52)
+    assert result["ok"]
+    too_late = _section(t, 2, 11, 12.5, 13.5, 12.6)  # 2 s after the kill: over 1 + 0.1 + 0.5
+    assert not _check(t, [dead, too_late], [killed])["ok"]
