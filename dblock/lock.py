@@ -310,10 +310,17 @@ class Locker:
                 claimed, blocking=False, timeout=timeout, ttl=ttl, start=start, opts=opts
             )
 
-        got = self.registry.join(key, me, _Ticket(self.owner_label(), ttl, opts))
+        ticket = _Ticket(self.owner_label(), ttl, opts)
+        got = self.registry.join(key, me, ticket)
         if isinstance(got, Entry):
             return self._acquire_row(
-                got, blocking=True, timeout=timeout, ttl=ttl, start=start, opts=opts
+                got,
+                blocking=True,
+                timeout=timeout,
+                ttl=ttl,
+                start=start,
+                opts=opts,
+                owner=ticket.owner,
             )
         return self._wait_local(key, got, timeout=timeout, ttl=ttl, start=start, opts=opts)
 
@@ -339,7 +346,14 @@ class Locker:
             return grant  # the previous holder handed us the row
         token = grant if isinstance(grant, str) else None
         return self._acquire_row(
-            entry, blocking=True, timeout=timeout, ttl=ttl, start=start, opts=opts, token=token
+            entry,
+            blocking=True,
+            timeout=timeout,
+            ttl=ttl,
+            start=start,
+            opts=opts,
+            owner=waiter.ticket.owner,
+            token=token,
         )
 
     def _acquire_row(
@@ -351,6 +365,7 @@ class Locker:
         ttl: float,
         start: float,
         opts: LockOptions,
+        owner: str | None = None,
         token: str | None = None,
     ) -> HeldLock:
         """Level 2, for the thread that owns ``entry`` at level 1. Whatever
@@ -363,6 +378,7 @@ class Locker:
                 ttl=ttl,
                 start=start,
                 opts=opts,
+                owner=owner or self.owner_label(),
                 token=token,
             )
         except BaseException:
@@ -382,12 +398,12 @@ class Locker:
         ttl: float,
         start: float,
         opts: LockOptions,
+        owner: str,
         token: str | None,
     ) -> HeldLock:
         store = self.store
         key = entry.key
         token = token or _urandom(16).hex()
-        owner = self.owner_label()
         deadline = None if timeout is None else start + timeout
         wait = None
         try:

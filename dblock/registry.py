@@ -131,6 +131,10 @@ class Registry:
     def pop_waiter(self, entry: Entry) -> Waiter | None:
         """Make the head of the queue the owner; the caller fills ``grant`` and
         wakes it. ``None`` (and nothing changes) if nobody waits."""
+        if not entry.queue:
+            # Most releases: nobody queued. A thread queueing right after
+            # this check is handed the key by leave(), under the mutex.
+            return None
         with self._mutex:
             return self._pass(entry)
 

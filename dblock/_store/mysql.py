@@ -184,20 +184,13 @@ class MySQLStore(Store):
         if self.returning:
             # MariaDB: one bounded DELETE walking the index in order; its row
             # locks cover at most ``limit`` rows and end with the statement.
+            # InnoDB may pick it as a deadlock victim against concurrent
+            # acquires and renewals; run() below runs it again.
             sql = (
                 f"DELETE FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
                 f"RETURNING {COLUMNS}, UTC_TIMESTAMP(6)"
             )
-            for attempt in range(_DEADLOCK_RETRIES + 1):
-                try:
-                    return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
-                except BackendError as exc:
-                    # InnoDB may choose this range DELETE as the victim of a
-                    # deadlock with concurrent acquires and renewals; it was
-                    # rolled back whole, so running it again is safe.
-                    if attempt == _DEADLOCK_RETRIES or not _deadlocked(exc):
-                        raise
-                    time.sleep(0.05 * 2**attempt)
+            return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
         # MySQL has no DELETE ... RETURNING: read a batch, then delete each row
         # by its token, so a row taken over in between is left alone.
         found = self.run(
@@ -220,14 +213,15 @@ class MySQLStore(Store):
         contention, not failure. A victim was rolled back whole (it is its own
         transaction), so an INSERT IGNORE victim counts as ignored (the caller
         reads the holder next) and any other statement is simply run again."""
-        for attempt in range(_RACE_RETRIES):
+        for attempt in range(_DEADLOCK_RETRIES + 1):
             try:
                 return super().run(sql, params, fetch=fetch, lastrowid=lastrowid)
             except BackendError as exc:
-                if not _deadlocked(exc) or attempt == _RACE_RETRIES - 1:
+                if not _deadlocked(exc) or attempt == _DEADLOCK_RETRIES:
                     raise
                 if sql is self._insert_sql or sql is self._insert_returning_sql:
                     return Result((), 0, None)
+                time.sleep(0.01 * 2**attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
 
