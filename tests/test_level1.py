@@ -66,7 +66,10 @@ def test_only_one_thread_per_key_talks_to_the_database(make_manager: object, key
         threads = [threading.Thread(target=work) for _ in range(8)]
         for t in threads:
             t.start()
-        threading.Event().wait(0.3)  # let them all queue and the winner poll
+        _wait_queued(manager, key, 7)  # seven queue in the process ...
+        deadline = time.monotonic() + 10
+        while c.count < 3 and time.monotonic() < deadline:  # ... while the eighth polls
+            time.sleep(0.005)
         polled = c.count
         holder.release()
         for t in threads:

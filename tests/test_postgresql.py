@@ -58,11 +58,11 @@ def test_waiter_is_woken_by_notify_not_polling(make_manager: object, key: str) -
 
         t = threading.Thread(target=wait)
         t.start()
-        time.sleep(0.5)
-        # One attempt (two for a manager's first wait: the attempt made before
-        # its listener was up is repeated once LISTEN is active) ...
+        # Two attempts: this manager's first wait started its listener after
+        # the first attempt, so the attempt is repeated once LISTEN is active
+        # (a release in between would otherwise go unseen) ...
+        _until(lambda: _subscribed(waiter, key) and c.count == 2 and c.in_flight == 0)
         attempts = c.count
-        assert attempts in (1, 2)
         time.sleep(1.0)
         assert c.count == attempts  # ... then silence until notified
         released = time.monotonic()
@@ -86,7 +86,7 @@ def test_listener_is_one_connection_per_manager_and_stops_on_close(
     ]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    _until(lambda: all(_subscribed(waiter, k) for k in names))
     listeners = [t for t in threading.enumerate() if t.name == "dblock-listener"]
     assert len(listeners) == 1
     for h in held:
@@ -115,19 +115,40 @@ def test_listener_survives_its_connection_being_killed(make_manager: object, key
 
     t = threading.Thread(target=wait)
     t.start()
-    time.sleep(0.5)
+    _until(lambda: _subscribed(waiter, key))
     admin = sa.create_engine(DEFAULT_URLS["postgresql"])
+    listening = sa.text(
+        "SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND application_name = :app"
+    )
+
+    def listeners() -> list[int]:
+        # A connection per look: pg_stat_activity is a snapshot per transaction.
+        with admin.connect() as conn:
+            return list(conn.execute(listening, {"app": app}).scalars())
+
+    (first,) = listeners()
     with admin.connect() as conn:
-        killed = conn.execute(
-            sa.text(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE query LIKE 'LISTEN %' AND application_name = :app"
-            ),
-            {"app": app},
-        ).fetchall()
+        assert conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": first}).scalar()
+    # The listener notices, reconnects and listens again on a new backend ...
+    _until(lambda: listeners() not in ([], [first]))
     admin.dispose()
-    assert killed
-    time.sleep(0.5)
+    _until(lambda: waiter.store._listener.listening)
+    # ... and the release notification reaches the waiter through it.
+    released = time.monotonic()
     held.release()
     assert got.wait(10)
+    assert time.monotonic() - released < waiter.config.notify_recheck
     t.join(10)
+
+
+def _subscribed(manager: LockManager, key: str) -> bool:
+    listener = manager.store._listener  # type: ignore[attr-defined]
+    return listener is not None and listener.listening and key in listener._subs
+
+
+def _until(condition: object, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
