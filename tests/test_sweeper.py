@@ -27,12 +27,12 @@ def _keys_in(manager: LockManager) -> set[str]:
     return {row.key for row in manager.store.rows()}
 
 
-def _wait_for(condition: object, timeout: float = 60.0) -> bool:
+def _wait_for(condition: object, timeout: float = 60.0, every: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():  # type: ignore[operator]
             return True
-        time.sleep(0.05)
+        time.sleep(every)
     return False
 
 
@@ -264,18 +264,26 @@ def test_killed_sweeper_is_replaced_after_its_lease(
     db_url: str, private: LockManager, keys: object
 ) -> None:
     table = private.config.table
-    backlog = keys(3000)  # type: ignore[operator]
+    backlog = keys(20_000)  # type: ignore[operator]
     insert_expired(private, backlog)
+    sweeper = Sweeper(private, grace=0, lock_ttl=4)
     common = ("--url", db_url, "--table", table, "--grace", "0", "--lock-ttl", "4")
     first = start_dblock("sweep", "--once", "--batch-size", "1", *common)
+
+    def mid_run() -> bool:
+        # Its lock row is there and the backlog is going down.
+        store = private.store
+        return bool(store.rows(key=sweeper.key)) and store.stats().rows <= len(backlog)
+
     try:
-        # Kill it as soon as it has deleted something: mid-run.
-        assert _wait_for(lambda: not set(backlog) <= _keys_in(private), timeout=60)
+        # Freeze it the moment it is seen mid-run (however fast this machine
+        # deletes), then kill it: a sweeper dying with its lock held.
+        assert _wait_for(mid_run, timeout=60, every=0.002)
+        first.send_signal(signal.SIGSTOP)
     finally:
         first.send_signal(signal.SIGKILL)
         first.communicate(timeout=30)
     assert first.returncode == -signal.SIGKILL
-    sweeper = Sweeper(private, grace=0, lock_ttl=4)
     left = _keys_in(private)
     assert sweeper.key in left  # the dead sweeper's lock row
     assert len(left) > 1  # it died mid-run
