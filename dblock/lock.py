@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Final
@@ -40,7 +41,7 @@ from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["UNSET", "HeldLock", "LockOptions", "Locker", "Unset"]
+__all__ = ["UNSET", "HeldLock", "LockOptions", "Locker", "Unset", "release_on_exit"]
 
 log = logging.getLogger("dblock")
 
@@ -218,16 +219,24 @@ class HeldLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            self._locker.release(self)
-        except LockLost:
-            if exc_type is None:
-                raise
-            log.exception("dblock: %r was lost while its holder failed", self.key)
+        release_on_exit(self.release, exc_type, self.key)
 
     def __repr__(self) -> str:
         state = "released" if self._released else f"expires_at={self.expires_at.isoformat()}"
         return f"<HeldLock {self.key!r} fence={self.fence} {state}>"
+
+
+def release_on_exit(
+    release: Callable[[], object], exc_type: type[BaseException] | None, what: object
+) -> None:
+    """Leaving a ``with`` block: release, and raise :class:`LockLost` only if
+    the block itself did not raise (that error matters more; the loss is logged)."""
+    try:
+        release()
+    except LockLost:
+        if exc_type is None:
+            raise
+        log.exception("dblock: %r was lost while its holder failed", what)
 
 
 class _Ticket:

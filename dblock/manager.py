@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
 from sqlalchemy import URL
 from sqlalchemy.engine import Engine
@@ -30,7 +31,7 @@ from .decorators import KeySpec, OnBusy
 from .errors import DBLockError, LockArgumentError
 from .keys import check_key
 from .lock import UNSET, HeldLock, Locker, LockOptions, Unset
-from .multi import HeldLocks, LockManyRequest, acquire_many, order_keys
+from .multi import HeldLocks, acquire_many, order_keys
 from .schema import TableNames
 
 if TYPE_CHECKING:
@@ -46,38 +47,31 @@ R = TypeVar("R")
 _managers: weakref.WeakSet[LockManager] = weakref.WeakSet()
 
 
-class LockRequest:
-    """What ``LockManager.lock()`` returns: acquires on ``with`` entry, releases
-    on exit, and yields the :class:`~dblock.lock.HeldLock`."""
-
-    __slots__ = ("_held", "_locker", "blocking", "key", "options", "timeout", "ttl")
-
-    def __init__(
+class _Exits(Protocol):
+    def __exit__(
         self,
-        locker: Locker,
-        key: str,
-        *,
-        blocking: bool,
-        timeout: float | None,
-        ttl: float,
-        options: LockOptions | None,
-    ) -> None:
-        self._locker = locker
-        self.key = key
-        self.blocking = blocking
-        self.timeout = timeout
-        self.ttl = ttl
-        self.options = options
-        self._held: HeldLock | None = None
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
 
-    def __enter__(self) -> HeldLock:
-        self._held = self._locker.acquire(
-            self.key,
-            blocking=self.blocking,
-            timeout=self.timeout,
-            ttl=self.ttl,
-            options=self.options,
-        )
+
+H = TypeVar("H", bound=_Exits)
+
+
+class LockRequest(Generic[H]):
+    """What ``LockManager.lock()`` and ``lock_many()`` return: checked before
+    any SQL, acquired on ``with`` entry, released on exit. It yields a
+    :class:`~dblock.HeldLock` (``lock``) or :class:`~dblock.HeldLocks` (``lock_many``)."""
+
+    __slots__ = ("_acquire", "_held")
+
+    def __init__(self, acquire: Callable[[], H]) -> None:
+        self._acquire = acquire
+        self._held: H | None = None
+
+    def __enter__(self) -> H:
+        self._held = self._acquire()
         return self._held
 
     def __exit__(
@@ -169,7 +163,7 @@ class LockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
-    ) -> LockRequest:
+    ) -> LockRequest[HeldLock]:
         """A context manager holding ``key`` for the ``with`` block.
 
         ``blocking=False`` fails fast with :class:`~dblock.LockBusy`; a blocking
@@ -190,7 +184,9 @@ class LockManager:
             on_lost=on_lost,
         )
         return LockRequest(
-            self._locker, key, blocking=blocking, timeout=wait, ttl=lease, options=opts
+            partial(
+                self._locker.acquire, key, blocking=blocking, timeout=wait, ttl=lease, options=opts
+            )
         )
 
     def acquire(
@@ -354,7 +350,7 @@ class LockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
-    ) -> LockManyRequest:
+    ) -> LockRequest[HeldLocks]:
         """A context manager holding every key in ``keys`` for the ``with``
         block, yielding :class:`~dblock.HeldLocks`. The keys are taken in one
         deterministic order (sorted, duplicates removed) so two callers asking
@@ -370,13 +366,16 @@ class LockManager:
             max_hold=max_hold,
             on_lost=on_lost,
         )
-        return LockManyRequest(
-            self._locker,
-            order_keys(keys),
-            blocking=blocking,
-            timeout=wait,
-            ttl=lease,
-            options=opts,
+        return LockRequest(
+            partial(
+                acquire_many,
+                self._locker,
+                order_keys(keys),
+                blocking=blocking,
+                timeout=wait,
+                ttl=lease,
+                options=opts,
+            )
         )
 
     def acquire_many(

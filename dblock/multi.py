@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 
 from .errors import LockArgumentError, LockLost, LockTimeout
 from .keys import check_key
-from .lock import HeldLock, Locker, LockOptions
+from .lock import HeldLock, Locker, LockOptions, release_on_exit
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["HeldLocks", "LockManyRequest", "acquire_many", "order_keys"]
+__all__ = ["HeldLocks", "acquire_many", "order_keys"]
 
 log = logging.getLogger("dblock")
 
@@ -88,12 +88,7 @@ class HeldLocks(Mapping[str, HeldLock]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            self.release()
-        except LockLost:
-            if exc_type is None:
-                raise
-            log.exception("dblock: a lock of %r was lost while its holder failed", list(self))
+        release_on_exit(self.release, exc_type, list(self))
 
     def __repr__(self) -> str:
         state = " released" if self._released else ""
@@ -145,49 +140,3 @@ def acquire_many(
             ) from None
         raise
     return HeldLocks(held)
-
-
-class LockManyRequest:
-    """What ``LockManager.lock_many()`` returns: acquires every key on
-    ``with`` entry, releases them all on exit, and yields :class:`HeldLocks`."""
-
-    __slots__ = ("_held", "_locker", "blocking", "keys", "options", "timeout", "ttl")
-
-    def __init__(
-        self,
-        locker: Locker,
-        keys: tuple[str, ...],
-        *,
-        blocking: bool,
-        timeout: float | None,
-        ttl: float,
-        options: LockOptions | None = None,
-    ) -> None:
-        self._locker = locker
-        self.options = options
-        self.keys = keys
-        self.blocking = blocking
-        self.timeout = timeout
-        self.ttl = ttl
-        self._held: HeldLocks | None = None
-
-    def __enter__(self) -> HeldLocks:
-        self._held = acquire_many(
-            self._locker,
-            self.keys,
-            blocking=self.blocking,
-            timeout=self.timeout,
-            ttl=self.ttl,
-            options=self.options,
-        )
-        return self._held
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            held.__exit__(exc_type, exc, tb)

@@ -51,9 +51,9 @@ from .. import decorators, migrations
 from .._engine import ENV_URL
 from ..decorators import KeySpec, OnBusy
 from ..errors import DBLockError, LockArgumentError, LockBusy, LockNotAcquired, LockTimeout
-from ..lock import UNSET, Unset
+from ..lock import UNSET, HeldLock, Unset
 from ..manager import LockManager, LockRequest
-from ..multi import LockManyRequest
+from ..multi import HeldLocks
 from . import _admin
 from ._http import busy_body, log_busy, wants_json
 from ._settings import Settings, read_settings
@@ -137,7 +137,7 @@ class DBLock:
         blocking: bool = True,
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
-    ) -> LockRequest:
+    ) -> LockRequest[HeldLock]:
         """``LockManager.lock`` on the current app's manager (``manager``
         has the rest: ``acquire``, ``acquire_many``, ...)."""
         return self.manager.lock(key, blocking=blocking, timeout=timeout, ttl=ttl)
@@ -149,7 +149,7 @@ class DBLock:
         blocking: bool = True,
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
-    ) -> LockManyRequest:
+    ) -> LockRequest[HeldLocks]:
         return self.manager.lock_many(keys, blocking=blocking, timeout=timeout, ttl=ttl)
 
     def locked(
