@@ -50,8 +50,9 @@ def order_keys(keys: Iterable[str]) -> tuple[str, ...]:
 
 class HeldLocks(Mapping[str, HeldLock]):
     """The locks taken by ``lock_many()``: a read-only mapping ``key ->``
-    :class:`~dblock.HeldLock` in the order they were acquired. Releasing it
-    releases all of them, newest first."""
+    :class:`~dblock.HeldLock` in the order they were acquired, following the
+    ``Mapping`` contract (``held.get(123)`` is None, ``123 in held`` is False).
+    Releasing it releases all of them, newest first."""
 
     __slots__ = ("_by_key", "_released")
 
@@ -60,7 +61,13 @@ class HeldLocks(Mapping[str, HeldLock]):
         self._released = False
 
     def __getitem__(self, key: str) -> HeldLock:
-        return self._by_key[check_key(key)]
+        # The Mapping contract: anything that is not one of our keys is a
+        # KeyError (so get() returns None and `in` says False), never a
+        # LockArgumentError.
+        try:
+            return self._by_key[check_key(key)]
+        except LockArgumentError:
+            raise KeyError(key) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_key)
