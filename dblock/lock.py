@@ -618,11 +618,7 @@ class Locker:
                 raise LockLost(held.key, held._lost)
             raise LockNotHeld(f"lock {held.key!r} is not held (already released)")
         if not force and held._owner is not current_owner():
-            raise LockNotHeld(
-                f"lock {held.key!r} is held by {owner_name(held._owner)}, not by "
-                f"{owner_name(current_owner())}: only its holder may release it "
-                "(release(force=True) hands the release over explicitly)"
-            )
+            self.check_owner(held)
         entry = held._entry
         if entry.depth > 1 and not force and entry.held is held._ref:
             entry.depth -= 1
@@ -660,6 +656,17 @@ class Locker:
         if not deleted:
             raise LockLost(held.key, "its row was gone or held by another owner at release")
         return True
+
+    @staticmethod
+    def check_owner(held: HeldLock) -> None:
+        """Refuse a release by anyone but the holder, as ``threading.RLock`` does."""
+        me = current_owner()
+        if held._owner is not me and not held._released:
+            raise LockNotHeld(
+                f"lock {held.key!r} is held by {owner_name(held._owner)}, not by "
+                f"{owner_name(me)}: only its holder may release it "
+                "(release(force=True) hands the release over explicitly)"
+            )
 
     def _claim(self, held: HeldLock) -> bool:
         """Take the job of releasing ``held``: True for exactly one caller.
