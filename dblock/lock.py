@@ -28,6 +28,7 @@ processes get their turn (lock cohorting, bounded for fairness).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -624,7 +625,7 @@ class Locker:
             entry.depth -= 1
             return True
         if not self._claim(held):  # dblock released it meanwhile (owner gone, closed)
-            return self.release(held)
+            raise LockLost(held.key, held._lost or "dblock released it meanwhile")
         held._released = True
         entry.held = None
         waiter = None
@@ -718,7 +719,9 @@ class Locker:
                 stacklevel=2,
             )
         finally:
-            self.renewer.post(lambda: self._release_collected(ref))
+            # No new thread at interpreter exit: the lease ends it then.
+            with contextlib.suppress(RuntimeError):
+                self.renewer.post(lambda: self._release_collected(ref))
 
     def _release_collected(self, ref: _Ref) -> None:
         if not ref.live:

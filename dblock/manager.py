@@ -318,9 +318,9 @@ class LockManager:
         wait = check_timeout(timeout)
         if self._closed:
             return
-        self._closed = True
         if self._sweeper is not None:
-            self._sweeper.stop()
+            self._sweeper.stop()  # before: its last run may still take its own lock
+        self._closed = True
         _managers.discard(self)
         self._locker.close(float("inf") if wait is None else wait)
         self._store.close()
