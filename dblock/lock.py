@@ -55,7 +55,7 @@ from .errors import (
     ManagerClosed,
     SchemaMissing,
 )
-from .registry import CLOSED, Entry, Registry, Waiter, current_owner, owner_name
+from .registry import CLOSED, Entry, Registry, Waiter, current_owner, owner_name, thread_owner
 from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ log = logging.getLogger("dblock")
 _monotonic = time.monotonic
 _urandom = os.urandom
 _current_thread = threading.current_thread
+_thread_owner = thread_owner
 
 
 class Unset(enum.Enum):
@@ -618,7 +619,8 @@ class Locker:
             if held._revoked and held._lost is not None:
                 raise LockLost(held.key, held._lost)
             raise LockNotHeld(f"lock {held.key!r} is not held (already released)")
-        if not force and held._owner is not current_owner():
+        if not force and held._owner is not _thread_owner():
+            # Not this thread's: perhaps this asyncio task's (the full check).
             self.check_owner(held)
         entry = held._entry
         if entry.depth > 1 and not force and entry.held is held._ref:
@@ -660,9 +662,11 @@ class Locker:
 
     @staticmethod
     def check_owner(held: HeldLock) -> None:
-        """Refuse a release by anyone but the holder, as ``threading.RLock`` does."""
+        """Refuse a release by anyone but the holder, as ``threading.RLock`` does.
+        (A lock taken by a thread outside any task may be released by a task
+        running on that same thread: the thread is the holder.)"""
         me = current_owner()
-        if held._owner is not me and not held._released:
+        if held._owner is not me and held._owner is not _thread_owner() and not held._released:
             raise LockNotHeld(
                 f"lock {held.key!r} is held by {owner_name(held._owner)}, not by "
                 f"{owner_name(me)}: only its holder may release it "

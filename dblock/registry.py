@@ -33,6 +33,7 @@ __all__ = [
     "current_owner",
     "owner_alive",
     "owner_name",
+    "thread_owner",
 ]
 
 
@@ -92,6 +93,15 @@ def current_owner() -> object:
         return _local.owner
     except AttributeError:
         return _new_thread_owner()
+
+
+def thread_owner() -> ThreadOwner | None:
+    """This thread's owner object, if it ever asked for a lock (cheap: no
+    event loop check; for the release path's "is it ours?")."""
+    try:
+        return _local.owner  # type: ignore[no-any-return]
+    except AttributeError:
+        return None
 
 
 def owner_alive(owner: object) -> bool:
