@@ -446,8 +446,8 @@ class Locker:
                 )
                 entry.held = held._ref
                 entry.handoffs = 0
-                held._ref.tracked = True
                 self.renewer.track(held)
+                held._ref.tracked = True
             if self._closing:
                 raise ManagerClosed(f"the LockManager was closed while acquiring {key!r}")
             return held
@@ -679,11 +679,8 @@ class Locker:
         thread and ``close()`` can race for it; an untracked lock is known
         only to the thread acquiring it."""
         ref = held._ref
-        if ref.tracked:
-            if not self.renewer.untrack(held):
-                return False
-        elif not ref.live:
-            return False
+        if not self.renewer.untrack(held) and (ref.tracked or not ref.live):
+            return False  # somebody else untracked it first
         ref.live = False
         return True
 
@@ -731,7 +728,7 @@ class Locker:
         if not ref.live:
             return
         ref.live = False
-        if ref.tracked and not self.renewer.untrack_token(ref.token):
+        if not self.renewer.untrack_token(ref.token) and ref.tracked:
             return  # released by close() meanwhile
         log.warning("dblock: lock %r was never released by its holder; releasing it", ref.key)
         entry = ref.entry
@@ -793,8 +790,8 @@ class Locker:
         )
         entry.held = successor._ref
         entry.handoffs += 1
-        successor._ref.tracked = True
         self.renewer.track(successor)
+        successor._ref.tracked = True
         waiter.wake(successor)
         return True
 

@@ -132,33 +132,34 @@ def _named(name: str, module: str) -> Callable[[types.FrameType], bool]:
 
 
 def test_a_thread_given_a_dead_holders_id_is_not_handed_its_lock(
-    manager: LockManager, key: str
+    manager: LockManager, keys: Any
 ) -> None:
-    kept: list[HeldLock] = []
-    dead = threading.Thread(target=lambda: kept.append(manager.acquire(key)))
-    dead.start()
-    dead.join()
+    dead: dict[int, HeldLock] = {}  # thread id of a holder that ended -> its lock
     probe: dict[str, Any] = {}
-    for _ in range(500):  # Linux hands a new thread the id of the one just ended, mostly
 
-        def run() -> None:
-            probe["ident"] = threading.get_ident()
+    def hold(key: str) -> None:
+        dead[threading.get_ident()] = manager.acquire(key)
+
+    def run() -> None:
+        ident = threading.get_ident()
+        if ident in dead:
+            probe["old"] = dead[ident]
             try:
-                probe["held"] = manager.acquire(key, blocking=False)
+                probe["held"] = manager.acquire(dead[ident].key, blocking=False)
             except (LockBusy, LockLost) as exc:
                 probe["refused"] = exc
 
-        probe.clear()
-        t = threading.Thread(target=run)
-        t.start()
-        t.join()
-        if probe["ident"] == dead.ident:
+    for key in keys(200):
+        # Linux mostly hands a new thread the id (stack) of one that ended.
+        for target in (functools.partial(hold, key), run):
+            t = threading.Thread(target=target)
+            t.start()
+            t.join()
+        if "old" in probe:
             break
-        if "held" in probe:
-            probe["held"].release(force=True)
     else:
         pytest.skip("no thread id was reused")
-    assert probe.get("held") is not kept[0], "a new thread inherited a dead thread's lock"
+    assert probe.get("held") is not probe["old"], "a new thread inherited a dead thread's lock"
     if "held" in probe:
         probe["held"].release(force=True)
 
