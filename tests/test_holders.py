@@ -104,13 +104,16 @@ def interrupt_when(where: Callable[[types.FrameType], bool]) -> Iterator[threadi
     first time the main thread is found inside a frame ``where`` accepts: the
     interruption hits exactly the point under test, however long the way there."""
     fired = threading.Event()
+    done: list[bool] = []  # a plain flag: the handler may be re-entered by the next tick
 
     def handler(signum: int, frame: types.FrameType | None) -> None:
-        if fired.is_set():
+        if done:
             return
         f = frame
         while f is not None:
             if where(f):
+                done.append(True)
+                signal.setitimer(signal.ITIMER_REAL, 0, 0)
                 fired.set()
                 raise Interrupt
             f = f.f_back
@@ -209,10 +212,10 @@ def test_a_lock_whose_asyncio_task_ended_is_released(
 
     async def main() -> None:
         await asyncio.create_task(hold(), name="gone-task")
-        _wait_for(lambda: kept[0].released)  # the loop still runs; the task has ended
+        _wait_for(lambda: _free(manager, key))  # the loop still runs; the task has ended
 
     asyncio.run(main())
-    assert _free(manager, key)
+    assert kept[0].released
     assert any(key in r.getMessage() and "gone-task" in r.getMessage() for r in caplog.records)
 
 
@@ -561,7 +564,7 @@ def test_interrupted_mid_statement(manager: LockManager, make_manager: Any, key:
 def test_interrupted_while_the_key_is_handed_over(manager: LockManager, key: str) -> None:
     gate = threading.Event()
     holder_thread: list[int] = []
-    interrupted = threading.Event()
+    fired_box: list[threading.Event] = []
 
     def hold() -> None:
         holder_thread.append(threading.get_ident())
@@ -575,22 +578,20 @@ def test_interrupted_while_the_key_is_handed_over(manager: LockManager, key: str
         if threading.get_ident() in holder_thread and statement.lstrip().upper().startswith(
             "UPDATE"
         ):
-            interrupted.wait(10)
+            fired_box[0].wait(10)
 
     def granted(f: types.FrameType) -> bool:
         if f.f_code.co_name not in ("_wait_turn", "_wait_local"):
             return False
         waiter = f.f_locals.get("waiter")
-        if waiter is not None and waiter.granted:
-            interrupted.set()
-            return True
-        return False
+        return waiter is not None and bool(waiter.granted)
 
     sa.event.listen(manager.engine, "before_cursor_execute", stall_hand_off)
     try:
         t, out = _start(hold)
         assert gate.wait(10)
         with interrupt_when(granted) as fired, pytest.raises(Interrupt):
+            fired_box.append(fired)
             manager.acquire(key, timeout=None)
         assert fired.is_set()
         t.join(10)
