@@ -55,6 +55,7 @@ from ..lock import UNSET, HeldLock, Unset
 from ..manager import LockManager, LockRequest
 from ..multi import HeldLocks
 from . import _admin
+from ._beside import beside
 from ._http import busy_body, log_busy, wants_json
 from ._settings import Settings, read_settings
 
@@ -204,9 +205,11 @@ def _make_manager(app: Flask, settings: Settings) -> LockManager:
         engine = _sqlalchemy_engine(app)
         if engine is not None:
             if engine.dialect.name == "sqlite":
-                # A borrowed SQLite engine lacks dblock's busy timeout and WAL
-                # pragmas; the same file through dblock's own engine has them.
-                return LockManager(engine.url, engine_options=settings.engine_options, **options)
+                # SQLite has one writer: dblock's rows go in a file of their
+                # own beside the app's (see dblock.contrib._beside).
+                return LockManager(
+                    beside(engine.url), engine_options=settings.engine_options, **options
+                )
             return LockManager(engine, **options)
         if "SQLALCHEMY_DATABASE_URI" in app.config:
             # Locks in a local SQLite file would not be shared with the other
