@@ -102,8 +102,7 @@ def test_atomic_requests_lose_no_withdrawal(db: str, project_url: str, tmp_path:
         env,
         "shell",
         "-c",
-        "from accounts.models import Account; "
-        "Account.objects.filter(id=1).update(balance=100)",
+        "from accounts.models import Account; Account.objects.filter(id=1).update(balance=100)",
     )
     statuses, balance = withdraw_concurrently(env, requests=20)
     assert statuses == [200] * 20

@@ -39,21 +39,24 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 import click
 from flask import Flask, Response, current_app, has_app_context, request
 from flask.cli import AppGroup
 from sqlalchemy.engine import Engine
+from werkzeug.wrappers import Response as WerkzeugResponse
 
 from .. import decorators, migrations
 from .._engine import ENV_URL
 from ..decorators import KeySpec, OnBusy
+from ..deferral import DeferHook, Deferred
 from ..errors import DBLockError, LockArgumentError, LockBusy, LockNotAcquired, LockTimeout
 from ..lock import UNSET, HeldLock, Unset
 from ..manager import LockManager, LockRequest
 from ..multi import HeldLocks
+from ..sessions import session_hook
 from . import _admin
 from ._beside import beside
 from ._http import busy_body, log_busy, wants_json
@@ -65,7 +68,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 EXTENSION = "dblock"
-_FLASK_ONLY = {"USE_SQLALCHEMY": True, "BUSY_RESPONSE": True}
+_FLASK_ONLY = {"USE_SQLALCHEMY": True, "BUSY_RESPONSE": True, "COVER_COMMIT": True}
 
 
 class _State:
@@ -77,6 +80,9 @@ class _State:
         self.sweeper: _admin.Sweeper | None = None
         self.sweeper_pid: int | None = None
         self.lock = threading.Lock()
+        # Held past the locked code until Flask-SQLAlchemy's session
+        # transaction ends (DBLOCK_COVER_COMMIT), if the app has the extension.
+        self.until: DeferHook | None = None
 
 
 class DBLock:
@@ -105,6 +111,10 @@ class DBLock:
                 )
         manager = self._manager or _make_manager(app, settings)
         state = _State(manager, settings)
+        if settings.extra["COVER_COMMIT"]:
+            ext = app.extensions.get("sqlalchemy")
+            if ext is not None:
+                state.until = session_hook(ext.session)
         app.extensions[EXTENSION] = state
         app.cli.add_command(cli)
         if settings.extra["BUSY_RESPONSE"] and not _handles_busy(app):
@@ -141,7 +151,9 @@ class DBLock:
     ) -> LockRequest[HeldLock]:
         """``LockManager.lock`` on the current app's manager (``manager``
         has the rest: ``acquire``, ``acquire_many``, ...)."""
-        return self.manager.lock(key, blocking=blocking, timeout=timeout, ttl=ttl)
+        return self.manager.lock(key, blocking=blocking, timeout=timeout, ttl=ttl).deferred_by(
+            _defer_release
+        )
 
     def lock_many(
         self,
@@ -151,7 +163,9 @@ class DBLock:
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
     ) -> LockRequest[HeldLocks]:
-        return self.manager.lock_many(keys, blocking=blocking, timeout=timeout, ttl=ttl)
+        return self.manager.lock_many(
+            keys, blocking=blocking, timeout=timeout, ttl=ttl
+        ).deferred_by(_defer_release)
 
     def locked(
         self,
@@ -172,6 +186,7 @@ class DBLock:
             timeout=timeout,
             ttl=ttl,
             on_busy=on_busy,
+            defer=_defer_release,
         )
 
     # -- the in-app sweeper ------------------------------------------------
@@ -230,6 +245,63 @@ def _sqlalchemy_engine(app: Flask) -> Engine | None:
         engine = ext.engine
     assert isinstance(engine, Engine)
     return engine
+
+
+# -- when the lock is released ----------------------------------------------------
+
+_NEVER_CLOSED = (
+    "its streamed response was garbage-collected without being closed (a server that "
+    "never calls close() on the response)"
+)
+
+
+def _defer_release(deferred: Deferred, result: Any) -> Any:
+    """Hold a lock past the locked code until the app's session transaction
+    ends (Flask-SQLAlchemy, ``DBLOCK_COVER_COMMIT``) and until a streamed body
+    has been sent and closed."""
+    if has_app_context():
+        state = current_app.extensions.get(EXTENSION)
+        if isinstance(state, _State) and state.until is not None:
+            result = state.until(deferred, result)
+    if isinstance(result, tuple) and result:
+        return (_defer_body(deferred, result[0]), *result[1:])
+    return _defer_body(deferred, result)
+
+
+def _defer_body(deferred: Deferred, body: Any) -> Any:
+    if isinstance(body, WerkzeugResponse):
+        if body.is_streamed:
+            body.call_on_close(deferred.trigger(dropped=_NEVER_CLOSED))
+        return body
+    if isinstance(body, Iterator) and not isinstance(body, (str, bytes, bytearray)):
+        # A view returning a generator: Flask makes the response around it.
+        return _ClosingBody(body, deferred.trigger(dropped=_NEVER_CLOSED))
+    return body
+
+
+class _ClosingBody:
+    """A body iterator that reports its close (the server closes the body
+    once it is sent, or abandoned)."""
+
+    __slots__ = ("_body", "_closed")
+
+    def __init__(self, body: Iterator[Any], closed: Callable[[], None]) -> None:
+        self._body = body
+        self._closed = closed
+
+    def __iter__(self) -> _ClosingBody:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._body)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._closed()
 
 
 # -- busy responses -----------------------------------------------------------
