@@ -503,3 +503,65 @@ def test_running_servers_let_one_request_per_user_in(accounts: None) -> None:
         1: 1000 - per_user,
         2: 1000 - per_user,
     }
+
+
+# -- the lock covers the commit ------------------------------------------------------
+
+
+def _held_elsewhere(key: str) -> bool:
+    with other_manager() as other:
+        try:
+            with other.lock(key, blocking=False):
+                return False
+        except LockBusy:
+            return True
+
+
+def _wait_free(key: str) -> bool:
+    deadline = time.monotonic() + 30
+    while _held_elsewhere(key):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_lock_in_a_transaction_is_held_until_commit() -> None:
+    from django.db import transaction
+
+    key = f"commit:{uuid.uuid4().hex}"
+
+    @dj.locked(lambda: key)
+    def service() -> str:
+        return "done"
+
+    with transaction.atomic():
+        assert service() == "done"
+        assert _held_elsewhere(key)  # still held: the transaction is open
+        assert service() == "done"  # the same request re-enters, no self-deadlock
+        with dj.lock(key), dj.lock_many([key, f"{key}:b"]):
+            pass
+        assert _held_elsewhere(key)
+        assert _held_elsewhere(f"{key}:b")
+    assert not _held_elsewhere(key)  # released by on_commit
+    assert not _held_elsewhere(f"{key}:b")
+    assert service() == "done"  # outside a transaction: released on return
+    assert not _held_elsewhere(key)
+
+
+def test_lock_in_a_transaction_is_released_by_a_rollback() -> None:
+    from django.db import transaction
+
+    key = f"rollback:{uuid.uuid4().hex}"
+    with pytest.raises(ZeroDivisionError), transaction.atomic():
+        with dj.lock(key):
+            pass
+        assert _held_elsewhere(key)
+        1 / 0  # noqa: B018
+    assert _wait_free(key)
+    with transaction.atomic():
+        with transaction.atomic():  # a savepoint rolled back: the work is undone
+            with dj.lock(f"{key}:sp"):
+                pass
+            transaction.set_rollback(True)
+        assert _wait_free(f"{key}:sp")
