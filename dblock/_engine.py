@@ -50,7 +50,9 @@ def mask(url: str | URL) -> str:
         return "<unparseable URL>"
 
 
-def make_engine(url: URL, options: Mapping[str, Any] | None = None) -> Engine:
+def make_engine(
+    url: URL, options: Mapping[str, Any] | None = None, *, pooler: bool = False
+) -> Engine:
     kwargs: dict[str, Any] = {
         "isolation_level": "AUTOCOMMIT",
         "pool_reset_on_return": None,
@@ -69,6 +71,11 @@ def make_engine(url: URL, options: Mapping[str, Any] | None = None) -> Engine:
     elif backend in ("mysql", "mariadb") and "charset" not in url.query:
         url = url.update_query_dict({"charset": "utf8mb4"})
     kwargs.update(options or {})
+    if pooler and backend == "postgresql":
+        # A transaction-mode pooler hands each transaction any server
+        # connection: a statement psycopg prepared on one is missing (or
+        # already there) on the next. Never prepare on the server.
+        kwargs["connect_args"] = {**kwargs.get("connect_args", {}), "prepare_threshold": None}
     try:
         engine = create_engine(url, **kwargs)
     except ImportError as exc:

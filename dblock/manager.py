@@ -126,7 +126,14 @@ class LockManager:
                 )
             engine, owns = url, False
         else:
-            engine, owns = make_engine(resolve_url(url), engine_options), True
+            engine = make_engine(resolve_url(url), engine_options, pooler=self.config.pooler)
+            owns = True
+        if self.config.listen_url is not None and engine.dialect.name != "postgresql":
+            if owns:
+                engine.dispose()
+            raise LockArgumentError(
+                f"listen_url is for PostgreSQL; this manager's database is {engine.dialect.name}"
+            )
         try:
             self._store: Store = open_store(engine, config=self.config, owns_engine=owns)
         except BaseException:
