@@ -565,3 +565,54 @@ def test_lock_in_a_transaction_is_released_by_a_rollback() -> None:
                 pass
             transaction.set_rollback(True)
         assert _wait_free(f"{key}:sp")
+
+
+@override_settings(ROOT_URLCONF="tests.support.stream_django_urls")
+def test_async_streamed_body_is_under_the_lock_on_asgi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ASGI a streamed body (here an async iterator) is sent after the
+    view returned; the lock is held for every chunk and released once the
+    handler closes the response."""
+    from django.core.handlers.asgi import ASGIHandler
+
+    from tests.support.streaming import CHUNKS, chunk
+
+    monkeypatch.setenv("STREAM_GATES", str(tmp_path))
+    key = f"astream:{uuid.uuid4().hex}"
+    sent: list[bytes] = []
+    held_during: list[bool] = []
+
+    received: list[bool] = []
+
+    async def receive() -> dict[str, Any]:
+        if not received:
+            received.append(True)
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # the client never disconnects
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.body" or not message.get("body"):
+            return
+        sent.append(message["body"])
+        held_during.append(await asyncio.to_thread(_held_elsewhere, key))
+        (tmp_path / f"{key}.{len(sent)}").touch()  # let the body go on
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": f"/stream-async/{key}",
+        "raw_path": f"/stream-async/{key}".encode(),
+        "query_string": b"",
+        "headers": [(b"host", b"testserver")],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+    }
+    asyncio.run(ASGIHandler()(scope, receive, send))
+    assert b"".join(sent).decode() == "".join(chunk(i) for i in range(CHUNKS))
+    assert held_during == [True] * CHUNKS
+    assert _wait_free(key)
