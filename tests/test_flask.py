@@ -228,9 +228,12 @@ def test_reuses_flask_sqlalchemy_engine(db: str, db_url: str, tmp_path: Path) ->
         app_engine = sqla.engine
         manager = ext.manager
         if db == "sqlite":
-            # dblock's own engine on the same file, with its busy timeout and WAL.
+            # SQLite has one writer: dblock's own engine on a file beside the app's.
             assert manager.store.owns_engine
-            assert manager.engine.url.database == app_engine.url.database
+            app_file = Path(app_engine.url.database)
+            lock_file = app_file.with_name(f"{app_file.stem}.dblock{app_file.suffix}")
+            assert manager.engine.url.database == str(lock_file)
+            manager.create_schema()  # `flask dblock migrate` migrates the lock file
         else:
             assert not manager.store.owns_engine
             assert manager.engine.pool is app_engine.pool
