@@ -436,3 +436,80 @@ def test_ledger_check_notices_an_overlap() -> None:
         )
         == []
     )
+
+
+# -- the lock covers the session's commit ------------------------------------------
+
+
+def _withdraw_app(url: str, cover: bool) -> tuple[Flask, SQLAlchemy]:
+    """An app whose locked service writes through db.session and whose view
+    commits after the service returned, as many views do."""
+    sqla = SQLAlchemy()
+    ext = DBLock()
+    app = Flask(__name__)
+    app.config.update(SQLALCHEMY_DATABASE_URI=url, DBLOCK_COVER_COMMIT=cover)
+    sqla.init_app(app)
+    ext.init_app(app)
+
+    @ext.locked("acct:{account}", timeout=60)
+    def withdraw(account: str) -> None:
+        balance = sqla.session.execute(
+            sa.text("SELECT balance FROM acct WHERE name = :n"), {"n": account}
+        ).scalar_one()
+        sqla.session.execute(
+            sa.text("UPDATE acct SET balance = :b WHERE name = :n"),
+            {"b": balance - 1, "n": account},
+        )
+
+    @app.post("/withdraw/<account>")
+    def view(account: str) -> str:
+        withdraw(account)
+        time.sleep(0.02)  # the rest of the view, before its commit
+        sqla.session.commit()
+        return "ok"
+
+    with app.app_context(), sqla.engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE acct (name VARCHAR(64) PRIMARY KEY, balance INT)"))
+    return app, sqla
+
+
+def _withdraw_20(app: Flask, sqla: SQLAlchemy, account: str) -> int:
+    import threading
+
+    with app.app_context(), sqla.engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO acct VALUES (:n, 100)"), {"n": account})
+    statuses: list[int] = []
+
+    def one() -> None:
+        statuses.append(app.test_client().post(f"/withdraw/{account}").status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert statuses == [200] * 20
+    with app.app_context(), sqla.engine.connect() as conn:
+        balance = conn.execute(
+            sa.text("SELECT balance FROM acct WHERE name = :n"), {"n": account}
+        ).scalar_one()
+    app.extensions["dblock"].manager.close()
+    with app.app_context():
+        sqla.engine.dispose()
+    return int(balance)
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+def test_session_commit_is_covered_by_default(private_url: str) -> None:
+    app, sqla = _withdraw_app(private_url, cover=True)
+    with app.app_context():
+        app.extensions["dblock"].manager.create_schema()
+    assert _withdraw_20(app, sqla, "a") == 80
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+def test_without_cover_commit_updates_are_lost(private_url: str) -> None:
+    app, sqla = _withdraw_app(private_url, cover=False)
+    with app.app_context():
+        app.extensions["dblock"].manager.create_schema()
+    assert _withdraw_20(app, sqla, "a") > 80
