@@ -20,12 +20,19 @@ Configuration is read from ``app.config`` keys ``DBLOCK_<NAME>``: every
 :class:`~dblock.Config` field (``DBLOCK_TABLE``, ``DBLOCK_TTL``,
 ``DBLOCK_TIMEOUT``, ...) and ``DBLOCK_URL``, ``DBLOCK_ENGINE_OPTIONS``,
 ``DBLOCK_SWEEPER``, ``DBLOCK_SWEEPER_INTERVAL``, ``DBLOCK_SWEEPER_MAX_AGE``,
-``DBLOCK_BUSY_STATUS`` (409 or 423), ``DBLOCK_BUSY_RESPONSE`` and
-``DBLOCK_USE_SQLALCHEMY``. The database is, in this order: ``DBLOCK_URL``;
-``$DBLOCK_URL``; the engine of Flask-SQLAlchemy when the app has the
+``DBLOCK_BUSY_STATUS`` (409 or 423), ``DBLOCK_BUSY_RESPONSE``,
+``DBLOCK_USE_SQLALCHEMY`` and ``DBLOCK_COVER_COMMIT``. The database is, in
+this order: ``DBLOCK_URL``; ``$DBLOCK_URL``; the engine of Flask-SQLAlchemy when the app has the
 extension (borrowed: dblock runs its statements on its own pooled
 connections in autocommit, never in the request's session); the SQLite file
 ``./dblock.sqlite3``.
+
+Locks taken through the extension cover the commit: with Flask-SQLAlchemy
+(and ``DBLOCK_COVER_COMMIT``, on by default) one whose function or block ends
+while ``db.session`` has a transaction open is held until that transaction
+ends; a view's lock whose response is streamed is held until the body has
+been sent and the response closed. An app database that is a SQLite file gets
+dblock's rows in a file beside it (``app.sqlite3`` -> ``app.dblock.sqlite3``).
 
 The extension adds ``flask dblock`` (``migrate``, ``sweep``, ``list``,
 ``release``), turns a :class:`~dblock.LockNotAcquired` escaping a view into a
