@@ -131,8 +131,8 @@ def test_a_session_collected_with_its_transaction_open_releases_with_a_warning(
     with manager.lock(key, until=session):
         pass
     assert row_of(manager, key) is not None
-    del session
     with caplog.at_level(logging.WARNING, logger="dblock"), pytest.warns(ResourceWarning):  # noqa: PT031
+        del session
         gc.collect()
         deadline = time.monotonic() + 30
         while row_of(manager, key) is not None and time.monotonic() < deadline:

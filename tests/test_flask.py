@@ -513,3 +513,35 @@ def test_without_cover_commit_updates_are_lost(private_url: str) -> None:
     with app.app_context():
         app.extensions["dblock"].manager.create_schema()
     assert _withdraw_20(app, sqla, "a") > 80
+
+
+def test_a_streamed_response_never_closed_releases_when_collected(
+    db_url: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import gc
+    import logging
+
+    from flask import Response
+
+    app = Flask(__name__)
+    app.config["DBLOCK_URL"] = db_url
+    ext = DBLock(app)
+
+    @ext.locked(lambda: key)
+    def view() -> Response:
+        return Response(iter(["a", "b"]))
+
+    with app.test_request_context():
+        response = view()
+    other = ext.manager
+    assert response.is_streamed
+    assert other._locker.registry.get(key) is not None  # held until the body is closed
+    with caplog.at_level(logging.WARNING, logger="dblock"), pytest.warns(ResourceWarning):  # noqa: PT031
+        del response
+        gc.collect()
+        deadline = time.monotonic() + 30
+        while other._locker.registry.get(key) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert other._locker.registry.get(key) is None
+    assert "garbage-collected without being closed" in caplog.text
+    other.close()
