@@ -48,7 +48,7 @@ from flask.cli import AppGroup
 from sqlalchemy.engine import Engine
 
 from .. import decorators, migrations
-from .._engine import ENV_URL
+from .._engine import ENV_URL, borrow, check_engine_options
 from ..decorators import KeySpec, OnBusy
 from ..errors import DBLockError, LockArgumentError, LockBusy, LockNotAcquired, LockTimeout
 from ..lock import UNSET, HeldLock, Unset
@@ -65,6 +65,7 @@ R = TypeVar("R")
 
 EXTENSION = "dblock"
 _FLASK_ONLY = {"USE_SQLALCHEMY": True, "BUSY_RESPONSE": True}
+_ENGINE_OPTIONS = "DBLOCK_ENGINE_OPTIONS"
 
 
 class _State:
@@ -101,6 +102,13 @@ class DBLock:
             if not isinstance(settings.extra[flag], bool):
                 raise LockArgumentError(
                     f"DBLOCK_{flag} must be True or False, got {settings.extra[flag]!r}"
+                )
+        if self._manager is not None:
+            ignored = [f"DBLOCK_{k}" for k in ("URL", "ENGINE_OPTIONS") if k in values]
+            if ignored:
+                raise LockArgumentError(
+                    f"{' and '.join(ignored)} cannot apply: DBLock(manager=...) was given a "
+                    "LockManager, which already has its engine"
                 )
         manager = self._manager or _make_manager(app, settings)
         state = _State(manager, settings)
@@ -199,15 +207,15 @@ def _make_manager(app: Flask, settings: Settings) -> LockManager:
     options: dict[str, Any] = {"config": settings.config}
     url = settings.url or os.environ.get(ENV_URL)
     if url is not None:
-        return LockManager(url, engine_options=settings.engine_options, **options)
+        engine_options = check_engine_options(settings.engine_options, name=_ENGINE_OPTIONS)
+        return LockManager(url, engine_options=engine_options, **options)
     if settings.extra["USE_SQLALCHEMY"]:
         engine = _sqlalchemy_engine(app)
         if engine is not None:
-            if engine.dialect.name == "sqlite":
-                # A borrowed SQLite engine lacks dblock's busy timeout and WAL
-                # pragmas; the same file through dblock's own engine has them.
-                return LockManager(engine.url, engine_options=settings.engine_options, **options)
-            return LockManager(engine, **options)
+            # Never the app's pool itself: a request holding a session
+            # connection would wait for a second one to take a lock.
+            borrowed, engine_options = borrow(engine, settings.engine_options, name=_ENGINE_OPTIONS)
+            return LockManager(borrowed, engine_options=engine_options, **options)
         if "SQLALCHEMY_DATABASE_URI" in app.config:
             # Locks in a local SQLite file would not be shared with the other
             # servers: that mistake must not pass silently.
@@ -215,7 +223,8 @@ def _make_manager(app: Flask, settings: Settings) -> LockManager:
                 "the app configures SQLALCHEMY_DATABASE_URI but Flask-SQLAlchemy is not set up "
                 "on it yet: call db.init_app(app) before dblock's init_app, or set DBLOCK_URL"
             )
-    return LockManager(engine_options=settings.engine_options, **options)
+    engine_options = check_engine_options(settings.engine_options, name=_ENGINE_OPTIONS)
+    return LockManager(engine_options=engine_options, **options)
 
 
 def _sqlalchemy_engine(app: Flask) -> Engine | None:
