@@ -75,8 +75,8 @@ def _make_manager() -> LockManager:
     from . import conf
 
     settings = conf.read()
-    url = settings.url or conf.url_for(str(settings.extra["DATABASE"]))
-    return LockManager(url, config=settings.config, engine_options=settings.engine_options)
+    url, engine_options = conf.engine_args(settings)
+    return LockManager(url, config=settings.config, engine_options=engine_options)
 
 
 def locked(
