@@ -150,8 +150,9 @@ class Executor:
         size = getattr(engine.pool, "size", None)
         self._max_idle = size() if callable(size) else 4
         pool = engine.pool
-        bounded = isinstance(pool, QueuePool) and getattr(pool, "_max_overflow", -1) >= 0
-        self._bounded = pool if bounded else None
+        self._bounded: QueuePool | None = None
+        if isinstance(pool, QueuePool) and getattr(pool, "_max_overflow", -1) >= 0:
+            self._bounded = pool
 
     @property
     def engine(self) -> Engine:
