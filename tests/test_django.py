@@ -343,6 +343,31 @@ def _report_view(request: HttpRequest, user_id: int) -> JsonResponse:
 urlpatterns = [path("report/<int:user_id>", _report_view)]
 
 
+def test_busy_answers_problem_json(accounts: None) -> None:
+    """The view decorator and the middleware answer RFC 9457's body to
+    clients that accept anything or problem+json; text clients get text."""
+    client = Client()
+    with other_manager() as other, other.lock("user:1"):
+        anything = client.get("/users/1/balance", HTTP_ACCEPT="*/*")
+        problem = client.get("/users/1/balance", HTTP_ACCEPT="application/problem+json")
+        text = client.get("/users/1/balance", HTTP_ACCEPT="text/plain")
+    with override_settings(ROOT_URLCONF=__name__), other_manager() as other:
+        with other.lock("report:4"):
+            middleware = client.get("/report/4", HTTP_ACCEPT="*/*")
+    expected = {
+        "type": "about:blank",
+        "title": "Conflict",
+        "status": 409,
+        "detail": "Another request holds the lock for this resource. Try again shortly.",
+    }
+    for response in (anything, problem, middleware):
+        assert response.status_code == 409
+        assert response["Content-Type"] == "application/problem+json"
+        assert json.loads(response.content) == expected
+    assert text["Content-Type"].startswith("text/plain")
+    assert text.content.decode().startswith("409 Conflict: Another request holds")
+
+
 @override_settings(ROOT_URLCONF=__name__)
 def test_middleware_answers_409_for_the_service_layer() -> None:
     client = Client()

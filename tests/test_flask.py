@@ -19,8 +19,9 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask, jsonify
 from flask_sqlalchemy import SQLAlchemy
+from werkzeug.exceptions import HTTPException
 
-from dblock import LockArgumentError, LockBusy, LockManager, LockNotAcquired
+from dblock import DBLockError, LockArgumentError, LockBusy, LockManager, LockNotAcquired
 from dblock.contrib.flask import DBLock
 from tests.support import web
 from tests.support.db import private_database
@@ -179,6 +180,96 @@ def test_app_handler_wins(private_url: str, when: str) -> None:
         response = app.test_client().get("/x")
     assert (response.status_code, response.get_json()) == (429, {"mine": True})
     app.extensions["dblock"].manager.close()
+
+
+def test_busy_lock_answers_problem_json(app: Flask) -> None:
+    """Clients that accept anything, or problem+json, get RFC 9457's body;
+    plain-text clients keep the text body."""
+    client = app.test_client()
+    with other_manager(app) as other, other.lock("user:1"):
+        answers = {
+            accept: client.get("/users/1/balance", headers={"Accept": accept})
+            for accept in ("*/*", "application/problem+json", "text/plain")
+        }
+    for accept in ("*/*", "application/problem+json"):
+        response = answers[accept]
+        assert response.status_code == 409
+        assert response.content_type == "application/problem+json"
+        assert json.loads(response.get_data(as_text=True)) == {
+            "type": "about:blank",
+            "title": "Conflict",
+            "status": 409,
+            "detail": "Another request holds the lock for this resource. Try again shortly.",
+        }
+    text = answers["text/plain"]
+    assert text.content_type.startswith("text/plain")
+    assert text.get_data(as_text=True).startswith("409 Conflict: Another request holds")
+
+
+@pytest.mark.databases("sqlite")
+@pytest.mark.parametrize(
+    ("registered", "seen"),
+    [
+        pytest.param(DBLockError, "LockBusy", id="DBLockError"),
+        pytest.param(409, "BusyConflict", id="status-409"),
+        pytest.param(HTTPException, "BusyConflict", id="HTTPException"),
+        pytest.param(Exception, "BusyConflict", id="Exception"),
+    ],
+)
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_app_wide_handlers_see_a_busy_lock(
+    private_url: str, registered: Any, seen: str, when: str
+) -> None:
+    """The order, as documented: a handler for a dblock error class gets the
+    lock error itself; else the busy lock is a 409 HTTP error (like
+    ``abort(409)``) that handlers for 409, HTTPException or Exception get,
+    with the lock error as ``lock_error``."""
+    app = Flask(__name__)
+    app.config["DBLOCK_URL"] = private_url
+    ext = DBLock()
+
+    def mine(exc: Exception) -> tuple[Any, int]:
+        lock_error = getattr(exc, "lock_error", exc)
+        return jsonify(seen=type(exc).__name__, key=lock_error.key), 429
+
+    if when == "before":
+        app.register_error_handler(registered, mine)
+    ext.init_app(app)
+    if when == "after":
+        app.register_error_handler(registered, mine)
+
+    @app.get("/x")
+    @ext.locked(lambda: "x", blocking=False)
+    def view() -> str:
+        return "ok"
+
+    with app.app_context():
+        ext.manager.create_schema()
+    with LockManager(private_url) as other, other.lock("x"):
+        response = app.test_client().get("/x")
+    assert (response.status_code, response.get_json()) == (429, {"seen": seen, "key": "x"})
+    assert app.test_client().get("/x").get_data(as_text=True) == "ok"
+    app.extensions["dblock"].manager.close()
+
+
+@pytest.mark.databases("sqlite")
+def test_status_423_goes_to_a_423_handler(private_url: str) -> None:
+    app = Flask(__name__)
+    app.config.update(DBLOCK_URL=private_url, DBLOCK_BUSY_STATUS=423)
+    ext = DBLock(app)
+    app.register_error_handler(423, lambda e: (f"mine: {e.description}", 423))
+
+    @app.get("/x")
+    @ext.locked(lambda: "x", blocking=False)
+    def view() -> str:
+        return "ok"
+
+    ext.manager.create_schema()
+    with LockManager(private_url) as other, other.lock("x"):
+        response = app.test_client().get("/x")
+    assert response.status_code == 423
+    assert response.get_data(as_text=True).startswith("mine: Another request holds")
+    ext.manager.close()
 
 
 # -- configuration -------------------------------------------------------------

@@ -46,6 +46,7 @@ import click
 from flask import Flask, Response, current_app, has_app_context, request
 from flask.cli import AppGroup
 from sqlalchemy.engine import Engine
+from werkzeug.exceptions import Conflict, Locked
 
 from .. import decorators, migrations
 from .._engine import ENV_URL, borrow, check_engine_options
@@ -55,10 +56,10 @@ from ..lock import UNSET, HeldLock, Unset
 from ..manager import LockManager, LockRequest
 from ..multi import HeldLocks
 from . import _admin
-from ._http import busy_body, log_busy, wants_json
+from ._http import busy_body, busy_message, log_busy, negotiate
 from ._settings import Settings, read_settings
 
-__all__ = ["DBLock", "cli"]
+__all__ = ["BusyConflict", "BusyLocked", "DBLock", "cli"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -241,19 +242,49 @@ def _sqlalchemy_engine(app: Flask) -> Engine | None:
 # -- busy responses -----------------------------------------------------------
 
 
+class BusyConflict(Conflict):
+    """A busy lock, as the HTTP error the app's handlers for 409 (or
+    ``HTTPException``, or ``Exception``) receive; ``lock_error`` is the
+    :class:`~dblock.LockNotAcquired` it stands for."""
+
+    lock_error: LockNotAcquired
+
+
+class BusyLocked(Locked):
+    """The same with ``DBLOCK_BUSY_STATUS = 423``."""
+
+    lock_error: LockNotAcquired
+
+
 def _handles_busy(app: Flask) -> bool:
     """Whether the app registered its own handler for a busy lock already."""
     handlers = app.error_handler_spec.get(None, {}).get(None, {})
     return any(cls in handlers for cls in (LockNotAcquired, LockBusy, LockTimeout))
 
 
-def _busy_response(exc: LockNotAcquired) -> Response:
-    status = state_of(current_app._get_current_object()).settings.busy_status  # type: ignore[attr-defined]
+def _busy_response(exc: LockNotAcquired) -> Any:
+    """The extension's handler for a busy lock. Flask picks it before the
+    app's handler for ``DBLockError`` (it is nearer in the class tree), so it
+    hands over to that one; otherwise the busy lock goes on as a 409/423 HTTP
+    error through the app's handlers for that status, ``HTTPException`` or
+    ``Exception``; with none, the body negotiated with the client."""
+    app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
     log_busy(exc, f"{request.method} {request.path}")
+    mine = app.error_handler_spec.get(None, {}).get(None, {}).get(DBLockError)
+    if mine is not None:
+        return app.ensure_sync(mine)(exc)
+    status = state_of(app).settings.busy_status
     body, content_type = busy_body(
-        exc, status, as_json=wants_json(request.headers.get("Accept"), request.content_type)
+        exc, status, negotiate(request.headers.get("Accept"), request.content_type)
     )
-    return Response(body, status=status, content_type=content_type)
+    error = (BusyConflict if status == 409 else BusyLocked)(
+        description=busy_message(exc),
+        response=Response(body, status=status, content_type=content_type),
+    )
+    error.lock_error = exc
+    error.__cause__ = exc
+    handled = app.handle_http_exception(error)
+    return error.get_response() if handled is error else handled
 
 
 # -- the in-app sweeper -------------------------------------------------------
