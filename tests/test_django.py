@@ -351,9 +351,8 @@ def test_busy_answers_problem_json(accounts: None) -> None:
         anything = client.get("/users/1/balance", HTTP_ACCEPT="*/*")
         problem = client.get("/users/1/balance", HTTP_ACCEPT="application/problem+json")
         text = client.get("/users/1/balance", HTTP_ACCEPT="text/plain")
-    with override_settings(ROOT_URLCONF=__name__), other_manager() as other:
-        with other.lock("report:4"):
-            middleware = client.get("/report/4", HTTP_ACCEPT="*/*")
+    with override_settings(ROOT_URLCONF=__name__), other_manager() as other, other.lock("report:4"):
+        middleware = client.get("/report/4", HTTP_ACCEPT="*/*")
     expected = {
         "type": "about:blank",
         "title": "Conflict",
