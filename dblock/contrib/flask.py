@@ -22,14 +22,17 @@ Configuration is read from ``app.config`` keys ``DBLOCK_<NAME>``: every
 ``DBLOCK_SWEEPER``, ``DBLOCK_SWEEPER_INTERVAL``, ``DBLOCK_SWEEPER_MAX_AGE``,
 ``DBLOCK_BUSY_STATUS`` (409 or 423), ``DBLOCK_BUSY_RESPONSE`` and
 ``DBLOCK_USE_SQLALCHEMY``. The database is, in this order: ``DBLOCK_URL``;
-``$DBLOCK_URL``; the engine of Flask-SQLAlchemy when the app has the
-extension (borrowed: dblock runs its statements on its own pooled
-connections in autocommit, never in the request's session); the SQLite file
-``./dblock.sqlite3``.
+``$DBLOCK_URL``; the database of Flask-SQLAlchemy when the app has the
+extension (dblock's engine then connects exactly as the app's engine does,
+through its creator, but keeps a pool of its own: a request holding a
+session connection must never wait for a second one to take a lock); the
+SQLite file ``./dblock.sqlite3``. ``DBLOCK_ENGINE_OPTIONS`` shape that
+engine; the ones that cannot apply are refused at ``init_app``.
 
 The extension adds ``flask dblock`` (``migrate``, ``sweep``, ``list``,
 ``release``), turns a :class:`~dblock.LockNotAcquired` escaping a view into a
-409 (or 423) response unless the app registered its own handler for it, and
+409 (or 423) response (through the app's handlers for ``DBLockError``, then
+for that status, as the README orders them), and
 with ``DBLOCK_SWEEPER = True`` sweeps expired rows in the background from the
 first request of each process on.
 """
