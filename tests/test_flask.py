@@ -21,7 +21,14 @@ from flask import Flask, jsonify
 from flask_sqlalchemy import SQLAlchemy
 from werkzeug.exceptions import HTTPException
 
-from dblock import DBLockError, LockArgumentError, LockBusy, LockManager, LockNotAcquired
+from dblock import (
+    DBLockError,
+    LockArgumentError,
+    LockBusy,
+    LockManager,
+    LockNotAcquired,
+    LockTimeout,
+)
 from dblock.contrib.flask import DBLock
 from tests.support import web
 from tests.support.db import private_database
@@ -250,6 +257,30 @@ def test_app_wide_handlers_see_a_busy_lock(
     assert (response.status_code, response.get_json()) == (429, {"seen": seen, "key": "x"})
     assert app.test_client().get("/x").get_data(as_text=True) == "ok"
     app.extensions["dblock"].manager.close()
+
+
+@pytest.mark.databases("sqlite")
+def test_a_handler_for_one_kind_leaves_the_other_to_the_extension(private_url: str) -> None:
+    app = Flask(__name__)
+    app.config["DBLOCK_URL"] = private_url
+    app.register_error_handler(LockTimeout, lambda e: ("timed out", 503))
+    ext = DBLock(app)
+
+    @app.get("/busy")
+    @ext.locked(lambda: "x", blocking=False)
+    def busy() -> str:
+        return "ok"
+
+    @app.get("/wait")
+    @ext.locked(lambda: "x", timeout=0.1)
+    def wait() -> str:
+        return "ok"
+
+    ext.manager.create_schema()
+    with LockManager(private_url) as other, other.lock("x"):
+        assert app.test_client().get("/wait").status_code == 503
+        assert app.test_client().get("/busy").status_code == 409
+    ext.manager.close()
 
 
 @pytest.mark.databases("sqlite")

@@ -54,7 +54,7 @@ from werkzeug.exceptions import Conflict, Locked
 from .. import decorators, migrations
 from .._engine import ENV_URL, borrow, check_engine_options
 from ..decorators import KeySpec, OnBusy
-from ..errors import DBLockError, LockArgumentError, LockBusy, LockNotAcquired, LockTimeout
+from ..errors import DBLockError, LockArgumentError, LockNotAcquired
 from ..lock import UNSET, HeldLock, Unset
 from ..manager import LockManager, LockRequest
 from ..multi import HeldLocks
@@ -260,9 +260,10 @@ class BusyLocked(Locked):
 
 
 def _handles_busy(app: Flask) -> bool:
-    """Whether the app registered its own handler for a busy lock already."""
-    handlers = app.error_handler_spec.get(None, {}).get(None, {})
-    return any(cls in handlers for cls in (LockNotAcquired, LockBusy, LockTimeout))
+    """Whether the app registered its own handler for every busy lock already
+    (one for LockBusy or LockTimeout alone wins over ours by being nearer in
+    the class tree, and leaves the other kind to ours)."""
+    return LockNotAcquired in app.error_handler_spec.get(None, {}).get(None, {})
 
 
 def _busy_response(exc: LockNotAcquired) -> Any:
