@@ -22,6 +22,8 @@ __all__ = ["beside"]
 
 log = logging.getLogger("dblock")
 
+_told: set[str] = set()  # lock files already announced in this process
+
 
 def beside(url: URL) -> URL:
     """The URL dblock uses for an app whose database is ``url``: unchanged
@@ -33,6 +35,9 @@ def beside(url: URL) -> URL:
         return url  # not a plain file: dblock refuses in-memory databases itself
     app_file = Path(database)
     lock_file = app_file.with_name(f"{app_file.stem}.dblock{app_file.suffix}")
+    if str(lock_file) in _told:
+        return URL.create("sqlite", database=str(lock_file))
+    _told.add(str(lock_file))
     log.info(
         "dblock: the app's database is the SQLite file %s; dblock keeps its locks in %s "
         "beside it (SQLite has one writer: a lock row in the app's file would wait for "

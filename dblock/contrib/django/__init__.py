@@ -14,8 +14,9 @@
 
 Settings are the ``DBLOCK`` dict: every :class:`~dblock.Config` field under
 its upper-case name (``TABLE``, ``TTL``, ``TIMEOUT``, ...), plus ``URL``,
-``ENGINE_OPTIONS``, ``DATABASE`` (the alias whose connection settings make
-the URL when ``URL`` is not given; default ``"default"``), ``SWEEPER``,
+``ENGINE_OPTIONS`` (for dblock's own engine and pool; checked at start-up),
+``DATABASE`` (the alias whose connection settings make the URL when ``URL``
+is not given; default ``"default"``), ``SWEEPER``,
 ``SWEEPER_INTERVAL``, ``SWEEPER_MAX_AGE`` and ``BUSY_STATUS`` (409 or 423).
 
 The lock covers the commit: a lock taken through this module (``locked``,
@@ -45,7 +46,6 @@ from ...deferral import Deferred
 from ...lock import UNSET, HeldLock, Unset
 from ...manager import LockManager, LockRequest
 from ...multi import HeldLocks
-from .._beside import beside
 
 __all__ = ["get_manager", "lock", "lock_many", "locked", "locked_view", "reset_manager"]
 
@@ -86,9 +86,8 @@ def _make_manager() -> LockManager:
     from . import conf
 
     settings = conf.read()
-    # The app's SQLite file has one writer: dblock's rows go in a file beside it.
-    url = settings.url or beside(conf.url_for(str(settings.extra["DATABASE"])))
-    return LockManager(url, config=settings.config, engine_options=settings.engine_options)
+    url, engine_options = conf.engine_args(settings)
+    return LockManager(url, config=settings.config, engine_options=engine_options)
 
 
 def locked(
