@@ -155,10 +155,9 @@ def test_triggers_fire_once_and_release_after_the_last(manager: LockManager, key
     triggers[0]()
     triggers[0]()  # a second call of the same trigger counts nothing
     assert not held.released
-    threading.Thread(target=triggers[1]).start()  # from another thread, as a server may
-    deadline = time.monotonic() + 30
-    while not held.released and time.monotonic() < deadline:
-        time.sleep(0.01)
+    closer = threading.Thread(target=triggers[1])  # another thread, as a server's may be
+    closer.start()
+    closer.join(30)
     assert held.released
     assert row_of(manager, key) is None
 
@@ -177,9 +176,10 @@ def test_a_dropped_trigger_releases(manager: LockManager, key: str) -> None:
     assert not held.released
     kept.clear()
     deadline = time.monotonic() + 30
-    while not held.released and time.monotonic() < deadline:
+    while row_of(manager, key) is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert held.released
+    assert row_of(manager, key) is None
 
 
 def test_renewal_keeps_a_deferred_lock(manager: LockManager, key: str) -> None:

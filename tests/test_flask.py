@@ -29,6 +29,7 @@ from dblock import (
     LockNotAcquired,
     LockTimeout,
 )
+from dblock.contrib._beside import beside
 from dblock.contrib.flask import DBLock
 from tests.support import web
 from tests.support.db import private_database
@@ -734,7 +735,8 @@ def test_requests_holding_the_apps_pool_still_get_their_locks(
     connections when it takes the lock (timeout 8 s): all get it, none waits
     for the app's pool (3 s timeout, no overflow); even with dblock's own
     pool cut to one connection, lock statements only queue for it."""
-    with LockManager(private_url) as m:
+    # dblock's database: the app's, or for SQLite the lock file beside it.
+    with LockManager(beside(sa.make_url(private_url))) as m:
         m.create_schema()
     options = {"DBLOCK_ENGINE_OPTIONS": json.dumps(dblock_pool)} if dblock_pool else {}
     with pool_app_server(private_url, tmp_path, **options) as base:
