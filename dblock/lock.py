@@ -38,12 +38,12 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from ._store import Grant, Holder, Interrupted, Store
+from ._store import Grant, Holder, Interrupted, Store, Wait
 from .config import Config, OnLost, check_ttl
 from .errors import (
     BackendError,
@@ -55,7 +55,16 @@ from .errors import (
     ManagerClosed,
     SchemaMissing,
 )
-from .registry import CLOSED, Entry, Registry, Waiter, current_owner, owner_name, thread_owner
+from .registry import (
+    CLOSED,
+    Entry,
+    Registry,
+    ThreadOwner,
+    Waiter,
+    current_owner,
+    owner_name,
+    thread_owner,
+)
 from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
 
 if TYPE_CHECKING:
@@ -101,6 +110,23 @@ class LockOptions:
 _AMBIGUITY_RETRIES = 3
 # Wake this long after the holder's lease ends, so the takeover finds it expired.
 _EXPIRY_MARGIN = 0.002
+
+
+# What acquire_steps and release_steps ask their driver to do (the first item
+# of each yielded tuple; the rest are its arguments), and what it answers:
+_TRY: Final = "try"  # (key, token, owner, ttl): the store's attempt -> Grant | Holder
+_RELEASE: Final = "release"  # (key, token): delete our row -> bool
+_TRANSFER: Final = "transfer"  # (key, token, new_token, owner, ttl) -> Grant | None
+_TURN: Final = "turn"  # (waiter, timeout): wait in the local queue -> the grant
+_SETTLE: Final = "settle"  # (waiter,): wait until its grant is filled in, whatever happens
+_WAIT: Final = "wait"  # (key, limit, since): wait for a release, at most limit seconds
+_SLEEP: Final = "sleep"  # (seconds,)
+_CLEAN: Final = "clean"  # (): delete the rows of unconfirmed acquisitions
+_CLEAN_OP: Final = (_CLEAN,)
+T = TypeVar("T")
+#: A lock operation without I/O: yields ops, receives their answers (or has
+#: their exceptions thrown in), returns its result.
+Op = Generator[tuple[Any, ...], Any, T]
 
 
 class _Ref(weakref.ref["HeldLock"]):
@@ -358,8 +384,15 @@ class Locker:
             self._abandon(held, "the LockManager was closed while it was held", closing=True)
         self.renewer.close()
 
-    def owner_label(self) -> str:
-        return f"{self._client_id}:{_current_thread().name}"[:255]
+    def owner_label(self, me: object = None) -> str:
+        """Who holds a row, for people reading ``dblock list``: host, pid and
+        thread (or asyncio task)."""
+        if me is None or isinstance(me, ThreadOwner):
+            name = _current_thread().name
+        else:
+            get_name = getattr(me, "get_name", None)
+            name = get_name() if get_name is not None else repr(me)
+        return f"{self._client_id}:{name}"[:255]
 
     # -- acquire -----------------------------------------------------------
 
@@ -389,7 +422,7 @@ class Locker:
                     raise LockBusy(key, level=1)  # no SQL
         return self._acquire(key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts)
 
-    def _acquire(  # noqa: PLR0912 - one function, so one `except` owns the clean-up
+    def _acquire(
         self,
         key: str,
         me: object,
@@ -399,9 +432,30 @@ class Locker:
         ttl: float,
         opts: LockOptions,
     ) -> HeldLock:
-        """Level 1, then level 2. What this request owns at each moment is in
-        ``entry`` (the key at level 1), ``waiter`` (a place in its queue) or
-        ``held`` (the row too); the one ``except`` below gives back exactly that."""
+        return self.run(
+            self.acquire_steps(
+                key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts, waiter_type=Waiter
+            )
+        )
+
+    def acquire_steps(  # noqa: PLR0912 - one function, so one `except` owns the clean-up
+        self,
+        key: str,
+        me: object,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        ttl: float,
+        opts: LockOptions,
+        waiter_type: type[Waiter],
+    ) -> Op[HeldLock]:
+        """Level 1, then level 2, written once for threads and tasks: what to
+        wait for and which statement to send are yielded as :data:`Op`
+        tuples, carried out by :meth:`run` (blocking) or by the asyncio
+        driver, whose answers come back here. What this request owns at each
+        moment is in ``entry`` (the key at level 1), ``waiter`` (a place in
+        its queue) or ``held`` (the row too); the one ``except`` below gives
+        back exactly that."""
         start = _monotonic()
         entry: Entry | None = None
         waiter: Waiter | None = None
@@ -416,14 +470,14 @@ class Locker:
                 if entry is None:
                     raise LockBusy(key, level=1)
             else:
-                ticket = _Ticket(self.owner_label(), ttl, opts)
+                ticket = _Ticket(self.owner_label(me), ttl, opts)
                 owner = ticket.owner
-                got = self.registry.join(key, me, ticket)
+                got = self.registry.join(key, me, ticket, waiter_type)
                 if isinstance(got, Entry):
                     entry = got
                 else:
                     waiter = got
-                    grant = self._wait_turn(key, waiter, timeout)
+                    grant = yield (_TURN, waiter, timeout)
                     if grant is CLOSED:
                         waiter = None
                         raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
@@ -434,14 +488,14 @@ class Locker:
                         token = grant if isinstance(grant, str) else None
             if held is None:
                 assert entry is not None
-                held = self._acquire_loop(
+                held = yield from self._acquire_loop(
                     entry,
                     blocking=blocking,
                     timeout=timeout,
                     ttl=ttl,
                     start=start,
                     opts=opts,
-                    owner=owner or self.owner_label(),
+                    owner=owner or self.owner_label(me),
                     token=token,
                 )
                 entry.held = held._ref
@@ -453,16 +507,60 @@ class Locker:
             return held
         except BaseException:
             if waiter is not None:
-                self._withdraw(waiter)
+                yield from self._withdraw(waiter)
             elif held is not None:
-                self._give_back(held)
+                yield from self._give_back(held)
             elif entry is not None:
                 self._leave(entry)
             raise
 
-    def _wait_turn(self, key: str, waiter: Waiter, timeout: float | None) -> object:
+    def run(self, steps: Op[T]) -> T:  # noqa: PLR0912 - one branch per op
+        """Carry out ``steps`` on this thread, blocking."""
+        store = self.store
+        wait: Wait | None = None
+        try:
+            op = next(steps)
+            while True:
+                try:
+                    tag = op[0]
+                    if tag is _TRY:
+                        if wait is not None:
+                            wait.prepare()
+                        answer: object = store.try_acquire(op[1], op[2], op[3], op[4])
+                    elif tag is _RELEASE:
+                        answer = store.release(op[1], op[2])
+                    elif tag is _TRANSFER:
+                        answer = store.transfer(op[1], op[2], op[3], op[4], op[5])
+                    elif tag is _TURN:
+                        answer = self._wait_turn(op[1], op[2])
+                    elif tag is _WAIT:
+                        if wait is None:
+                            _refuse_on_event_loop(op[1])
+                            wait = store.waiter(op[1], op[3])
+                        wait.sleep(op[2])
+                        answer = None
+                    elif tag is _SETTLE:
+                        answer = op[1].settle()
+                    elif tag is _SLEEP:
+                        time.sleep(op[1])
+                        answer = None
+                    else:  # _CLEAN
+                        store.clean_orphans()
+                        answer = None
+                except BaseException as exc:
+                    op = steps.throw(exc)
+                else:
+                    op = steps.send(answer)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        finally:
+            if wait is not None:
+                wait.close()
+
+    def _wait_turn(self, waiter: Waiter, timeout: float | None) -> object:
         """Wait in the queue of ``key`` until the key is handed to us; returns
-        what came with it (see :meth:`_acquire`)."""
+        what came with it (see :meth:`acquire_steps`)."""
+        key = waiter.entry.key
         if timeout != 0:
             _refuse_on_event_loop(key)
         if not waiter.wait(timeout):
@@ -475,26 +573,26 @@ class Locker:
                 raise pending
         return waiter.grant
 
-    def _withdraw(self, waiter: Waiter) -> None:
+    def _withdraw(self, waiter: Waiter) -> Op[None]:
         """Leave the queue of a key as if we had never joined it: if the key
         was handed to us meanwhile, pass it on (or release the row)."""
         entry = waiter.entry
         if self.registry.abandon(entry.key, waiter):
             return
-        waiter.settle()  # an interruption now changes nothing: we are raising already
+        yield (_SETTLE, waiter)  # an interruption now changes nothing: we are raising already
         grant = waiter.grant
         if grant is CLOSED:
             return
         if isinstance(grant, HeldLock):
-            self._give_back(grant)
+            yield from self._give_back(grant)
             return
         try:
             if isinstance(grant, str):  # a failed hand-off: the row may carry this token
-                self._delete_row(entry.key, grant)
+                yield from self._delete_row(entry.key, grant)
         finally:
             self._leave(entry)
 
-    def _give_back(self, held: HeldLock) -> None:
+    def _give_back(self, held: HeldLock) -> Op[None]:
         """Release a lock its acquirer never got to return (interrupted, or
         the manager closed meanwhile). Nothing if dblock released it already."""
         if not self._claim(held):
@@ -504,15 +602,15 @@ class Locker:
         if entry.held is held._ref:
             entry.held = None
         try:
-            self._delete_row(held.key, held.token)
+            yield from self._delete_row(held.key, held.token)
         finally:
             self._leave(entry)
 
-    def _delete_row(self, key: str, token: str) -> None:
+    def _delete_row(self, key: str, token: str) -> Op[None]:
         """Best effort: delete the row if it carries ``token``, and never
         leave it behind for longer than the database takes to answer again."""
         try:
-            self.store.release(key, token)
+            yield (_RELEASE, key, token)
         except BackendError as exc:
             log.error(
                 "dblock: releasing %r failed; the row stays until its lease ends or the "
@@ -536,49 +634,39 @@ class Locker:
         opts: LockOptions,
         owner: str,
         token: str | None,
-    ) -> HeldLock:
+    ) -> Op[HeldLock]:
         store = self.store
         key = entry.key
         token = token or _urandom(16).hex()
         deadline = None if timeout is None else start + timeout
-        wait = None
-        try:
-            while True:
-                if self._closing:
-                    raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
-                if wait is not None:
-                    wait.prepare()
-                if store.has_orphans:
-                    store.clean_orphans()
-                sent_at = _monotonic()
-                result = self._attempt(key, token, owner, ttl)
-                if isinstance(result, Grant):
-                    return HeldLock(
-                        self,
-                        entry,
-                        token=token,
-                        owner=owner,
-                        ttl=ttl,
-                        grant=result,
-                        sent_at=sent_at,
-                        options=opts,
-                    )
-                if not blocking:
-                    raise LockBusy(key, level=2, holder=result.owner)
-                limit = float("inf") if deadline is None else deadline - _monotonic()
-                if limit <= 0:
-                    raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
-                if result.expires_in is not None:
-                    limit = min(limit, max(result.expires_in, 0.0) + _EXPIRY_MARGIN)
-                if wait is None:
-                    _refuse_on_event_loop(key)
-                    wait = store.waiter(key, sent_at)
-                wait.sleep(limit)
-        finally:
-            if wait is not None:
-                wait.close()
+        while True:
+            if self._closing:
+                raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
+            if store.has_orphans:
+                yield _CLEAN_OP
+            sent_at = _monotonic()
+            result = yield from self._attempt(key, token, owner, ttl)
+            if isinstance(result, Grant):
+                return HeldLock(
+                    self,
+                    entry,
+                    token=token,
+                    owner=owner,
+                    ttl=ttl,
+                    grant=result,
+                    sent_at=sent_at,
+                    options=opts,
+                )
+            if not blocking:
+                raise LockBusy(key, level=2, holder=result.owner)
+            limit = float("inf") if deadline is None else deadline - _monotonic()
+            if limit <= 0:
+                raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
+            if result.expires_in is not None:
+                limit = min(limit, max(result.expires_in, 0.0) + _EXPIRY_MARGIN)
+            yield (_WAIT, key, limit, sent_at)
 
-    def _attempt(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+    def _attempt(self, key: str, token: str, owner: str, ttl: float) -> Op[Grant | Holder]:
         """One try at the row, settling an ambiguous outcome: if the connection
         broke with the statement in flight, ask again with the same token;
         the row itself then says whether we got it."""
@@ -586,7 +674,8 @@ class Locker:
         in_doubt = False
         for attempt in range(_AMBIGUITY_RETRIES + 1):
             try:
-                return store.try_acquire(key, token, owner, ttl)
+                result: Grant | Holder = yield (_TRY, key, token, owner, ttl)
+                return result
             except Interrupted as exc:
                 in_doubt = True
                 last: BackendError = exc
@@ -597,14 +686,15 @@ class Locker:
                     raise  # failed cleanly: nothing was written
                 last = exc
             except BaseException:
-                # Interrupted (KeyboardInterrupt, a signal handler's exception)
-                # with the INSERT possibly committed: the renewal thread deletes
-                # the row at once, without delaying the interruption here.
+                # Interrupted (KeyboardInterrupt, a signal handler's exception,
+                # a task's cancellation) with the INSERT possibly committed:
+                # the renewal thread deletes the row at once, without
+                # delaying the interruption here.
                 store.add_orphan(key, token)
                 self.renewer.post(_noop)
                 raise
             if attempt < _AMBIGUITY_RETRIES:
-                time.sleep(0.05 * 2**attempt)
+                yield (_SLEEP, 0.05 * 2**attempt)
         store.add_orphan(key, token)
         raise BackendError(
             f"lost the database connection while acquiring {key!r} and could not reach it "
@@ -615,6 +705,10 @@ class Locker:
     # -- release -----------------------------------------------------------
 
     def release(self, held: HeldLock, *, force: bool = False) -> bool:
+        return self.run(self.release_steps(held, force))
+
+    def release_steps(self, held: HeldLock, force: bool) -> Op[bool]:
+        """Release, written once for threads and tasks (see :meth:`acquire_steps`)."""
         if held._released:
             if held._revoked and held._lost is not None:
                 raise LockLost(held.key, held._lost)
@@ -634,11 +728,11 @@ class Locker:
         if entry.handoffs < self._handoff_limit and held._lost is None:
             waiter = self.registry.pop_waiter(entry)
         if waiter is not None:
-            return self._hand_off(entry, held, waiter)
+            return (yield from self._hand_off(entry, held, waiter))
         try:
             # A lost lock's row is deleted too if it is still ours (renewal
             # may have failed only because the database was unreachable).
-            deleted = self.store.release(held.key, held.token)
+            deleted = yield (_RELEASE, held.key, held.token)
         except BackendError as exc:
             log.error(
                 "dblock: releasing %r failed; the row stays until its lease ends or the "
@@ -701,7 +795,7 @@ class Locker:
         held._released = True
         entry = held._entry
         try:
-            self._delete_row(held.key, held.token)
+            self.run(self._delete_row(held.key, held.token))
         finally:
             if entry.held is held._ref:
                 entry.held = None
@@ -733,7 +827,7 @@ class Locker:
         log.warning("dblock: lock %r was never released by its holder; releasing it", ref.key)
         entry = ref.entry
         try:
-            self._delete_row(ref.key, ref.token)
+            self.run(self._delete_row(ref.key, ref.token))
         finally:
             if entry.held is ref:
                 entry.held = None
@@ -751,14 +845,14 @@ class Locker:
             raise LockLost(held.key, held._lost or "its row was gone or held by another owner")
         held._renewed(lease.expires_at, sent_at + lease.expires_in)
 
-    def _hand_off(self, entry: Entry, held: HeldLock, waiter: Waiter) -> bool:
+    def _hand_off(self, entry: Entry, held: HeldLock, waiter: Waiter) -> Op[bool]:
         """Give our row to the next local thread in one statement."""
         ticket: _Ticket = waiter.ticket
         new_token = _urandom(16).hex()
         grant: Grant | None = None
         try:
             sent_at = _monotonic()
-            grant = self.store.transfer(held.key, held.token, new_token, ticket.owner, ticket.ttl)
+            grant = yield (_TRANSFER, held.key, held.token, new_token, ticket.owner, ticket.ttl)
         except BackendError as exc:
             # The row may carry the new token or still ours: the waiter tries
             # with the new token, which settles it either way.

@@ -210,9 +210,12 @@ class Registry:
             self._grew()
             return entry
 
-    def join(self, key: str, owner: object, ticket: Any = None) -> Entry | Waiter:
+    def join(
+        self, key: str, owner: object, ticket: Any = None, waiter_type: type[Waiter] | None = None
+    ) -> Entry | Waiter:
         """Take the key, or queue for it: returns the entry if we own it now,
-        else a :class:`Waiter` to wait on (then :meth:`abandon` on timeout)."""
+        else a :class:`Waiter` (or ``waiter_type``, an asyncio task's kind) to
+        wait on (then :meth:`abandon` on timeout)."""
         with self._mutex:
             if self.closed:
                 raise ManagerClosed("this LockManager is closed")
@@ -221,7 +224,7 @@ class Registry:
                 entry = self._entries[key] = Entry(key, owner)
                 self._grew()
                 return entry
-            waiter = Waiter(entry, owner, ticket)
+            waiter = (waiter_type or Waiter)(entry, owner, ticket)
             entry.queue.append(waiter)
             return waiter
 

@@ -23,9 +23,9 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import Table
@@ -44,6 +44,8 @@ __all__ = [
     "Holder",
     "Interrupted",
     "Lease",
+    "Statement",
+    "Steps",
     "Store",
     "Wait",
 ]
@@ -52,6 +54,7 @@ log = logging.getLogger("dblock")
 _monotonic = time.monotonic
 
 Params = Mapping[str, Any]
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,6 +96,17 @@ class Result:
     rows: Sequence[tuple[Any, ...]]
     rowcount: int
     lastrowid: int | None
+
+
+#: One statement to run: its SQL, parameters, whether to fetch its rows and
+#: whether to read ``lastrowid``.
+Statement = tuple[str, Params, bool, bool]
+#: A store operation written without I/O (as psycopg writes its protocol):
+#: it yields the statements it needs, receives each one's :class:`Result`,
+#: and returns its answer. :meth:`Store.drive` runs it on a blocking
+#: connection, ``AsyncStore.drive`` on an async one: one decision logic, two
+#: kinds of I/O.
+Steps = Generator[Statement, Result, T]
 
 
 # A connection idle in the executor's stack longer than this goes back to
@@ -301,13 +315,20 @@ class Backoff(Wait):
         self._next = initial
         self._cap = cap
 
-    def sleep(self, limit: float) -> None:
+    def step(self, limit: float) -> float:
+        """How long the next sleep lasts (at most ``limit``)."""
         step = min(self._next, limit)
         self._next = min(self._next * 2, self._cap)
+        if step <= 0:
+            return 0.0
+        # "Equal jitter": half the step is fixed so waiters keep making
+        # progress, half is random so they do not retry in lockstep.
+        return step / 2 + random.random() * step / 2
+
+    def sleep(self, limit: float) -> None:
+        step = self.step(limit)
         if step > 0:
-            # "Equal jitter": half the step is fixed so waiters keep making
-            # progress, half is random so they do not retry in lockstep.
-            time.sleep(step / 2 + random.random() * step / 2)
+            time.sleep(step)
 
 
 class Store:
@@ -339,21 +360,51 @@ class Store:
 
     # -- the contract ------------------------------------------------------
 
-    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+    # Each operation is written once, as :data:`Steps`; the methods without
+    # ``_steps`` drive it here, on a blocking connection.
+
+    def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
         """One attempt. :class:`Grant` if we hold the row now (new, taken over
         from an expired holder, or already ours with this token)."""
         raise NotImplementedError
 
-    def release(self, key: str, token: str) -> bool:
+    def release_steps(self, key: str, token: str) -> Steps[bool]:
         """Delete our row; False if it was not ours any more."""
         raise NotImplementedError
+
+    def transfer_steps(
+        self, key: str, token: str, new_token: str, owner: str, ttl: float
+    ) -> Steps[Grant | None]:
+        """Give our row to ``new_token`` with a new fence and lease; None if it
+        was not ours any more. Only when :attr:`can_transfer`."""
+        raise NotImplementedError
+
+    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+        return self.drive(self.acquire_steps(key, token, owner, ttl))
+
+    def release(self, key: str, token: str) -> bool:
+        return self.drive(self.release_steps(key, token))
 
     def transfer(
         self, key: str, token: str, new_token: str, owner: str, ttl: float
     ) -> Grant | None:
-        """Give our row to ``new_token`` with a new fence and lease; None if it
-        was not ours any more. Only when :attr:`can_transfer`."""
-        raise NotImplementedError
+        return self.drive(self.transfer_steps(key, token, new_token, owner, ttl))
+
+    def drive(self, steps: Steps[T]) -> T:
+        """Run ``steps`` on blocking connections."""
+        run = self.run
+        try:
+            statement = next(steps)
+            while True:
+                statement = steps.send(run(*statement))
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    def retry(self, sql: str, exc: BackendError, attempt: int) -> Result | float | None:
+        """What to do when ``sql`` failed with ``exc`` (its ``attempt``-th
+        failure in a row): ``None`` raises it, a number runs the statement
+        again after that many seconds, a :class:`Result` stands for its outcome."""
+        return None
 
     def renew(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
         """Extend each ``(key, token, ttl)`` whose row is still ours, in as few
@@ -420,10 +471,19 @@ class Store:
 
     # -- helpers for the dialects -----------------------------------------
 
-    def run(
-        self, sql: str, params: Params, *, fetch: bool = False, lastrowid: bool = False
-    ) -> Result:
-        return self.executor.run(sql, params, fetch=fetch, lastrowid=lastrowid)
+    def run(self, sql: str, params: Params, fetch: bool = False, lastrowid: bool = False) -> Result:
+        attempt = 0
+        while True:
+            try:
+                return self.executor.run(sql, params, fetch=fetch, lastrowid=lastrowid)
+            except BackendError as exc:
+                then = self.retry(sql, exc, attempt)
+                if then is None:
+                    raise
+                if isinstance(then, Result):
+                    return then
+                time.sleep(then)
+                attempt += 1
 
     # -- admin: dblock list / stats / release --force, and the sweeper ------
     # Not on the lock's hot path. Every comparison uses the database's clock.

@@ -17,7 +17,6 @@ rows *matched*; we only act on INSERT and DELETE counts, which it leaves alone.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
@@ -29,7 +28,7 @@ from ..config import Config
 from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Lease, Params, Result, Store
+from .base import Grant, Holder, Lease, Result, Steps, Store
 
 _NO_SUCH_TABLE = 1146
 _DEADLOCK = (1213, 1205)  # chosen as a deadlock victim, lock wait timeout
@@ -68,39 +67,35 @@ class MySQLStore(Store):
         self.returning: bool | None = None
         self._offset: float | None = None  # server UTC minus local time.time()
         self._offset_at = 0.0
-        self._caps_lock = threading.Lock()
+
+    def _capabilities_steps(self) -> Steps[None]:
+        # Read from the server on first use, not at import; idempotent, so
+        # two first uses racing each other do no harm.
+        (version,) = (yield "SELECT VERSION()", {}, True, False).rows[0]
+        self.returning = _mariadb_returning(str(version))
 
     def _capabilities(self) -> None:
-        with self._caps_lock:
-            if self.returning is not None:
-                return
-            # The first connection runs the dialect's version detection; through
-            # the executor, so an unreachable server is a BackendError.
-            self.run("SELECT 1", {})
-            dialect = self.engine.dialect
-            self.returning = bool(
-                getattr(dialect, "is_mariadb", False)
-                and (dialect.server_version_info or (0,)) >= (10, 5)
-            )
+        if self.returning is None:
+            self.drive(self._capabilities_steps())
 
-    def _server_offset(self) -> float:
+    def _server_offset_steps(self) -> Steps[float]:
         """Server clock minus ours, refreshed every ten minutes (MySQL only)."""
         if self._offset is None or time.monotonic() - self._offset_at > 600:
             before = time.time()
-            (server_now,) = self.run(self._now_sql, {}, fetch=True).rows[0]
+            (server_now,) = (yield self._now_sql, {}, True, False).rows[0]
             after = time.time()
             server = server_now.replace(tzinfo=_UTC).timestamp()
             self._offset = server - (before + after) / 2
             self._offset_at = time.monotonic()
         return self._offset
 
-    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+    def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
         if self.returning is None:
-            self._capabilities()
+            yield from self._capabilities_steps()
         params = {"key": key, "owner": owner, "token": token, "ttl_us": round(ttl * 1e6)}
         for _ in range(_RACE_RETRIES):
             if self.returning:
-                rows = self.run(self._insert_returning_sql, params, fetch=True).rows
+                rows = (yield self._insert_returning_sql, params, True, False).rows
                 if rows:
                     fence, expires_at, now = rows[0]
                     return Grant(
@@ -108,20 +103,21 @@ class MySQLStore(Store):
                     )
             else:
                 sent = time.time()
-                result = self.run(self._insert_sql, params, lastrowid=True)
+                result = yield self._insert_sql, params, False, True
                 if result.rowcount == 1:
                     # The server stamped the lease after we sent: our estimate
                     # of its end errs on the early side, the safe one.
-                    start = datetime.fromtimestamp(sent + self._server_offset(), _UTC)
+                    offset = yield from self._server_offset_steps()
+                    start = datetime.fromtimestamp(sent + offset, _UTC)
                     return Grant(int(result.lastrowid or 0), start + timedelta(seconds=ttl), ttl)
-            holder = self._holder(key, token)
+            holder = yield from self._holder_steps(key, token)
             if holder is not None:
                 return holder
         return Holder(None, None, None)
 
-    def _holder(self, key: str, token: str) -> Grant | Holder | None:
+    def _holder_steps(self, key: str, token: str) -> Steps[Grant | Holder | None]:
         """Who holds ``key``; None when it is free (or was just freed) to try again."""
-        rows = self.run(self._holder_sql, {"key": key}, fetch=True).rows
+        rows = (yield self._holder_sql, {"key": key}, True, False).rows
         if not rows:
             return None
         row_token, row_owner, fence, expires_at, now = rows[0]
@@ -131,12 +127,12 @@ class MySQLStore(Store):
             # its answer was lost.
             return Grant(fence, expires_at.replace(tzinfo=_UTC), expires_in)
         if expires_in <= 0:
-            self.run(self._takeover_sql, {"key": key, "token": row_token})
+            yield self._takeover_sql, {"key": key, "token": row_token}, False, False
             return None
         return Holder(row_owner, row_token, expires_in)
 
-    def release(self, key: str, token: str) -> bool:
-        return self.run(self._release_sql, {"key": key, "token": token}).rowcount > 0
+    def release_steps(self, key: str, token: str) -> Steps[bool]:
+        return (yield self._release_sql, {"key": key, "token": token}, False, False).rowcount > 0
 
     def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
         # No UPDATE ... RETURNING here: one UPDATE joined to the batch, then
@@ -206,23 +202,27 @@ class MySQLStore(Store):
                 gone.append(row)
         return gone
 
-    def run(
-        self, sql: str, params: Params, *, fetch: bool = False, lastrowid: bool = False
-    ) -> Result:
-        """Run one statement; InnoDB's deadlock and lock-wait victims are
-        contention, not failure. A victim was rolled back whole (it is its own
-        transaction), so an INSERT IGNORE victim counts as ignored (the caller
-        reads the holder next) and any other statement is simply run again."""
-        for attempt in range(_DEADLOCK_RETRIES + 1):
-            try:
-                return super().run(sql, params, fetch=fetch, lastrowid=lastrowid)
-            except BackendError as exc:
-                if not _deadlocked(exc) or attempt == _DEADLOCK_RETRIES:
-                    raise
-                if sql is self._insert_sql or sql is self._insert_returning_sql:
-                    return Result((), 0, None)
-                time.sleep(0.01 * 2**attempt)
-        raise AssertionError("unreachable")  # pragma: no cover
+    def retry(self, sql: str, exc: BackendError, attempt: int) -> Result | float | None:
+        """InnoDB's deadlock and lock-wait victims are contention, not
+        failure. A victim was rolled back whole (it is its own transaction),
+        so an INSERT IGNORE victim counts as ignored (the caller reads the
+        holder next) and any other statement is simply run again."""
+        if not _deadlocked(exc) or attempt == _DEADLOCK_RETRIES:
+            return None
+        if sql is self._insert_sql or sql is self._insert_returning_sql:
+            return Result((), 0, None)
+        return 0.01 * 2.0**attempt
+
+
+def _mariadb_returning(version: str) -> bool:
+    """Whether the server is MariaDB 10.5 or later (INSERT … RETURNING)."""
+    if "mariadb" not in version.lower():
+        return False
+    numbers = version.split("-", 1)[0].split(".")
+    try:
+        return tuple(int(n) for n in numbers[:2]) >= (10, 5)
+    except ValueError:
+        return False
 
 
 def _deadlocked(exc: BackendError) -> bool:

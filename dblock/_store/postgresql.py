@@ -28,7 +28,7 @@ from sqlalchemy.pool import NullPool
 from ..config import Config
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Backoff, Grant, Holder, Lease, Store, Wait
+from .base import Backoff, Grant, Holder, Lease, Steps, Store, Wait
 
 log = logging.getLogger("dblock")
 
@@ -81,12 +81,9 @@ class PostgresStore(Store):
         self._listener_lock = threading.Lock()
         self._direct: Engine | None = None  # listen_url's engine, made on first wait
 
-    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
-        rows = self.run(
-            self._acquire_sql,
-            {"key": key, "owner": owner, "token": token, "ttl": ttl},
-            fetch=True,
-        ).rows
+    def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
+        params = {"key": key, "owner": owner, "token": token, "ttl": ttl}
+        rows = (yield self._acquire_sql, params, True, False).rows
         if not rows:
             # Held by a row our snapshot cannot see yet (committed an instant ago).
             return Holder(None, None, None)
@@ -96,20 +93,15 @@ class PostgresStore(Store):
             return Grant(fence, expires_at, expires_in)
         return Holder(row_owner, row_token, expires_in)
 
-    def release(self, key: str, token: str) -> bool:
-        rows = self.run(
-            self._release_sql, {"key": key, "token": token, "channel": self._channel}, fetch=True
-        ).rows
-        return bool(rows)
+    def release_steps(self, key: str, token: str) -> Steps[bool]:
+        params = {"key": key, "token": token, "channel": self._channel}
+        return bool((yield self._release_sql, params, True, False).rows)
 
-    def transfer(
+    def transfer_steps(
         self, key: str, token: str, new_token: str, owner: str, ttl: float
-    ) -> Grant | None:
-        rows = self.run(
-            self._transfer_sql,
-            {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl},
-            fetch=True,
-        ).rows
+    ) -> Steps[Grant | None]:
+        params = {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl}
+        rows = (yield self._transfer_sql, params, True, False).rows
         if not rows:
             return None
         fence, expires_at, now = rows[0]

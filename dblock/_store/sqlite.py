@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine
 from ..config import Config
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Lease, Store
+from .base import Grant, Holder, Lease, Steps, Store
 
 _UTC = timezone.utc
 NOW = "((julianday('now') - 2440587.5) * 86400.0)"
@@ -59,13 +59,13 @@ class SQLiteStore(Store):
             f"RETURNING fence, expires_at, acquired_at"
         )
 
-    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+    def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
         params = {"key": key, "owner": owner, "token": token, "ttl": ttl}
         for _ in range(2):
-            rows = self.run(self._acquire_sql, params, fetch=True).rows
+            rows = (yield self._acquire_sql, params, True, False).rows
             if rows:
                 return _grant(rows[0])
-            rows = self.run(self._holder_sql, {"key": key}, fetch=True).rows
+            rows = (yield self._holder_sql, {"key": key}, True, False).rows
             if rows:
                 row_token, row_owner, fence, expires_at, now = rows[0]
                 if row_token == token:
@@ -74,17 +74,14 @@ class SQLiteStore(Store):
             # released between the two statements: try once more
         return Holder(None, None, None)
 
-    def release(self, key: str, token: str) -> bool:
-        return self.run(self._release_sql, {"key": key, "token": token}).rowcount > 0
+    def release_steps(self, key: str, token: str) -> Steps[bool]:
+        return (yield self._release_sql, {"key": key, "token": token}, False, False).rowcount > 0
 
-    def transfer(
+    def transfer_steps(
         self, key: str, token: str, new_token: str, owner: str, ttl: float
-    ) -> Grant | None:
-        rows = self.run(
-            self._transfer_sql,
-            {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl},
-            fetch=True,
-        ).rows
+    ) -> Steps[Grant | None]:
+        params = {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl}
+        rows = (yield self._transfer_sql, params, True, False).rows
         return _grant(rows[0]) if rows else None
 
     def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
