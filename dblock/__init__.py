@@ -7,6 +7,8 @@ PostgreSQL, MySQL/MariaDB or SQLite. See ``DESIGN.md`` and the README.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .config import Config
 from .decorators import returns
 from .errors import (
@@ -25,7 +27,11 @@ from .lock import HeldLock
 from .manager import LockManager, LockRequest
 from .multi import HeldLocks
 
+if TYPE_CHECKING:
+    from .aio import AsyncLockManager
+
 __all__ = [
+    "AsyncLockManager",
     "BackendError",
     "Config",
     "DBLockError",
@@ -45,3 +51,13 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # The asyncio face is imported on first use: a synchronous application
+    # never loads asyncio or SQLAlchemy's async engine.
+    if name == "AsyncLockManager":
+        from .aio import AsyncLockManager
+
+        return AsyncLockManager
+    raise AttributeError(f"module 'dblock' has no attribute {name!r}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from .config import OnLost, check_max_hold, check_on_lost, check_timeout, check_ttl
@@ -27,9 +27,10 @@ from .lock import UNSET, HeldLock, Unset
 from .multi import HeldLocks, order_keys
 
 if TYPE_CHECKING:
+    from .aio import AsyncLockManager
     from .manager import LockManager
 
-__all__ = ["BusyHandler", "KeySpec", "OnBusy", "locked", "returns"]
+__all__ = ["BusyHandler", "KeySpec", "OnBusy", "alocked", "locked", "returns"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -73,29 +74,15 @@ def locked(
     ends outside the call (a transaction's commit, a response's close).
     The other arguments are those of ``LockManager.locked``.
     """
-    if not isinstance(blocking, bool):
-        raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
-    if timeout is not UNSET:
-        check_timeout(timeout)
-    if ttl is not None:
-        check_ttl(ttl)
-    if renew is not None and not isinstance(renew, bool):
-        raise LockArgumentError(f"renew must be True or False, got {renew!r}")
-    check_max_hold(max_hold)
-    check_on_lost(on_lost)
-    options: dict[str, Any] = {
-        "blocking": blocking,
-        "timeout": timeout,
-        "ttl": ttl,
-        "renew": renew,
-        "max_hold": max_hold,
-        "on_lost": on_lost,
-    }
-    if on_busy != "raise" and not callable(on_busy):
-        raise LockArgumentError(
-            f"on_busy must be 'raise' or a callable handler(error, *args, **kwargs) "
-            f"(dblock.returns(value) returns a value), got {on_busy!r}"
-        )
+    options = _checked_options(
+        blocking=blocking,
+        timeout=timeout,
+        ttl=ttl,
+        renew=renew,
+        max_hold=max_hold,
+        on_lost=on_lost,
+        on_busy=on_busy,
+    )
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
         if isinstance(func, (classmethod, staticmethod)):
@@ -130,6 +117,104 @@ def locked(
                 if inspect.isawaitable(result):
                     _refuse_awaitable(func, result)
                 return result
+
+        return wrapper
+
+    return decorate
+
+
+def _checked_options(
+    *,
+    blocking: object,
+    timeout: object,
+    ttl: object,
+    renew: object,
+    max_hold: object,
+    on_lost: object,
+    on_busy: object,
+) -> dict[str, Any]:
+    """Check a decorator's options now, when it is applied."""
+    if not isinstance(blocking, bool):
+        raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
+    if timeout is not UNSET:
+        check_timeout(timeout)
+    if ttl is not None:
+        check_ttl(ttl)
+    if renew is not None and not isinstance(renew, bool):
+        raise LockArgumentError(f"renew must be True or False, got {renew!r}")
+    check_max_hold(max_hold)
+    check_on_lost(on_lost)
+    if on_busy != "raise" and not callable(on_busy):
+        raise LockArgumentError(
+            f"on_busy must be 'raise' or a callable handler(error, *args, **kwargs) "
+            f"(dblock.returns(value) returns a value), got {on_busy!r}"
+        )
+    return {
+        "blocking": blocking,
+        "timeout": timeout,
+        "ttl": ttl,
+        "renew": renew,
+        "max_hold": max_hold,
+        "on_lost": on_lost,
+    }
+
+
+def alocked(
+    resolve: Callable[[], AsyncLockManager],
+    spec: KeySpec,
+    *,
+    blocking: bool = True,
+    timeout: float | Unset | None = UNSET,
+    ttl: float | None = None,
+    renew: bool | None = None,
+    max_hold: float | None = None,
+    on_lost: OnLost | None = None,
+    on_busy: OnBusy = "raise",
+) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+    """:func:`locked` for coroutine functions (``async def``), on an
+    :class:`~dblock.AsyncLockManager`; ``on_busy`` may be a coroutine function."""
+    options = _checked_options(
+        blocking=blocking,
+        timeout=timeout,
+        ttl=ttl,
+        renew=renew,
+        max_hold=max_hold,
+        on_lost=on_lost,
+        on_busy=on_busy,
+    )
+
+    def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+        if isinstance(func, (classmethod, staticmethod)):
+            return type(func)(decorate(func.__func__))
+        if not inspect.iscoroutinefunction(func):
+            name = getattr(func, "__qualname__", repr(func))
+            raise LockArgumentError(
+                f"{name} is not a coroutine function (async def): use LockManager.locked "
+                "for plain functions"
+            )
+        make_keys = _key_builder(spec, func)
+        handler = None if on_busy == "raise" else on_busy
+        if handler is not None:
+            _check_handler(handler, func)
+
+        @functools.wraps(func)
+        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            keys = make_keys(args, kwargs)
+            manager = resolve()
+            try:
+                if isinstance(keys, str):
+                    held: Any = await manager.acquire(keys, **options)
+                else:
+                    held = await manager.acquire_many(keys, **options)
+            except LockNotAcquired as exc:
+                if handler is None:
+                    raise
+                result = handler(exc, *args, **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+                return result  # type: ignore[no-any-return]
+            async with held:
+                return await func(*args, **kwargs)
 
         return wrapper
 

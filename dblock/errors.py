@@ -54,7 +54,7 @@ class LockNotAcquired(DBLockError):
 class LockBusy(LockNotAcquired):
     """A fail-fast request found the lock held.
 
-    ``level == 1``: another thread of this process holds or is acquiring it (no
+    ``level == 1``: another thread (or asyncio task) of this process holds or is acquiring it (no
     SQL was sent). ``level == 2``: another process holds the row; ``holder`` is its
     owner string when the database told us.
     """
@@ -62,7 +62,7 @@ class LockBusy(LockNotAcquired):
     __module__ = "dblock"
 
     def __init__(self, key: str, *, level: int, holder: str | None = None) -> None:
-        where = "another thread of this process" if level == 1 else (holder or "another process")
+        where = "another thread or task of this process" if level == 1 else (holder or "another process")
         super().__init__(f"lock {key!r} is held by {where}", key=key, level=level)
         self.holder = holder
 

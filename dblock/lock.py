@@ -410,17 +410,27 @@ class Locker:
         if self._local:
             entry = self.registry.get(key)
             if entry is not None:
-                if entry.owner is me:
-                    ref: _Ref | None = entry.held
-                    held = None if ref is None else ref()
-                    if held is not None:
-                        if held._lost is not None:
-                            raise LockLost(key, held._lost)
-                        entry.depth += 1  # re-entrant: no SQL
-                        return held
-                if not blocking:
-                    raise LockBusy(key, level=1)  # no SQL
+                held = self.reenter(entry, me, blocking)
+                if held is not None:
+                    return held
         return self._acquire(key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts)
+
+    @staticmethod
+    def reenter(entry: Entry, me: object, blocking: bool) -> HeldLock | None:
+        """Level 1 alone, for a key someone of this process holds or waits
+        for: our own lock again (re-entrant, no SQL), or a fail-fast refusal
+        (no SQL); None when the request must queue."""
+        if entry.owner is me:
+            ref: _Ref | None = entry.held
+            held = None if ref is None else ref()
+            if held is not None:
+                if held._lost is not None:
+                    raise LockLost(entry.key, held._lost)
+                entry.depth += 1
+                return held
+        if not blocking:
+            raise LockBusy(entry.key, level=1)
+        return None
 
     def _acquire(
         self,

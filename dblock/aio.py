@@ -1,0 +1,549 @@
+"""The asyncio face: :class:`AsyncLockManager`.
+
+One registry per process serves threads and tasks: an ``AsyncLockManager``
+wraps a :class:`~dblock.LockManager` (made from a URL, or one you already
+have) and shares its registry, its renewal thread and its store. A task is
+an owner as a thread is, so a second task (or thread) of this process asking
+for a held key is refused or queued locally, without SQL, and a task
+re-enters its own key for free.
+
+Nothing here decides anything: the acquire and release logic is the
+blocking manager's own (:meth:`dblock.lock.Locker.acquire_steps` and
+``release_steps``, generators that yield what to wait for and which
+statement to send). :func:`_drive` carries those out with asyncio: the
+statements on an async engine (:class:`~dblock._store.aio.AsyncStore`),
+waiting in the local queue on a future woken thread-safely, waiting for the
+holder with ``asyncio.sleep`` backoff capped at its expiry. Nothing blocks
+the loop.
+
+Cancellation (``task.cancel()``, ``asyncio.timeout``) is an interruption like
+any other: thrown into the generator, whose one ``except`` gives back what
+the request held; an INSERT cut off in flight is settled by its token on the
+renewal thread, as on the blocking side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+from sqlalchemy import URL
+from sqlalchemy.engine import Engine
+
+from . import decorators
+from ._store.aio import AsyncStore
+from ._store.base import Backoff
+from .config import OnLost, check_ttl
+from .decorators import KeySpec, OnBusy
+from .errors import LockArgumentError, LockLost, LockTimeout
+from .lock import (
+    _CLEAN,
+    _RELEASE,
+    _SETTLE,
+    _SLEEP,
+    _TRANSFER,
+    _TRY,
+    _TURN,
+    _WAIT,
+    UNSET,
+    HeldLock,
+    Locker,
+    Op,
+    Unset,
+    _noop,
+)
+from .manager import LockManager
+from .multi import order_keys
+from .registry import Entry, Waiter, current_owner
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["AsyncHeldLock", "AsyncHeldLocks", "AsyncLockManager", "AsyncLockRequest"]
+
+log = logging.getLogger("dblock")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class AsyncWaiter(Waiter):
+    """A task queued for a key: woken through its event loop, from whichever
+    thread (or task) hands the key over."""
+
+    __slots__ = ("_future", "_loop")
+
+    def __init__(self, entry: Entry, owner: object, ticket: Any) -> None:
+        self.entry = entry
+        self.owner = owner
+        self.ticket = ticket
+        self.granted = False
+        self.ready = False
+        self.grant: Any = None
+        self._loop = asyncio.get_running_loop()
+        self._future: asyncio.Future[None] = self._loop.create_future()
+
+    def wake(self, grant: Any) -> None:
+        self.grant = grant
+        self.ready = True
+        # RuntimeError: the loop is closed, nobody waits any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        if not self._future.done():
+            self._future.set_result(None)
+
+    async def turn(self, locker: Locker, timeout: float | None) -> object:
+        """Wait until the key is handed to us (see ``Locker._wait_turn``)."""
+        if not self.ready:
+            await asyncio.wait((self._future,), timeout=timeout)
+        if not self.ready:
+            if locker.registry.abandon(self.entry.key, self):
+                raise LockTimeout(self.entry.key, timeout=timeout or 0.0, level=1)
+            pending = await self.settle_async()
+            if pending is not None:
+                raise pending
+        return self.grant
+
+    async def settle_async(self) -> BaseException | None:
+        """Wait until ``grant`` is filled in, whatever interrupts us."""
+        pending: BaseException | None = None
+        while not self._future.done():
+            try:
+                await asyncio.shield(self._future)
+            except asyncio.CancelledError as exc:
+                pending = pending or exc
+        return pending
+
+
+class _Backoff:
+    """Waiting for a holder by polling: capped exponential backoff with
+    jitter (the blocking side's rule), slept with ``asyncio.sleep``."""
+
+    __slots__ = ("_backoff",)
+
+    def __init__(self, initial: float, cap: float) -> None:
+        self._backoff = Backoff(initial, cap)
+
+    async def sleep(self, limit: float) -> None:
+        step = self._backoff.step(limit)
+        await asyncio.sleep(step)
+
+
+async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912 - one branch per op
+    """Carry out a lock operation's ops with asyncio (the blocking side's
+    driver is :meth:`dblock.lock.Locker.run`)."""
+    store = manager._astore
+    sync = store.store
+    locker = manager._locker
+    wait: _Backoff | None = None
+    try:
+        op = next(steps)
+        while True:
+            try:
+                tag = op[0]
+                answer: object = None
+                if tag is _TRY:
+                    answer = await store.drive(sync.acquire_steps(op[1], op[2], op[3], op[4]))
+                elif tag is _RELEASE:
+                    answer = await store.drive(sync.release_steps(op[1], op[2]))
+                elif tag is _TRANSFER:
+                    answer = await store.drive(
+                        sync.transfer_steps(op[1], op[2], op[3], op[4], op[5])
+                    )
+                elif tag is _TURN:
+                    answer = await op[1].turn(locker, op[2])
+                elif tag is _WAIT:
+                    if wait is None:
+                        wait = _Backoff(sync.config.poll_initial, sync.config.poll_max)
+                    await wait.sleep(op[2])
+                elif tag is _SETTLE:
+                    await op[1].settle_async()
+                elif tag is _SLEEP:
+                    await asyncio.sleep(op[1])
+                elif tag is _CLEAN:
+                    locker.renewer.post(_noop)  # the renewal thread deletes orphans
+                    await asyncio.sleep(0)
+            except BaseException as exc:
+                op = steps.throw(exc)
+            else:
+                op = steps.send(answer)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+class AsyncHeldLock:
+    """A lock held by an asyncio task, as ``await alocks.acquire()`` returns
+    it and ``async with alocks.lock()`` yields it: the blocking
+    :class:`~dblock.HeldLock`'s state (``key``, ``fence``, ``expires_at``,
+    ``lost``, ``check()``, …) with an awaitable ``release()`` and ``extend()``."""
+
+    __slots__ = ("_manager", "held")
+
+    def __init__(self, manager: AsyncLockManager, held: HeldLock) -> None:
+        self._manager = manager
+        self.held = held
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.held, name)
+
+    def check(self) -> None:
+        """Raise :class:`~dblock.LockLost` if the lock is known to be lost (no SQL)."""
+        self.held.check()
+
+    async def release(self, *, force: bool = False) -> bool:
+        return await _drive(self._manager, self._manager._locker.release_steps(self.held, force))
+
+    async def extend(self, ttl: float | None = None) -> None:
+        """Push the lease end to ``ttl`` seconds from now (database time)."""
+        # The renew statement is the renewal thread's (batched, several
+        # statements on MySQL); run it off the loop rather than block it.
+        lease = self.held.ttl if ttl is None else check_ttl(ttl)
+        await asyncio.to_thread(self._manager._locker.extend, self.held, lease)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await _release_on_exit(self.release, exc_type, self.key)
+
+    def __repr__(self) -> str:
+        return f"<AsyncHeldLock {self.held!r}>"
+
+
+async def _release_on_exit(
+    release: Callable[[], Awaitable[object]], exc_type: type[BaseException] | None, what: object
+) -> None:
+    try:
+        await release()
+    except LockLost:
+        if exc_type is None:
+            raise
+        log.exception("dblock: %r was lost while its holder failed", what)
+
+
+class AsyncHeldLocks(Mapping[str, AsyncHeldLock]):
+    """Several locks held at once by a task (``lock_many``), by key."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, held: Iterable[AsyncHeldLock]) -> None:
+        self._held = {h.key: h for h in held}
+
+    def __getitem__(self, key: str) -> AsyncHeldLock:
+        return self._held[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    async def release(self, *, force: bool = False) -> bool:
+        return await _release_all(list(self._held.values()), force=force)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await _release_on_exit(self.release, exc_type, tuple(self._held))
+
+
+async def _release_all(held: list[AsyncHeldLock], *, force: bool = False) -> bool:
+    """Release ``held`` newest first, all of them even if some fail."""
+    ok = True
+    lost: LockLost | None = None
+    for lock in reversed(held):
+        try:
+            ok = await lock.release(force=force) and ok
+        except LockLost as exc:
+            lost = lost or exc
+    if lost is not None:
+        raise lost
+    return ok
+
+
+H = TypeVar("H", AsyncHeldLock, AsyncHeldLocks)
+
+
+class AsyncLockRequest:
+    """What ``AsyncLockManager.lock()`` and ``lock_many()`` return: checked
+    before any SQL, acquired on ``async with`` entry, released on exit."""
+
+    __slots__ = ("_acquire", "_held")
+
+    def __init__(self, acquire: Callable[[], Awaitable[Any]]) -> None:
+        self._acquire = acquire
+        self._held: list[Any] = []
+
+    async def __aenter__(self) -> Any:
+        held = await self._acquire()
+        self._held.append(held)
+        return held
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        held = self._held.pop()
+        await held.__aexit__(exc_type, exc, tb)
+
+
+class AsyncLockManager:
+    """Distributed locks for asyncio tasks.
+
+    ``AsyncLockManager(url)`` makes its own :class:`~dblock.LockManager`
+    (same URL forms and options); ``AsyncLockManager(locks)`` serves the
+    tasks of an application that already has one, sharing its level 1 with
+    its threads. Statements go through the dialect's asyncio driver
+    (psycopg 3, aiomysql, aiosqlite) on SQLAlchemy's async engine.
+    """
+
+    def __init__(
+        self,
+        url: str | URL | Engine | LockManager | None = None,
+        *,
+        engine_options: Mapping[str, Any] | None = None,
+        async_engine_options: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        if isinstance(url, LockManager):
+            if options or engine_options:
+                raise LockArgumentError(
+                    "options belong to the LockManager this AsyncLockManager wraps"
+                )
+            self.sync, self._owns = url, False
+        else:
+            self.sync = LockManager(url, engine_options=engine_options, **options)
+            self._owns = True
+        try:
+            self._astore = AsyncStore(self.sync.store, engine_options=async_engine_options)
+        except BaseException:
+            if self._owns:
+                self.sync.close()
+            raise
+        self._locker: Locker = self.sync._locker
+
+    def __repr__(self) -> str:
+        return f"<AsyncLockManager {self.sync.url} table={self.sync.config.table!r}>"
+
+    @property
+    def config(self) -> Any:
+        return self.sync.config
+
+    # -- locks -------------------------------------------------------------
+
+    def lock(
+        self,
+        key: str,
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> AsyncLockRequest:
+        """``async with alocks.lock(key) as held:`` — the options of
+        :meth:`dblock.LockManager.lock`, checked now, before any SQL."""
+        checked = self.sync._check(
+            key,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return AsyncLockRequest(lambda: self._acquire(*checked))
+
+    async def acquire(
+        self,
+        key: str,
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> AsyncHeldLock:
+        """Like :meth:`lock` without ``async with``: ``await held.release()`` when done."""
+        checked = self.sync._check(
+            key,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return await self._acquire(*checked)
+
+    async def _acquire(
+        self, key: str, blocking: bool, timeout: float | None, ttl: float, options: Any
+    ) -> AsyncHeldLock:
+        locker = self._locker
+        opts = options or locker.defaults
+        me = current_owner()
+        if locker._local:
+            entry = locker.registry.get(key)
+            if entry is not None:
+                again = locker.reenter(entry, me, blocking)
+                if again is not None:
+                    return AsyncHeldLock(self, again)
+        steps = locker.acquire_steps(
+            key,
+            me,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            opts=opts,
+            waiter_type=AsyncWaiter,
+        )
+        return AsyncHeldLock(self, await _drive(self, steps))
+
+    def lock_many(
+        self,
+        keys: Iterable[str],
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> AsyncLockRequest:
+        """``async with alocks.lock_many(keys) as held:`` — every key, taken
+        in one order (see :meth:`dblock.LockManager.lock_many`)."""
+        _, blocking, wait, lease, opts = self.sync._check(
+            "-",
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        ordered = order_keys(keys)
+        return AsyncLockRequest(lambda: self._acquire_many(ordered, blocking, wait, lease, opts))
+
+    async def acquire_many(
+        self,
+        keys: Iterable[str],
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> AsyncHeldLocks:
+        _, blocking, wait, lease, opts = self.sync._check(
+            "-",
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return await self._acquire_many(order_keys(keys), blocking, wait, lease, opts)
+
+    async def _acquire_many(
+        self,
+        keys: tuple[str, ...],
+        blocking: bool,
+        timeout: float | None,
+        ttl: float,
+        options: Any,
+    ) -> AsyncHeldLocks:
+        # The rule of dblock.multi.acquire_many: one order, one overall
+        # timeout, and everything taken so far given back on failure.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        held: list[AsyncHeldLock] = []
+        try:
+            for key in keys:
+                wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                held.append(await self._acquire(key, blocking, wait, ttl, options))
+        except BaseException as exc:
+            try:
+                await _release_all(held)
+            except LockLost:
+                log.exception("dblock: a lock was lost while giving up on %r", keys)
+            if isinstance(exc, LockTimeout) and timeout is not None:
+                raise LockTimeout(
+                    exc.key, timeout=timeout, level=exc.level, holder=exc.holder
+                ) from None
+            raise
+        return AsyncHeldLocks(held)
+
+    def locked(
+        self,
+        template: KeySpec,
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+        on_busy: OnBusy = "raise",
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
+        """Decorate an ``async def`` function or method so each call holds
+        the lock named by ``template`` (see :meth:`dblock.LockManager.locked`;
+        an ``on_busy`` handler may be sync or async)."""
+        return decorators.alocked(
+            lambda: self,
+            template,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+            on_busy=on_busy,
+        )
+
+    # -- schema and shutdown -----------------------------------------------
+
+    async def create_schema(self) -> None:
+        await asyncio.to_thread(self.sync.create_schema)
+
+    async def close(self, timeout: float = 0.0) -> None:
+        """Close the async engine, and the wrapped manager if this one made it."""
+        await self._astore.close()
+        if self._owns:
+            await asyncio.to_thread(self.sync.close, timeout)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
