@@ -86,9 +86,21 @@ class AsyncStore:
         try:
             async with self.engine.connect() as conn:
                 sent = True
-                result = await conn.exec_driver_sql(sql, dict(params))
-                rows = [tuple(r) for r in result.fetchall()] if fetch else []
-                return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
+                try:
+                    result = await conn.exec_driver_sql(sql, dict(params))
+                    rows = [tuple(r) for r in result.fetchall()] if fetch else []
+                    return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
+                except sa_exc.DBAPIError:
+                    raise
+                except BaseException:
+                    # Cancelled mid-statement: the connection's state is
+                    # unknown (SQLite's could even keep its write lock). Close
+                    # it before the caller learns of the cancellation, so that
+                    # whatever the statement did is settled when the caller
+                    # looks for it by token; a second cancellation cannot
+                    # stop the close.
+                    await asyncio.shield(conn.invalidate())
+                    raise
         except sa_exc.DBAPIError as exc:
             raise translate(
                 exc.orig or exc, sent=sent, interrupted=exc.connection_invalidated
