@@ -62,7 +62,8 @@ class LockBusy(LockNotAcquired):
     __module__ = "dblock"
 
     def __init__(self, key: str, *, level: int, holder: str | None = None) -> None:
-        where = "another thread or task of this process" if level == 1 else (holder or "another process")
+        here = "another thread or task of this process"
+        where = here if level == 1 else (holder or "another process")
         super().__init__(f"lock {key!r} is held by {where}", key=key, level=level)
         self.holder = holder
 

@@ -79,8 +79,10 @@ def test_async_with_holds_the_row_and_releases_it(alocks: AsyncLockManager, key:
     async def main() -> None:
         async with alocks.lock(key, ttl=10) as held:
             row = row_of(alocks.sync, key)
-            assert row is not None and row.token == held.token
-            assert held.fence > 0 and not held.lost
+            assert row is not None
+            assert row.token == held.token
+            assert held.fence > 0
+            assert not held.lost
         assert held.released
         assert free(alocks, key)
 
@@ -108,9 +110,7 @@ def test_the_options_are_checked_before_any_sql(alocks: AsyncLockManager) -> Non
         run(alocks.acquire("k", timeout=-1))
 
 
-def test_lock_many_takes_every_key_and_gives_them_back(
-    alocks: AsyncLockManager, keys: Any
-) -> None:
+def test_lock_many_takes_every_key_and_gives_them_back(alocks: AsyncLockManager, keys: Any) -> None:
     ks = keys(3)
 
     async def main() -> None:
@@ -258,7 +258,8 @@ def test_a_queued_task_times_out_at_level_1(alocks: AsyncLockManager, key: str) 
                 await asyncio.create_task(second())
             assert caught.value.level == 1
             entry = alocks.sync._locker.registry.get(key)
-            assert entry is not None and not entry.queue
+            assert entry is not None
+            assert not entry.queue
         assert free(alocks, key)
 
     run(main())
@@ -281,7 +282,8 @@ def test_a_thread_and_a_task_share_one_level_1(alocks: AsyncLockManager, key: st
         with statements(alocks) as counted:
             with pytest.raises(LockBusy) as caught:
                 await alocks.acquire(key, blocking=False)
-            assert caught.value.level == 1 and counted.count == 0
+            assert caught.value.level == 1
+            assert counted.count == 0
             refused: list[LockBusy] = []
 
             async def task_waiter() -> None:
@@ -299,7 +301,8 @@ def test_a_thread_and_a_task_share_one_level_1(alocks: AsyncLockManager, key: st
         let_go.set()
         await waiting
         await asyncio.to_thread(t.join)
-        assert refused and refused[0].level == 1
+        assert refused
+        assert refused[0].level == 1
         assert free(alocks, key)
 
     run(main())
@@ -321,7 +324,8 @@ def test_a_thread_queued_behind_a_task_gets_the_key(alocks: AsyncLockManager, ke
         await until(lambda: queued(alocks, key))
         await held.release()
         await asyncio.to_thread(t.join)
-        assert got and got[0] > 0
+        assert got
+        assert got[0] > 0
         assert free(alocks, key)
 
     run(main())
@@ -411,9 +415,7 @@ def test_a_fail_fast_request_for_a_key_held_elsewhere_is_busy_at_level_2(
 # -- 4. cancellation -------------------------------------------------------------
 
 
-def test_a_task_cancelled_while_queued_leaves_no_trace(
-    alocks: AsyncLockManager, key: str
-) -> None:
+def test_a_task_cancelled_while_queued_leaves_no_trace(alocks: AsyncLockManager, key: str) -> None:
     async def main() -> None:
         held = await alocks.acquire(key)
         task = asyncio.create_task(alocks.acquire(key, timeout=60))
@@ -422,7 +424,8 @@ def test_a_task_cancelled_while_queued_leaves_no_trace(
         with pytest.raises(asyncio.CancelledError):
             await task
         entry = alocks.sync._locker.registry.get(key)
-        assert entry is not None and not entry.queue
+        assert entry is not None
+        assert not entry.queue
         await held.release()
         assert free(alocks, key)
 
@@ -439,7 +442,8 @@ def test_asyncio_timeout_while_waiting_at_level_2_leaves_no_trace(
                     await alocks.acquire(key, timeout=60)
             assert alocks.sync._locker.registry.get(key) is None
             row = row_of(alocks.sync, key)
-            assert row is not None and row.token == held.token
+            assert row is not None
+            assert row.token == held.token
         assert free(alocks, key)
 
     run(main())
@@ -528,7 +532,8 @@ def test_the_row_names_the_task(alocks: AsyncLockManager, key: str) -> None:
         async def hold() -> None:
             async with alocks.lock(key):
                 row = row_of(alocks.sync, key)
-                assert row is not None and row.owner.endswith(":named-task")
+                assert row is not None
+                assert row.owner.endswith(":named-task")
 
         await asyncio.create_task(hold(), name="named-task")
 
