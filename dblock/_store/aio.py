@@ -40,7 +40,7 @@ def async_url(url: URL) -> URL:
 class AsyncStore:
     """A :class:`~dblock._store.base.Store`'s operations on an async engine."""
 
-    __slots__ = ("engine", "store")
+    __slots__ = ("_finish", "engine", "store")
 
     def __init__(self, store: Store, *, engine_options: Mapping[str, Any] | None = None) -> None:
         from sqlalchemy.ext.asyncio import create_async_engine
@@ -55,6 +55,12 @@ class AsyncStore:
         elif backend in ("mysql", "mariadb") and "charset" not in url.query:
             url = url.update_query_dict({"charset": "utf8mb4"})
         options.update(engine_options or {})
+        # aiosqlite runs each statement on a thread of its own, which a
+        # cancellation cannot stop; SQLAlchemy then drops the connection
+        # without closing it, and an INSERT … RETURNING left unfinished keeps
+        # the file's write lock until that connection is collected. A SQLite
+        # statement is local and short: let it finish, then cancel.
+        self._finish = backend == "sqlite"
         try:
             self.engine = create_async_engine(url, **options)
         except ImportError as exc:
@@ -81,6 +87,22 @@ class AsyncStore:
                 attempt += 1
 
     async def _run_once(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
+        if not self._finish:
+            return await self._statement(sql, params, fetch, lastrowid)
+        inner = asyncio.ensure_future(self._statement(sql, params, fetch, lastrowid))
+        cancelled: asyncio.CancelledError | None = None
+        while not inner.done():
+            try:
+                await asyncio.wait((inner,))
+            except asyncio.CancelledError as exc:
+                cancelled = cancelled or exc
+        if cancelled is not None:
+            if not inner.cancelled():
+                inner.exception()  # retrieved: the cancellation is what the caller learns
+            raise cancelled
+        return inner.result()
+
+    async def _statement(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
         translate = self.store.executor._translate
         sent = False
         try:
