@@ -36,9 +36,10 @@ from sqlalchemy import URL
 from sqlalchemy.engine import Engine
 
 from . import decorators
+from ._store import Store
 from ._store.aio import AsyncStore
 from ._store.base import Backoff
-from .config import OnLost, check_ttl
+from .config import Config, OnLost, check_ttl
 from .decorators import KeySpec, OnBusy
 from .errors import LockArgumentError, LockLost, LockTimeout
 from .lock import (
@@ -63,6 +64,8 @@ from .registry import Entry, Waiter, current_owner
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from ._store.postgresql import Listener
 
 __all__ = ["AsyncHeldLock", "AsyncHeldLocks", "AsyncLockManager", "AsyncLockRequest"]
 
@@ -132,9 +135,87 @@ class _Backoff:
     def __init__(self, initial: float, cap: float) -> None:
         self._backoff = Backoff(initial, cap)
 
+    def prepare(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     async def sleep(self, limit: float) -> None:
         step = self._backoff.step(limit)
         await asyncio.sleep(step)
+
+
+class _LoopEvent:
+    """An event the listener thread sets for a task: the wake-up reaches
+    the task's loop through ``call_soon_threadsafe``."""
+
+    __slots__ = ("_flag", "_future", "_loop")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._flag = False
+        self._future: asyncio.Future[None] | None = None
+
+    def set(self) -> None:  # any thread
+        self._flag = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+
+    def clear(self) -> None:
+        self._flag = False
+
+    async def wait(self, timeout: float) -> None:
+        if self._flag:
+            return
+        self._future = self._loop.create_future()
+        try:
+            if not self._flag:  # set between the check and the future
+                await asyncio.wait((self._future,), timeout=timeout)
+        finally:
+            self._future = None
+
+
+class _Notified:
+    """Waiting for a holder on PostgreSQL: woken by the release's NOTIFY
+    through the process's one LISTEN connection (the one its threads use),
+    with the same safety nets as the blocking side (the caller's cap at the
+    holder's expiry, a periodic re-check, polling while not listening)."""
+
+    __slots__ = ("_backoff", "_event", "_key", "_listener", "_recheck")
+
+    def __init__(self, listener: Listener, key: str, since: float, config: Config) -> None:
+        self._listener = listener
+        self._key = key
+        self._recheck = config.notify_recheck
+        self._backoff = _Backoff(config.poll_initial, config.poll_max)
+        self._event = _LoopEvent()
+        listener.attach(key, since, self._event)
+
+    def prepare(self) -> None:
+        self._event.clear()
+
+    async def sleep(self, limit: float) -> None:
+        if not self._listener.listening:
+            await self._backoff.sleep(limit)
+            return
+        await self._event.wait(min(limit, self._recheck))
+
+    def close(self) -> None:
+        self._listener.unsubscribe(self._key, self._event)
+
+
+def _waiter(store: Store, key: str, since: float) -> _Backoff | _Notified:
+    config = store.config
+    listener = getattr(store, "listener", None)
+    found = listener() if listener is not None else None
+    if found is None:
+        return _Backoff(config.poll_initial, config.poll_max)
+    return _Notified(found, key, since, config)
 
 
 async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912 - one branch per op
@@ -143,7 +224,7 @@ async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912
     store = manager._astore
     sync = store.store
     locker = manager._locker
-    wait: _Backoff | None = None
+    wait: _Backoff | _Notified | None = None
     try:
         op = next(steps)
         while True:
@@ -151,6 +232,8 @@ async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912
                 tag = op[0]
                 answer: object = None
                 if tag is _TRY:
+                    if wait is not None:
+                        wait.prepare()
                     answer = await store.drive(sync.acquire_steps(op[1], op[2], op[3], op[4]))
                 elif tag is _RELEASE:
                     answer = await store.drive(sync.release_steps(op[1], op[2]))
@@ -162,7 +245,7 @@ async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912
                     answer = await op[1].turn(locker, op[2])
                 elif tag is _WAIT:
                     if wait is None:
-                        wait = _Backoff(sync.config.poll_initial, sync.config.poll_max)
+                        wait = _waiter(sync, op[1], op[3])
                     await wait.sleep(op[2])
                 elif tag is _SETTLE:
                     await op[1].settle_async()
@@ -177,6 +260,9 @@ async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912
                 op = steps.send(answer)
     except StopIteration as stop:
         return stop.value  # type: ignore[no-any-return]
+    finally:
+        if wait is not None:
+            wait.close()
 
 
 class AsyncHeldLock:

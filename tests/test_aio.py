@@ -538,3 +538,35 @@ def test_the_row_names_the_task(alocks: AsyncLockManager, key: str) -> None:
         await asyncio.create_task(hold(), name="named-task")
 
     run(main())
+
+
+def test_on_postgresql_a_waiting_task_is_woken_by_notify_not_by_polling(
+    db: str, alocks: AsyncLockManager, other: AsyncLockManager, key: str
+) -> None:
+    if db != "postgresql":
+        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
+
+    async def main() -> None:
+        holder = await other.acquire(key, ttl=30)
+        with statements(alocks) as counted:
+
+            async def take() -> int:
+                async with alocks.lock(key, timeout=60) as held:
+                    return int(held.fence)
+
+            task = asyncio.create_task(take())
+            listener = alocks.sync.store.listener()  # type: ignore[attr-defined]
+            await until(lambda: listener.listening and listener._subs.get(key))
+            attempts = counted.count
+            # Polling from 5 ms up would send several attempts in this while;
+            # a notified waiter tries once more at most (the listener started
+            # after its first attempt, so a release may have slipped by).
+            for _ in range(100):
+                await asyncio.sleep(0.002)
+            assert counted.count <= attempts + 1
+            assert not task.done()
+            await holder.release()
+            assert await task > holder.fence
+        assert free(alocks, key)
+
+    run(main())

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
@@ -120,19 +120,26 @@ class PostgresStore(Store):
         }
 
     def waiter(self, key: str, since: float) -> Wait:
+        listener = self.listener()
+        if listener is None:
+            return super().waiter(key, since)
+        return NotifyWait(listener, key, since, self.config)
+
+    def listener(self) -> Listener | None:
+        """This process's LISTEN connection (made, not yet started, on first
+        use), shared by its waiting threads and tasks; None when waiters poll."""
         config = self.config
         if not config.notify or (config.pooler and config.listen_url is None):
             # A LISTEN through a transaction-mode pooler hears nothing
             # reliably (its server connection changes): poll instead.
-            return super().waiter(key, since)
+            return None
         with self._listener_lock:
             if self._listener is None:
                 engine = self._listen_engine()
                 # Straight to the server (listen_url): no pool of ours to make room in.
                 make_room = self.executor.release_idle if engine is self.engine else None
                 self._listener = Listener(engine, self._channel, make_room=make_room)
-            listener = self._listener
-        return NotifyWait(listener, key, since, self.config)
+            return self._listener
 
     def _listen_engine(self) -> Engine:
         """Where the LISTEN connection goes: ``listen_url`` (straight to the
@@ -186,6 +193,13 @@ class PostgresStore(Store):
         return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
 
 
+class Settable(Protocol):
+    """What a waiter gives the listener to be woken: a ``threading.Event``,
+    or the asyncio side's loop-bound event."""
+
+    def set(self) -> None: ...
+
+
 class NotifyWait(Wait):
     """Wait for a release notification of one key, with two safety nets: the
     caller's cap at the holder's expiry, and a periodic re-check."""
@@ -236,7 +250,7 @@ class Listener:
         self._engine = engine
         self._channel = channel
         self._make_room = make_room
-        self._subs: dict[str, set[threading.Event]] = {}
+        self._subs: dict[str, set[Settable]] = {}
         self._recent: dict[str, float] = {}
         self._recent_order: deque[tuple[float, str]] = deque()
         self._lock = threading.Lock()
@@ -256,24 +270,34 @@ class Listener:
         """An event set when ``key`` is released; already set if it may have
         been released since ``since`` (a ``time.monotonic()`` reading)."""
         event = threading.Event()
+        self.attach(key, since, event)
+        # The first waiter of a process waits for the LISTEN to be active.
+        self._ready.wait(5.0)
+        self._check_missed(key, since, event)
+        return event
+
+    def attach(self, key: str, since: float, event: Settable) -> None:
+        """Set ``event`` when ``key`` is released (and at once if it may have
+        been released since ``since``), without waiting for anything: the
+        asyncio side's subscription (its event wakes a future through its loop)."""
         with self._lock:
             if self._stopping:
                 event.set()
-                return event
+                return
             self._subs.setdefault(key, set()).add(event)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="dblock-listener", daemon=True
                 )
                 self._thread.start()
-        # The first waiter of a process waits for the LISTEN to be active.
-        self._ready.wait(5.0)
+        self._check_missed(key, since, event)
+
+    def _check_missed(self, key: str, since: float, event: Settable) -> None:
         with self._lock:
             if self._listening_since > since or self._recent.get(key, -1.0) >= since:
                 event.set()
-        return event
 
-    def unsubscribe(self, key: str, event: threading.Event) -> None:
+    def unsubscribe(self, key: str, event: Settable) -> None:
         with self._lock:
             events = self._subs.get(key)
             if events is not None:
@@ -371,7 +395,7 @@ class Listener:
             pgconn.consume_input()
             if pgconn.status != 0:  # CONNECTION_OK
                 raise ConnectionError("LISTEN connection closed by the server")
-            woken: list[threading.Event] = []
+            woken: list[Settable] = []
             with self._lock:
                 while (note := pgconn.notifies()) is not None:
                     key = note.extra.decode(encoding)
