@@ -570,3 +570,34 @@ def test_on_postgresql_a_waiting_task_is_woken_by_notify_not_by_polling(
         assert free(alocks, key)
 
     run(main())
+
+
+# -- 5. many tasks in many processes ---------------------------------------------
+
+
+def test_200_tasks_on_5_keys_in_4_processes_count_exactly(db_url: str, keys: Any) -> None:
+    import multiprocessing
+
+    from tests.support import procs
+
+    ctx = multiprocessing.get_context("spawn")
+    ks = keys(5)
+    names = [f"aio:{k}"[-200:] for k in ks]
+    for name in names:
+        procs.reset_counter(db_url, name)
+    go = ctx.Event()
+    processes, tasks, rounds = 4, 50, 2
+    workers = [
+        ctx.Process(
+            target=procs.async_increment_worker, args=(db_url, ks, names, tasks, rounds, go)
+        )
+        for _ in range(processes)
+    ]
+    for w in workers:
+        w.start()
+    go.set()
+    for w in workers:
+        w.join(300)
+        assert w.exitcode == 0
+    per_key = processes * (tasks // len(ks)) * rounds
+    assert [procs.read_counter(db_url, name) for name in names] == [per_key] * len(ks)

@@ -213,3 +213,44 @@ def long_holder(url: str, key: str, ttl: float, seconds: float, report: Any) -> 
         report.put(("lost", held.lost))
         held.release()
         report.put(("released", True))
+
+
+def async_increment_worker(
+    url: str, keys: list[str], names: list[str], tasks: int, rounds: int, go: Any
+) -> None:
+    """``tasks`` asyncio tasks of one event loop, task ``i`` on ``keys[i % len]``,
+    each doing ``rounds`` non-atomic read-modify-writes of its key's counter
+    row (on an async engine) inside the async lock."""
+    import asyncio
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from dblock import AsyncLockManager
+    from dblock._store.aio import async_url
+
+    async def main() -> None:
+        alocks = AsyncLockManager(url)
+        engine = create_async_engine(async_url(sa.make_url(url)), isolation_level="AUTOCOMMIT")
+
+        async def bump(name: str) -> None:
+            select = sa.select(COUNTER.c.value).where(COUNTER.c.name == name)
+            async with engine.connect() as conn:
+                value = (await conn.execute(select)).scalar_one()
+            await asyncio.sleep(0.001)  # widen the window a lost update needs
+            async with engine.connect() as conn:
+                await conn.execute(
+                    COUNTER.update().where(COUNTER.c.name == name).values(value=value + 1)
+                )
+
+        async def work(i: int) -> None:
+            key, name = keys[i % len(keys)], names[i % len(names)]
+            for _ in range(rounds):
+                async with alocks.lock(key, timeout=120):
+                    await bump(name)
+
+        await asyncio.to_thread(go.wait)
+        await asyncio.gather(*(work(i) for i in range(tasks)))
+        await engine.dispose()
+        await alocks.close()
+
+    asyncio.run(main())
