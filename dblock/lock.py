@@ -413,7 +413,11 @@ class Locker:
                 held = self.reenter(entry, me, blocking)
                 if held is not None:
                     return held
-        return self._acquire(key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts)
+        return self.run(
+            self.acquire_steps(
+                key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts, waiter_type=Waiter
+            )
+        )
 
     @staticmethod
     def reenter(entry: Entry, me: object, blocking: bool) -> HeldLock | None:
@@ -431,22 +435,6 @@ class Locker:
         if not blocking:
             raise LockBusy(entry.key, level=1)
         return None
-
-    def _acquire(
-        self,
-        key: str,
-        me: object,
-        *,
-        blocking: bool,
-        timeout: float | None,
-        ttl: float,
-        opts: LockOptions,
-    ) -> HeldLock:
-        return self.run(
-            self.acquire_steps(
-                key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts, waiter_type=Waiter
-            )
-        )
 
     def acquire_steps(  # noqa: PLR0912 - one function, so one `except` owns the clean-up
         self,
