@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_top(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: _Parser) -> None:
+def _add_top(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
     top = sub.add_parser(
         "top",
         parents=[common],
