@@ -63,3 +63,4 @@ DATABASES = {
 DBLOCK = {
     "TTL": 30,  # seconds a crashed worker can block a user
 }
+STATIC_URL = "static/"
