@@ -38,20 +38,40 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.util
+import time
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import LockArgumentError
+from .errors import LockArgumentError, LockBusy, LockTimeout
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
     from opentelemetry.trace import Span, TracerProvider
 
-__all__ = ["KeyAttribute", "Recorder", "Telemetry", "available", "recorder_for"]
+__all__ = [
+    "KeyAttribute",
+    "Recorder",
+    "Telemetry",
+    "Watch",
+    "available",
+    "outcome_of",
+    "recorder_for",
+]
 
 KeyAttribute = Literal["hash", "raw", "none"]
 
+_monotonic = time.monotonic
+
 #: Acquisition outcomes, as the ``dblock.outcome`` attribute says them.
 GRANTED, BUSY, TIMEOUT, ERROR = "granted", "busy", "timeout", "error"
+
+
+def outcome_of(exc: BaseException) -> tuple[str, None, int | None]:
+    """How a request that raised ``exc`` ended: (outcome, fence, level)."""
+    if isinstance(exc, LockBusy):
+        return BUSY, None, exc.level
+    if isinstance(exc, LockTimeout):
+        return TIMEOUT, None, exc.level
+    return ERROR, None, None
 
 
 def available() -> bool:
@@ -145,6 +165,10 @@ class Recorder:
 
     # -- acquisitions -----------------------------------------------------------
 
+    def watch(self, key: str) -> Watch:
+        """Follow one request from here to its outcome."""
+        return Watch(self, key)
+
     def acquired(self, outcome: str, level: int, waited: float | None = None) -> None:
         """One request ended: ``outcome`` at ``level``; ``waited`` seconds if it waited."""
         self._acquisitions.add(1, self._outcomes[outcome, level])
@@ -193,3 +217,32 @@ class Recorder:
     def swept(self, reason: str, count: int) -> None:
         if count:
             self._swept.add(count, {**self._base, "dblock.reason": reason})
+
+
+class Watch:
+    """One request's acquisition, as the recorder sees it: started when the
+    request reaches the registry, told when (and at which level) it starts
+    to wait, and ended once with its outcome."""
+
+    __slots__ = ("_key", "_recorder", "_span", "_start", "level")
+
+    def __init__(self, recorder: Recorder, key: str) -> None:
+        self._recorder = recorder
+        self._key = key
+        self._start = _monotonic()
+        self._span: Span | None = None
+        self.level = 2
+
+    def waiting(self, level: int) -> None:
+        """The request waits (queued at level 1, or for the row at level 2)."""
+        self.level = level
+        if self._span is None:
+            self._span = self._recorder.wait_span(self._key, level)
+
+    def done(self, outcome: str, fence: int | None = None, level: int | None = None) -> None:
+        level = self.level if level is None else level
+        span = self._span
+        waited = None if span is None else _monotonic() - self._start
+        self._recorder.acquired(outcome, level, waited)
+        if span is not None:
+            self._recorder.end_wait(span, outcome, level, fence)
