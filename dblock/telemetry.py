@@ -241,6 +241,8 @@ class Watch:
 
     def done(self, outcome: str, fence: int | None = None, level: int | None = None) -> None:
         level = self.level if level is None else level
+        if outcome == TIMEOUT and self._span is None:
+            self.waiting(level)  # it asked to wait and ran out of time before its first sleep
         span = self._span
         waited = None if span is None else _monotonic() - self._start
         self._recorder.acquired(outcome, level, waited)
