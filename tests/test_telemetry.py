@@ -4,8 +4,13 @@ in-memory metric reader and span exporter, on the three databases."""
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +24,7 @@ from dblock import LockArgumentError, LockBusy, LockManager, LockTimeout
 from dblock.sweeper import Sweeper
 from dblock.telemetry import Telemetry
 from tests.support.rows import insert_expired
+from tests.support.web import free_port
 
 
 class Readout:
@@ -178,3 +184,31 @@ def test_telemetry_off_and_bad_values(db_url: str) -> None:
         LockManager(db_url, telemetry="yes")
     with pytest.raises(LockArgumentError, match="key_attribute"):
         Telemetry(key_attribute="plain")  # type: ignore[arg-type]
+
+
+def test_the_prometheus_example_exports_dblock_metrics(db_url: str, tmp_path: Path) -> None:
+    """The example app, run as a user runs it, scraped over HTTP as Prometheus does."""
+    port = free_port()
+    example = Path(__file__).resolve().parent.parent / "examples" / "metrics" / "prometheus_app.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(example), "--url", db_url, "--port", str(port), "--seconds", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "serving metrics" in proc.stdout.readline()
+        deadline = time.monotonic() + 60
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            if "dblock_lock_acquisitions_total" in text and "dblock_lock_hold" in text:
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.2)
+        assert 'dblock_outcome="granted"' in text
+        assert "user:" not in text  # no key in any metric
+    finally:
+        proc.kill()
+        proc.wait(20)
