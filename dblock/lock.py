@@ -57,7 +57,7 @@ from .errors import (
 )
 from .registry import CLOSED, Entry, Registry, Waiter, current_owner, owner_name, thread_owner
 from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
-from .telemetry import BUSY, GRANTED, Recorder, Watch, outcome_of, recorder_for
+from .telemetry import GRANTED, Recorder, Watch, outcome_of, recorder_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -390,7 +390,7 @@ class Locker:
                         return held
                 if not blocking:
                     if self.telemetry is not None:
-                        self.telemetry.acquired(BUSY, 1)
+                        self.telemetry.refused_locally()
                     raise LockBusy(key, level=1)  # no SQL
         return self._acquire(key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts)
 

@@ -36,9 +36,11 @@ puts the key itself), ``dblock.level``, ``dblock.outcome`` and, when granted,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import LockArgumentError, LockBusy, LockTimeout
@@ -159,6 +161,11 @@ class Recorder:
             for level in (1, 2)
         }
         self._waits = {o: {**self._kind, "dblock.outcome": o} for o in (GRANTED, TIMEOUT, ERROR)}
+        # The level-1 refusal is the cheapest path dblock has (no SQL, a few
+        # hundred nanoseconds): its event is one pre-bound call.
+        self.refused_locally: Callable[[], None] = functools.partial(
+            self._acquisitions.add, 1, self._outcomes[BUSY, 1]
+        )
         self._renewal = {
             ok: {**base, "dblock.outcome": "renewed" if ok else "failed"} for ok in (True, False)
         }
