@@ -74,8 +74,7 @@ def test_fence_drawn_before_a_wait_is_never_granted_after_a_larger_one(
             f"PERFORM pg_advisory_unlock_shared({gate}); END IF; RETURN NEW; END $$"
         )
         conn.exec_driver_sql(
-            f"CREATE TRIGGER {hold} BEFORE INSERT ON {table} "
-            f"FOR EACH ROW EXECUTE FUNCTION {hold}()"
+            f"CREATE TRIGGER {hold} BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {hold}()"
         )
     gatekeeper = admin.connect()
     try:
