@@ -494,12 +494,13 @@ def check(
 
     violations: list[dict[str, Any]] = []
 
-    def report(kind: str, key: str, a: Section, b: Section, at: float) -> None:
+    def report(kind: str, key: str, a: Section, b: Section, at: float | None) -> None:
+        """``at``: the moment both are judged (an overlap's start); None: each at its own start."""
         violations.append(
             {
                 "kind": kind,
                 "key": key,
-                "sections": [describe(a, at), describe(b, at)],
+                "sections": [describe(a, at or a.t_start), describe(b, at or b.t_start)],
                 "faults": around(a, b),
             }
         )
@@ -514,7 +515,7 @@ def check(
         for x, y in itertools.pairwise(valid):
             if y.fence <= x.fence:
                 order_violations += 1
-                report(ORDER_FENCE, key, x, y, y.t_start)
+                report(ORDER_FENCE, key, x, y, None)
         active: list[tuple[float, int, Section]] = []  # started sections, by end
         for i, b in enumerate(group):
             while active and active[0][0] <= b.t_start:
