@@ -28,10 +28,11 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.pool import NullPool
 
 from ..config import Config
 from . import register
@@ -95,6 +96,7 @@ class PostgresStore(Store):
         self._channel = self.names.channel
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
+        self._direct: Engine | None = None  # listen_url's engine, made on first wait
 
     def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
         rows = self.run(
@@ -143,13 +145,30 @@ class PostgresStore(Store):
         }
 
     def waiter(self, key: str, since: float) -> Wait:
-        if not self.config.notify:
+        config = self.config
+        if not config.notify or (config.pooler and config.listen_url is None):
+            # A LISTEN through a transaction-mode pooler hears nothing
+            # reliably (its server connection changes): poll instead.
             return super().waiter(key, since)
         with self._listener_lock:
             if self._listener is None:
-                self._listener = Listener(self.engine, self._channel)
+                engine = self._listen_engine()
+                # Straight to the server (listen_url): no pool of ours to make room in.
+                make_room = self.executor.release_idle if engine is self.engine else None
+                self._listener = Listener(engine, self._channel, make_room=make_room)
             listener = self._listener
         return NotifyWait(listener, key, since, self.config)
+
+    def _listen_engine(self) -> Engine:
+        """Where the LISTEN connection goes: ``listen_url`` (straight to the
+        server, past a pooler) if given, else the lock statements' engine."""
+        if self.config.listen_url is None:
+            return self.engine
+        if self._direct is None:
+            from .._engine import make_engine, resolve_url
+
+            self._direct = make_engine(resolve_url(self.config.listen_url), {"poolclass": NullPool})
+        return self._direct
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return getattr(exc, "sqlstate", None) == _UNDEFINED_TABLE
@@ -159,6 +178,8 @@ class PostgresStore(Store):
             listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
+        if self._direct is not None:
+            self._direct.dispose()
         super().close()
 
     def after_fork(self) -> None:
@@ -234,9 +255,12 @@ class Listener:
     LINGER = 30.0
     RECENT = 2.0
 
-    def __init__(self, engine: Engine, channel: str) -> None:
+    def __init__(
+        self, engine: Engine, channel: str, *, make_room: Callable[[], None] | None = None
+    ) -> None:
         self._engine = engine
         self._channel = channel
+        self._make_room = make_room
         self._subs: dict[str, set[threading.Event]] = {}
         self._recent: dict[str, float] = {}
         self._recent_order: deque[tuple[float, str]] = deque()
@@ -329,6 +353,11 @@ class Listener:
             delay = min(delay * 2, 2.0)
 
     def _connect(self) -> Any:
+        if self._make_room is not None:
+            # The statements' idle connections go back to the pool first: in
+            # a pool without overflow they could be all it has, and this
+            # connection would wait for one until the pool's timeout.
+            self._make_room()
         proxied = self._engine.raw_connection()
         proxied.detach()  # ours alone for as long as we listen, not the pool's
         conn: Any = proxied.dbapi_connection

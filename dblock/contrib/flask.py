@@ -20,16 +20,26 @@ Configuration is read from ``app.config`` keys ``DBLOCK_<NAME>``: every
 :class:`~dblock.Config` field (``DBLOCK_TABLE``, ``DBLOCK_TTL``,
 ``DBLOCK_TIMEOUT``, ...) and ``DBLOCK_URL``, ``DBLOCK_ENGINE_OPTIONS``,
 ``DBLOCK_SWEEPER``, ``DBLOCK_SWEEPER_INTERVAL``, ``DBLOCK_SWEEPER_MAX_AGE``,
-``DBLOCK_BUSY_STATUS`` (409 or 423), ``DBLOCK_BUSY_RESPONSE`` and
-``DBLOCK_USE_SQLALCHEMY``. The database is, in this order: ``DBLOCK_URL``;
-``$DBLOCK_URL``; the engine of Flask-SQLAlchemy when the app has the
-extension (borrowed: dblock runs its statements on its own pooled
-connections in autocommit, never in the request's session); the SQLite file
-``./dblock.sqlite3``.
+``DBLOCK_BUSY_STATUS`` (409 or 423), ``DBLOCK_BUSY_RESPONSE``,
+``DBLOCK_USE_SQLALCHEMY`` and ``DBLOCK_COVER_COMMIT``. The database is, in
+this order: ``DBLOCK_URL``; ``$DBLOCK_URL``; the database of Flask-SQLAlchemy
+when the app has the extension (dblock's engine then connects exactly as the
+app's engine does, through its creator, but keeps a pool of its own: a
+request holding a session connection must never wait for a second one to
+take a lock); the SQLite file ``./dblock.sqlite3``. ``DBLOCK_ENGINE_OPTIONS``
+shape that engine; the ones that cannot apply are refused at ``init_app``.
+
+Locks taken through the extension cover the commit: with Flask-SQLAlchemy
+(and ``DBLOCK_COVER_COMMIT``, on by default) one whose function or block ends
+while ``db.session`` has a transaction open is held until that transaction
+ends; a view's lock whose response is streamed is held until the body has
+been sent and the response closed. An app database that is a SQLite file gets
+dblock's rows in a file beside it (``app.sqlite3`` -> ``app.dblock.sqlite3``).
 
 The extension adds ``flask dblock`` (``migrate``, ``sweep``, ``list``,
 ``release``), turns a :class:`~dblock.LockNotAcquired` escaping a view into a
-409 (or 423) response unless the app registered its own handler for it, and
+409 (or 423) response (through the app's handlers for ``DBLockError``, then
+for that status, as the README orders them), and
 with ``DBLOCK_SWEEPER = True`` sweeps expired rows in the background from the
 first request of each process on.
 """
@@ -39,32 +49,38 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 import click
 from flask import Flask, Response, current_app, has_app_context, request
 from flask.cli import AppGroup
 from sqlalchemy.engine import Engine
+from werkzeug.exceptions import Conflict, Locked
+from werkzeug.wrappers import Response as WerkzeugResponse
 
 from .. import decorators, migrations
-from .._engine import ENV_URL
+from .._engine import ENV_URL, borrow, check_engine_options
 from ..decorators import KeySpec, OnBusy
-from ..errors import DBLockError, LockArgumentError, LockBusy, LockNotAcquired, LockTimeout
+from ..deferral import DeferHook, Deferred
+from ..errors import DBLockError, LockArgumentError, LockNotAcquired
 from ..lock import UNSET, HeldLock, Unset
 from ..manager import LockManager, LockRequest
 from ..multi import HeldLocks
+from ..sessions import session_hook
 from . import _admin
-from ._http import busy_body, log_busy, wants_json
+from ._beside import beside
+from ._http import busy_body, busy_message, log_busy, negotiate
 from ._settings import Settings, read_settings
 
-__all__ = ["DBLock", "cli"]
+__all__ = ["BusyConflict", "BusyLocked", "DBLock", "cli"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 EXTENSION = "dblock"
-_FLASK_ONLY = {"USE_SQLALCHEMY": True, "BUSY_RESPONSE": True}
+_FLASK_ONLY = {"USE_SQLALCHEMY": True, "BUSY_RESPONSE": True, "COVER_COMMIT": True}
+_ENGINE_OPTIONS = "DBLOCK_ENGINE_OPTIONS"
 
 
 class _State:
@@ -76,6 +92,9 @@ class _State:
         self.sweeper: _admin.Sweeper | None = None
         self.sweeper_pid: int | None = None
         self.lock = threading.Lock()
+        # Held past the locked code until Flask-SQLAlchemy's session
+        # transaction ends (DBLOCK_COVER_COMMIT), if the app has the extension.
+        self.until: DeferHook | None = None
 
 
 class DBLock:
@@ -102,8 +121,19 @@ class DBLock:
                 raise LockArgumentError(
                     f"DBLOCK_{flag} must be True or False, got {settings.extra[flag]!r}"
                 )
+        if self._manager is not None:
+            ignored = [f"DBLOCK_{k}" for k in ("URL", "ENGINE_OPTIONS") if k in values]
+            if ignored:
+                raise LockArgumentError(
+                    f"{' and '.join(ignored)} cannot apply: DBLock(manager=...) was given a "
+                    "LockManager, which already has its engine"
+                )
         manager = self._manager or _make_manager(app, settings)
         state = _State(manager, settings)
+        if settings.extra["COVER_COMMIT"]:
+            ext = app.extensions.get("sqlalchemy")
+            if ext is not None:
+                state.until = session_hook(ext.session)
         app.extensions[EXTENSION] = state
         app.cli.add_command(cli)
         if settings.extra["BUSY_RESPONSE"] and not _handles_busy(app):
@@ -140,7 +170,9 @@ class DBLock:
     ) -> LockRequest[HeldLock]:
         """``LockManager.lock`` on the current app's manager (``manager``
         has the rest: ``acquire``, ``acquire_many``, ...)."""
-        return self.manager.lock(key, blocking=blocking, timeout=timeout, ttl=ttl)
+        return self.manager.lock(key, blocking=blocking, timeout=timeout, ttl=ttl).deferred_by(
+            _defer_release
+        )
 
     def lock_many(
         self,
@@ -150,7 +182,9 @@ class DBLock:
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
     ) -> LockRequest[HeldLocks]:
-        return self.manager.lock_many(keys, blocking=blocking, timeout=timeout, ttl=ttl)
+        return self.manager.lock_many(
+            keys, blocking=blocking, timeout=timeout, ttl=ttl
+        ).deferred_by(_defer_release)
 
     def locked(
         self,
@@ -171,6 +205,7 @@ class DBLock:
             timeout=timeout,
             ttl=ttl,
             on_busy=on_busy,
+            defer=_defer_release,
         )
 
     # -- the in-app sweeper ------------------------------------------------
@@ -199,15 +234,19 @@ def _make_manager(app: Flask, settings: Settings) -> LockManager:
     options: dict[str, Any] = {"config": settings.config}
     url = settings.url or os.environ.get(ENV_URL)
     if url is not None:
-        return LockManager(url, engine_options=settings.engine_options, **options)
+        engine_options = check_engine_options(settings.engine_options, name=_ENGINE_OPTIONS)
+        return LockManager(url, engine_options=engine_options, **options)
     if settings.extra["USE_SQLALCHEMY"]:
         engine = _sqlalchemy_engine(app)
         if engine is not None:
+            # Never the app's pool itself: a request holding a session
+            # connection would wait for a second one to take a lock.
+            borrowed, engine_options = borrow(engine, settings.engine_options, name=_ENGINE_OPTIONS)
             if engine.dialect.name == "sqlite":
-                # A borrowed SQLite engine lacks dblock's busy timeout and WAL
-                # pragmas; the same file through dblock's own engine has them.
-                return LockManager(engine.url, engine_options=settings.engine_options, **options)
-            return LockManager(engine, **options)
+                # SQLite has one writer: dblock's rows go in a file of their
+                # own beside the app's (see dblock.contrib._beside).
+                borrowed = beside(borrowed)
+            return LockManager(borrowed, engine_options=engine_options, **options)
         if "SQLALCHEMY_DATABASE_URI" in app.config:
             # Locks in a local SQLite file would not be shared with the other
             # servers: that mistake must not pass silently.
@@ -215,7 +254,8 @@ def _make_manager(app: Flask, settings: Settings) -> LockManager:
                 "the app configures SQLALCHEMY_DATABASE_URI but Flask-SQLAlchemy is not set up "
                 "on it yet: call db.init_app(app) before dblock's init_app, or set DBLOCK_URL"
             )
-    return LockManager(engine_options=settings.engine_options, **options)
+    engine_options = check_engine_options(settings.engine_options, name=_ENGINE_OPTIONS)
+    return LockManager(engine_options=engine_options, **options)
 
 
 def _sqlalchemy_engine(app: Flask) -> Engine | None:
@@ -229,22 +269,110 @@ def _sqlalchemy_engine(app: Flask) -> Engine | None:
     return engine
 
 
+# -- when the lock is released ----------------------------------------------------
+
+_NEVER_CLOSED = (
+    "its streamed response was garbage-collected without being closed (a server that "
+    "never calls close() on the response)"
+)
+
+
+def _defer_release(deferred: Deferred, result: Any) -> Any:
+    """Hold a lock past the locked code until the app's session transaction
+    ends (Flask-SQLAlchemy, ``DBLOCK_COVER_COMMIT``) and until a streamed body
+    has been sent and closed."""
+    if has_app_context():
+        state = current_app.extensions.get(EXTENSION)
+        if isinstance(state, _State) and state.until is not None:
+            result = state.until(deferred, result)
+    if isinstance(result, tuple) and result:
+        return (_defer_body(deferred, result[0]), *result[1:])
+    return _defer_body(deferred, result)
+
+
+def _defer_body(deferred: Deferred, body: Any) -> Any:
+    if isinstance(body, WerkzeugResponse):
+        if body.is_streamed:
+            body.call_on_close(deferred.trigger(dropped=_NEVER_CLOSED))
+        return body
+    if isinstance(body, Iterator) and not isinstance(body, (str, bytes, bytearray)):
+        # A view returning a generator: Flask makes the response around it.
+        return _ClosingBody(body, deferred.trigger(dropped=_NEVER_CLOSED))
+    return body
+
+
+class _ClosingBody:
+    """A body iterator that reports its close (the server closes the body
+    once it is sent, or abandoned)."""
+
+    __slots__ = ("_body", "_closed")
+
+    def __init__(self, body: Iterator[Any], closed: Callable[[], None]) -> None:
+        self._body = body
+        self._closed = closed
+
+    def __iter__(self) -> _ClosingBody:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._body)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._closed()
+
+
 # -- busy responses -----------------------------------------------------------
 
 
+class BusyConflict(Conflict):
+    """A busy lock, as the HTTP error the app's handlers for 409 (or
+    ``HTTPException``, or ``Exception``) receive; ``lock_error`` is the
+    :class:`~dblock.LockNotAcquired` it stands for."""
+
+    lock_error: LockNotAcquired
+
+
+class BusyLocked(Locked):
+    """The same with ``DBLOCK_BUSY_STATUS = 423``."""
+
+    lock_error: LockNotAcquired
+
+
 def _handles_busy(app: Flask) -> bool:
-    """Whether the app registered its own handler for a busy lock already."""
-    handlers = app.error_handler_spec.get(None, {}).get(None, {})
-    return any(cls in handlers for cls in (LockNotAcquired, LockBusy, LockTimeout))
+    """Whether the app registered its own handler for every busy lock already
+    (one for LockBusy or LockTimeout alone wins over ours by being nearer in
+    the class tree, and leaves the other kind to ours)."""
+    return LockNotAcquired in app.error_handler_spec.get(None, {}).get(None, {})
 
 
-def _busy_response(exc: LockNotAcquired) -> Response:
-    status = state_of(current_app._get_current_object()).settings.busy_status  # type: ignore[attr-defined]
+def _busy_response(exc: LockNotAcquired) -> Any:
+    """The extension's handler for a busy lock. Flask picks it before the
+    app's handler for ``DBLockError`` (it is nearer in the class tree), so it
+    hands over to that one; otherwise the busy lock goes on as a 409/423 HTTP
+    error through the app's handlers for that status, ``HTTPException`` or
+    ``Exception``; with none, the body negotiated with the client."""
+    app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
     log_busy(exc, f"{request.method} {request.path}")
+    mine = app.error_handler_spec.get(None, {}).get(None, {}).get(DBLockError)
+    if mine is not None:
+        return app.ensure_sync(mine)(exc)
+    status = state_of(app).settings.busy_status
     body, content_type = busy_body(
-        exc, status, as_json=wants_json(request.headers.get("Accept"), request.content_type)
+        exc, status, negotiate(request.headers.get("Accept"), request.content_type)
     )
-    return Response(body, status=status, content_type=content_type)
+    error = (BusyConflict if status == 409 else BusyLocked)(
+        description=busy_message(exc),
+        response=Response(body, status=status, content_type=content_type),
+    )
+    error.lock_error = exc
+    error.__cause__ = exc
+    handled = app.handle_http_exception(error)
+    return error.get_response() if handled is error else handled
 
 
 # -- the in-app sweeper -------------------------------------------------------
