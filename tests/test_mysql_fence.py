@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy as sa
 
-from dblock import HeldLock, LockManager
+from dblock import LockManager
 from tests.support.servers import PrivateMariaDB
 from tests.support.stall import AutoIncrementStall, unavailable
 
@@ -70,7 +70,7 @@ def test_fence_drawn_before_a_stall_is_never_granted_after_a_larger_one(
     fast = LockManager(server.url, client_id="fast", renew=False)
     probe = sa.create_engine(server.url, poolclass=sa.pool.NullPool)
     grants: list[tuple[str, int]] = []  # in the order acquire() returned
-    slow_held: list[HeldLock] = []
+    let_slow_go = threading.Event()  # slow releases its own lock: only a holder may
     record = threading.Lock()
     try:
         for m in (slow, fast):
@@ -81,10 +81,9 @@ def test_fence_drawn_before_a_stall_is_never_granted_after_a_larger_one(
             held = manager.acquire(key, timeout=60)
             with record:
                 grants.append((name, held.fence))
-            if name == "fast":
-                held.release()
-            else:
-                slow_held.append(held)
+            if name == "slow":
+                let_slow_go.wait(60)
+            held.release()
 
         with AutoIncrementStall(server.pid) as stall:
             first = threading.Thread(target=take, args=(slow, "slow"))
@@ -96,15 +95,15 @@ def test_fence_drawn_before_a_stall_is_never_granted_after_a_larger_one(
             # it, fast waits in the server for slow's statement to end.
             _until(lambda: not second.is_alive() or _lock_waits(probe) > 0, 60)
             stall.release()
-            _until(lambda: bool(slow_held) or not first.is_alive(), 60)
+            _until(lambda: "slow" in dict(grants) or not first.is_alive(), 60)
+            let_slow_go.set()
             first.join(60)
-            for held in slow_held:
-                held.release()
             second.join(60)
         assert [name for name, _ in grants] in (["slow", "fast"], ["fast", "slow"])
         fences = [fence for _, fence in grants]
         assert fences[0] < fences[1], f"granted in this order, fences going backwards: {grants}"
     finally:
+        let_slow_go.set()
         slow.close()
         fast.close()
         probe.dispose()

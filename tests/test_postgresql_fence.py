@@ -22,7 +22,7 @@ from collections.abc import Callable
 import pytest
 import sqlalchemy as sa
 
-from dblock import HeldLock, LockManager
+from dblock import LockManager
 
 pytestmark = pytest.mark.databases("postgresql")
 
@@ -44,7 +44,7 @@ def test_fence_drawn_before_a_wait_is_never_granted_after_a_larger_one(
     slow = LockManager(db_url, table=table, client_id="slow", renew=False)
     fast = LockManager(db_url, table=table, client_id="fast", renew=False)
     grants: list[tuple[str, int]] = []  # in the order acquire() returned
-    slow_held: list[HeldLock] = []
+    let_slow_go = threading.Event()  # slow releases its own lock: only a holder may
     record = threading.Lock()
 
     def waiting(objsubid: int, objid: int | None = None) -> bool:
@@ -62,10 +62,9 @@ def test_fence_drawn_before_a_wait_is_never_granted_after_a_larger_one(
         held = manager.acquire(key, timeout=60)
         with record:
             grants.append((name, held.fence))
-        if name == "fast":
-            held.release()
-        else:
-            slow_held.append(held)
+        if name == "slow":
+            let_slow_go.wait(60)
+        held.release()
 
     with admin.connect() as conn:
         conn.exec_driver_sql(
@@ -90,15 +89,15 @@ def test_fence_drawn_before_a_wait_is_never_granted_after_a_larger_one(
         # fast waits for slow's statement on the key's advisory lock.
         _until(lambda: not second.is_alive() or waiting(2), 60)
         gatekeeper.exec_driver_sql(f"SELECT pg_advisory_unlock({gate})")
-        _until(lambda: bool(slow_held) or not first.is_alive(), 60)
+        _until(lambda: "slow" in dict(grants) or not first.is_alive(), 60)
+        let_slow_go.set()
         first.join(60)
-        for held in slow_held:
-            held.release()
         second.join(60)
         assert [name for name, _ in grants] in (["slow", "fast"], ["fast", "slow"])
         fences = [fence for _, fence in grants]
         assert fences[0] < fences[1], f"granted in this order, fences going backwards: {grants}"
     finally:
+        let_slow_go.set()
         gatekeeper.close()
         slow.close()
         fast.close()
