@@ -66,6 +66,7 @@ from .registry import (
     thread_owner,
 )
 from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
+from .telemetry import GRANTED, Recorder, Watch, outcome_of, recorder_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -360,6 +361,8 @@ class Locker:
         self._closing = False
         self._client_id = ""
         self._set_client_id()
+        self.telemetry: Recorder | None = recorder_for(config.telemetry, config.table)
+        self.renewer.telemetry = self.telemetry
 
     def _set_client_id(self) -> None:
         self._client_id = self.config.client_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -419,8 +422,7 @@ class Locker:
             )
         )
 
-    @staticmethod
-    def reenter(entry: Entry, me: object, blocking: bool) -> HeldLock | None:
+    def reenter(self, entry: Entry, me: object, blocking: bool) -> HeldLock | None:
         """Level 1 alone, for a key someone of this process holds or waits
         for: our own lock again (re-entrant, no SQL), or a fail-fast refusal
         (no SQL); None when the request must queue."""
@@ -433,10 +435,12 @@ class Locker:
                 entry.depth += 1
                 return held
         if not blocking:
+            if self.telemetry is not None:
+                self.telemetry.refused_locally()
             raise LockBusy(entry.key, level=1)
         return None
 
-    def acquire_steps(  # noqa: PLR0912 - one function, so one `except` owns the clean-up
+    def acquire_steps(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns the clean-up
         self,
         key: str,
         me: object,
@@ -460,6 +464,7 @@ class Locker:
         held: HeldLock | None = None
         token: str | None = None
         owner: str | None = None
+        watch = None if self.telemetry is None else self.telemetry.watch(key)
         try:
             if not self._local:
                 entry = Entry(key, me)
@@ -475,6 +480,8 @@ class Locker:
                     entry = got
                 else:
                     waiter = got
+                    if watch is not None:
+                        watch.waiting(1)
                     grant = yield (_TURN, waiter, timeout)
                     if grant is CLOSED:
                         waiter = None
@@ -495,6 +502,7 @@ class Locker:
                     opts=opts,
                     owner=owner or self.owner_label(me),
                     token=token,
+                    watch=watch,
                 )
                 entry.held = held._ref
                 entry.handoffs = 0
@@ -502,8 +510,12 @@ class Locker:
                 held._ref.tracked = True
             if self._closing:
                 raise ManagerClosed(f"the LockManager was closed while acquiring {key!r}")
+            if watch is not None:
+                watch.done(GRANTED, held.fence)
             return held
-        except BaseException:
+        except BaseException as exc:
+            if watch is not None:
+                watch.done(*outcome_of(exc))
             if waiter is not None:
                 yield from self._withdraw(waiter)
             elif held is not None:
@@ -632,6 +644,7 @@ class Locker:
         opts: LockOptions,
         owner: str,
         token: str | None,
+        watch: Watch | None = None,
     ) -> Op[HeldLock]:
         store = self.store
         key = entry.key
@@ -662,6 +675,9 @@ class Locker:
                 raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
             if result.expires_in is not None:
                 limit = min(limit, max(result.expires_in, 0.0) + _EXPIRY_MARGIN)
+            if watch is not None:
+                watch.waiting(2)  # once, before the first wait
+                watch = None
             yield (_WAIT, key, limit, sent_at)
 
     def _attempt(self, key: str, token: str, owner: str, ttl: float) -> Op[Grant | Holder]:
@@ -705,7 +721,7 @@ class Locker:
     def release(self, held: HeldLock, *, force: bool = False) -> bool:
         return self.run(self.release_steps(held, force))
 
-    def release_steps(self, held: HeldLock, force: bool) -> Op[bool]:
+    def release_steps(self, held: HeldLock, force: bool) -> Op[bool]:  # noqa: PLR0912
         """Release, written once for threads and tasks (see :meth:`acquire_steps`)."""
         if held._released:
             if held._revoked and held._lost is not None:
@@ -722,6 +738,8 @@ class Locker:
             raise LockLost(held.key, held._lost or "dblock released it meanwhile")
         held._released = True
         entry.held = None
+        if self.telemetry is not None:
+            self.telemetry.released(_monotonic() - held._acquired_mono)
         waiter = None
         if entry.handoffs < self._handoff_limit and held._lost is None:
             waiter = self.registry.pop_waiter(entry)
@@ -882,6 +900,8 @@ class Locker:
         )
         entry.held = successor._ref
         entry.handoffs += 1
+        if self.telemetry is not None:
+            self.telemetry.handoff()
         self.renewer.track(successor)
         successor._ref.tracked = True
         waiter.wake(successor)
