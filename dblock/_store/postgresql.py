@@ -287,7 +287,7 @@ class Listener:
         """An event set when ``key`` is released; already set if it may have
         been released since ``since`` (a ``time.monotonic()`` reading)."""
         event = threading.Event()
-        self.attach(key, since, event)
+        self._add(key, event)
         # The first waiter of a process waits for the LISTEN to be active.
         self._ready.wait(5.0)
         self._check_missed(key, since, event)
@@ -297,6 +297,10 @@ class Listener:
         """Set ``event`` when ``key`` is released (and at once if it may have
         been released since ``since``), without waiting for anything: the
         asyncio side's subscription (its event wakes a future through its loop)."""
+        self._add(key, event)
+        self._check_missed(key, since, event)
+
+    def _add(self, key: str, event: Settable) -> None:
         with self._lock:
             if self._stopping:
                 event.set()
@@ -307,7 +311,6 @@ class Listener:
                     target=self._run, name="dblock-listener", daemon=True
                 )
                 self._thread.start()
-        self._check_missed(key, since, event)
 
     def _check_missed(self, key: str, since: float, event: Settable) -> None:
         with self._lock:
