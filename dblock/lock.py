@@ -25,7 +25,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
-from ._store import Grant, Holder, Interrupted, Store
+from ._store import Backoff, Grant, Holder, Interrupted, Store
 from .config import Config, OnLost
 from .errors import (
     BackendError,
@@ -78,6 +78,10 @@ class LockOptions:
 # this many times (waiting 50, 100, 200 ms) before giving up on learning the
 # outcome and leaving the row to be deleted as soon as the database answers.
 _AMBIGUITY_RETRIES = 3
+# A waiting acquire that loses the database retries after 50 ms, doubling up
+# to 1 s, until its own deadline (a failover takes seconds).
+_OUTAGE_INITIAL = 0.05
+_OUTAGE_MAX = 1.0
 # Wake this long after the holder's lease ends, so the takeover finds it expired.
 _EXPIRY_MARGIN = 0.002
 
@@ -415,6 +419,7 @@ class Locker:
         token = token or _urandom(16).hex()
         deadline = None if timeout is None else start + timeout
         wait = None
+        outage: Backoff | None = None
         try:
             while True:
                 if wait is not None:
@@ -422,7 +427,15 @@ class Locker:
                 if store.has_orphans:
                     store.clean_orphans()
                 sent_at = _monotonic()
-                result = self._attempt(key, token, owner, ttl)
+                try:
+                    result = self._attempt(key, token, owner, ttl)
+                except BackendError as exc:
+                    if wait is None:
+                        raise  # not waiting yet: fail at once (a wrong URL, a dead server)
+                    outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
+                    token = self._ride_out(key, token, exc, deadline, outage)
+                    continue
+                outage = None
                 if isinstance(result, Grant):
                     return HeldLock(
                         self,
@@ -447,6 +460,21 @@ class Locker:
         finally:
             if wait is not None:
                 wait.close()
+
+    def _ride_out(
+        self, key: str, token: str, exc: BackendError, deadline: float | None, outage: Backoff
+    ) -> str:
+        """A waiting acquire lost the database (a restart, a failover): wait
+        and try again until its own deadline, then raise what it saw. Returns
+        the token to go on with: a fresh one if the last attempt's outcome
+        stayed unknown (that row is an orphan now, deleted once the database
+        answers, and must not be taken for ours)."""
+        limit = float("inf") if deadline is None else deadline - _monotonic()
+        if limit <= 0:
+            raise exc
+        log.warning("dblock: waiting for %r; the database is unreachable, retrying: %s", key, exc)
+        outage.sleep(limit)
+        return _urandom(16).hex() if self.store.is_orphan(key, token) else token
 
     def _attempt(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
         """One try at the row, settling an ambiguous outcome: if the connection

@@ -380,6 +380,9 @@ class Store:
         )
         self._orphans.append((key, token))
 
+    def is_orphan(self, key: str, token: str) -> bool:
+        return (key, token) in self._orphans
+
     @property
     def has_orphans(self) -> bool:
         return bool(self._orphans)
