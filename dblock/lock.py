@@ -416,6 +416,10 @@ class Locker:
     ) -> HeldLock:
         store = self.store
         key = entry.key
+        # A token handed over by a hand-off that failed mid-statement: the row
+        # may carry it already. This thread was waiting, so it rides out an
+        # outage too, and if it still fails the row must not outlive it.
+        handed = token
         token = token or _urandom(16).hex()
         deadline = None if timeout is None else start + timeout
         wait = None
@@ -430,10 +434,10 @@ class Locker:
                 try:
                     result = self._attempt(key, token, owner, ttl)
                 except BackendError as exc:
-                    if wait is None:
-                        raise  # not waiting yet: fail at once (a wrong URL, a dead server)
                     outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
-                    token = self._ride_out(key, token, exc, deadline, outage)
+                    token = self._ride_out(
+                        key, token, exc, deadline, outage, waiting=wait is not None, handed=handed
+                    )
                     continue
                 outage = None
                 if isinstance(result, Grant):
@@ -462,15 +466,26 @@ class Locker:
                 wait.close()
 
     def _ride_out(
-        self, key: str, token: str, exc: BackendError, deadline: float | None, outage: Backoff
+        self,
+        key: str,
+        token: str,
+        exc: BackendError,
+        deadline: float | None,
+        outage: Backoff,
+        *,
+        waiting: bool,
+        handed: str | None,
     ) -> str:
         """A waiting acquire lost the database (a restart, a failover): wait
-        and try again until its own deadline, then raise what it saw. Returns
-        the token to go on with: a fresh one if the last attempt's outcome
-        stayed unknown (that row is an orphan now, deleted once the database
-        answers, and must not be taken for ours)."""
+        and try again until its own deadline, then raise what it saw. One
+        that is not waiting yet (its first attempt: a wrong URL, a dead
+        server) raises at once. Returns the token to go on with: a fresh one
+        if the last attempt's outcome stayed unknown (that row is an orphan
+        now, deleted once the database answers, and must not be taken for ours)."""
         limit = float("inf") if deadline is None else deadline - _monotonic()
-        if limit <= 0:
+        if limit <= 0 or not (waiting or handed):
+            if handed is not None:
+                self.store.add_orphan(key, handed, released=True)
             raise exc
         log.warning("dblock: waiting for %r; the database is unreachable, retrying: %s", key, exc)
         outage.sleep(limit)
@@ -531,11 +546,14 @@ class Locker:
             deleted = self.store.release(held.key, held.token)
         except BackendError as exc:
             log.error(
-                "dblock: releasing %r failed; the row stays until its lease ends or the "
-                "sweeper removes it: %s",
+                "dblock: releasing %r failed; the row stays until its lease ends, this "
+                "manager reaches the database again, or the sweeper removes it: %s",
                 held.key,
                 exc,
             )
+            # After a failover the next acquire deletes it at once, instead of
+            # the key staying blocked for the rest of the lease.
+            self.store.add_orphan(held.key, held.token, released=True)
             return False
         finally:
             self._leave(entry)
@@ -557,10 +575,14 @@ class Locker:
             # The row may carry the new token or still ours: the waiter tries
             # with the new token, which settles it either way.
             waiter.grant = new_token
+            # If the row still carries our token, the waiter's next attempt
+            # deletes it (once the database answers) rather than wait out the lease.
+            self.store.add_orphan(held.key, held.token, released=True)
             waiter.wake()
             log.error(
                 "dblock: handing %r to the next thread failed; the row stays until its "
-                "lease ends or the sweeper removes it: %s",
+                "lease ends, this manager reaches the database again, or the sweeper "
+                "removes it: %s",
                 held.key,
                 exc,
             )
