@@ -153,3 +153,28 @@ def test_fence_grows_across_keys_and_nodes(node_managers: list[LockManager]) -> 
     for t in threads:
         t.join()
     assert violations == []
+
+
+def test_sweep_through_another_node(galera: PrivateGalera) -> None:
+    """The sweeper's DELETE … RETURNING runs on Galera (with the same
+    no-silent-retry setting as the INSERT) and removes an expired row that
+    another node wrote."""
+    from dblock._store.admin import SweepReason
+
+    table = f"dblock_sweep_{uuid.uuid4().hex[:8]}"
+    writer = LockManager(galera.urls[0], table=table, renew=False)
+    sweeper = LockManager(galera.urls[1], table=table)
+    try:
+        writer.create_schema()
+        key = f"{_prefix()}:expired"
+        writer.acquire(key, ttl=0.05)
+        deadline = time.monotonic() + 30
+        swept = []
+        while not swept and time.monotonic() < deadline:  # until the lease is over
+            swept = sweeper.store.sweep(SweepReason.EXPIRED, older_than=0.0, limit=10)
+        assert [row.key for row in swept] == [key]
+    finally:
+        writer.close()
+        sweeper.close()
+        with LockManager(galera.urls[0], table=table) as admin:
+            admin.drop_schema()

@@ -218,6 +218,9 @@ class MySQLStore(Store):
                 f"DELETE FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
                 f"RETURNING {COLUMNS}, UTC_TIMESTAMP(6)"
             )
+            if self.galera:
+                # As for the INSERT: never report rows of a run that was rolled back.
+                sql = "SET STATEMENT wsrep_retry_autocommit=0 FOR " + sql
             return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
         # MySQL has no DELETE ... RETURNING: read a batch, then delete each row
         # by its token, so a row taken over in between is left alone.
