@@ -30,7 +30,7 @@ from typing import Any, ClassVar, cast
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import Table
 from sqlalchemy.engine import Engine
-from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
 from ..config import Config
 from ..errors import BackendError, SchemaMissing
@@ -117,6 +117,7 @@ class Executor:
     """
 
     __slots__ = (
+        "_bounded",
         "_dbapi_error",
         "_direct",
         "_engine",
@@ -148,6 +149,10 @@ class Executor:
         self._idle: list[tuple[PoolProxiedConnection, float]] = []
         size = getattr(engine.pool, "size", None)
         self._max_idle = size() if callable(size) else 4
+        pool = engine.pool
+        self._bounded: QueuePool | None = None
+        if isinstance(pool, QueuePool) and getattr(pool, "_max_overflow", -1) >= 0:
+            self._bounded = pool
 
     @property
     def engine(self) -> Engine:
@@ -212,10 +217,23 @@ class Executor:
             raise self._translate(exc, sent=False) from exc
 
     def _checkin(self, conn: PoolProxiedConnection) -> None:
-        if len(self._idle) < self._max_idle:
+        if len(self._idle) < self._max_idle and not self._pool_exhausted():
             self._idle.append((conn, _monotonic()))
         else:
             conn.close()
+
+    def _pool_exhausted(self) -> bool:
+        """Whether every connection the pool may make is checked out (those
+        idle here included): only then can a thread be waiting for one, and
+        a connection kept idle here would leave it waiting until the pool's
+        timeout."""
+        pool = self._bounded
+        if pool is None:
+            return False
+        max_overflow: int = pool._max_overflow
+        if pool.overflow() < max_overflow:  # it may still open another
+            return False
+        return pool.checkedout() >= pool.size() + max_overflow
 
     def release_idle(self) -> None:
         """Hand every idle connection back to the pool."""
