@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
     from .lock import HeldLock
+    from .telemetry import Telemetry
 
 __all__ = [
     "Config",
@@ -120,6 +121,18 @@ class Config:
     on_lost
         Called (from the renewal thread) with the :class:`~dblock.HeldLock` when a
         held lock is found lost, unless the lock has a callback of its own.
+    pooler
+        The URL reaches PostgreSQL through a transaction-mode connection pooler
+        (pgbouncer, ...): dblock prepares no statements on the server, and its
+        waiters never LISTEN through the pooler (they use ``listen_url``, else poll).
+    listen_url
+        PostgreSQL: a URL straight to the server (bypassing the pooler) for the
+        one LISTEN connection per process that wakes waiters.
+    telemetry
+        Metrics and traces through OpenTelemetry's API (see :mod:`dblock.telemetry`):
+        ``None`` (default) reports when ``opentelemetry-api`` is installed,
+        ``False`` never, ``True`` always (an error without the API), or a
+        :class:`~dblock.telemetry.Telemetry` naming providers and how keys appear.
     """
 
     table: str = "dblock_locks"
@@ -136,6 +149,9 @@ class Config:
     renew: bool = True
     max_hold: float | None = None
     on_lost: OnLost | None = None
+    pooler: bool = False
+    listen_url: str | None = None
+    telemetry: bool | Telemetry | None = None
 
     def __post_init__(self) -> None:
         _check_identifier(self.table, "table")
@@ -159,7 +175,21 @@ class Config:
             )
         object.__setattr__(self, "max_hold", check_max_hold(self.max_hold))
         check_on_lost(self.on_lost)
-        for name in ("notify", "local_filter", "renew"):
+        if self.listen_url is not None and (
+            not isinstance(self.listen_url, str) or not self.listen_url
+        ):
+            raise LockArgumentError(
+                f"listen_url must be a PostgreSQL URL string, got {type(self.listen_url).__name__}"
+            )
+        if self.telemetry is not None and not isinstance(self.telemetry, bool):
+            from .telemetry import Telemetry
+
+            if not isinstance(self.telemetry, Telemetry):
+                raise LockArgumentError(
+                    f"telemetry must be True, False, None or a dblock.telemetry.Telemetry, "
+                    f"got {self.telemetry!r}"
+                )
+        for name in ("notify", "local_filter", "renew", "pooler"):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
                 raise LockArgumentError(f"{name} must be True or False, got {value!r}")

@@ -28,7 +28,8 @@ from ._engine import make_engine, mask, resolve_url
 from ._store import Store, open_store
 from .config import Config, OnLost, check_max_hold, check_on_lost, check_timeout, check_ttl
 from .decorators import KeySpec, OnBusy
-from .errors import DBLockError, LockArgumentError
+from .deferral import DeferHook, exit_deferring
+from .errors import DBLockError, LockArgumentError, ManagerClosed
 from .keys import check_key
 from .lock import UNSET, HeldLock, Locker, LockOptions, Unset
 from .multi import HeldLocks, acquire_many, order_keys
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
     from .sweeper import Sweeper
+    from .telemetry import Recorder
 
 __all__ = ["LockManager", "LockRequest"]
 
@@ -61,18 +63,36 @@ H = TypeVar("H", bound=_Exits)
 
 class LockRequest(Generic[H]):
     """What ``LockManager.lock()`` and ``lock_many()`` return: checked before
-    any SQL, acquired on ``with`` entry, released on exit. It yields a
-    :class:`~dblock.HeldLock` (``lock``) or :class:`~dblock.HeldLocks` (``lock_many``)."""
+    any SQL, acquired on ``with`` entry, released on exit (or, with a
+    ``defer`` hook, when the ends it names are reached: see
+    :mod:`dblock.deferral`). It yields a :class:`~dblock.HeldLock` (``lock``)
+    or :class:`~dblock.HeldLocks` (``lock_many``).
 
-    __slots__ = ("_acquire", "_held")
+    One request may be entered again inside its own ``with`` (like an RLock):
+    each exit releases what the matching entry acquired, innermost first."""
 
-    def __init__(self, acquire: Callable[[], H]) -> None:
+    __slots__ = ("_acquire", "_defer", "_held", "_outer")
+
+    def __init__(self, acquire: Callable[[], H], defer: DeferHook | None = None) -> None:
         self._acquire = acquire
+        self._defer = defer
         self._held: H | None = None
+        # Entries still open around the innermost one (nested use only).
+        self._outer: list[H] | None = None
+
+    def deferred_by(self, defer: DeferHook) -> LockRequest[H]:
+        """The same request, its release waiting for what ``defer`` installs
+        (for integrations; see :mod:`dblock.deferral`)."""
+        return LockRequest(self._acquire, defer)
 
     def __enter__(self) -> H:
-        self._held = self._acquire()
-        return self._held
+        held = self._acquire()
+        if self._held is not None:
+            if self._outer is None:
+                self._outer = []
+            self._outer.append(self._held)
+        self._held = held
+        return held
 
     def __exit__(
         self,
@@ -80,9 +100,14 @@ class LockRequest(Generic[H]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        held, self._held = self._held, None
-        if held is not None:
+        held = self._held
+        self._held = self._outer.pop() if self._outer else None
+        if held is None:
+            return
+        if self._defer is None:
             held.__exit__(exc_type, exc, tb)
+        else:
+            exit_deferring(held, self._defer, None, exc_type)  # type: ignore[arg-type]
 
 
 class LockManager:
@@ -113,7 +138,14 @@ class LockManager:
                 )
             engine, owns = url, False
         else:
-            engine, owns = make_engine(resolve_url(url), engine_options), True
+            engine = make_engine(resolve_url(url), engine_options, pooler=self.config.pooler)
+            owns = True
+        if self.config.listen_url is not None and engine.dialect.name != "postgresql":
+            if owns:
+                engine.dispose()
+            raise LockArgumentError(
+                f"listen_url is for PostgreSQL; this manager's database is {engine.dialect.name}"
+            )
         try:
             self._store: Store = open_store(engine, config=self.config, owns_engine=owns)
         except BaseException:
@@ -145,6 +177,11 @@ class LockManager:
         return self._store.names
 
     @property
+    def telemetry(self) -> Recorder | None:
+        """What this manager reports through (OpenTelemetry; ``None``: nothing)."""
+        return self._locker.telemetry
+
+    @property
     def store(self) -> Store:
         return self._store
 
@@ -163,6 +200,7 @@ class LockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        until: object = None,
     ) -> LockRequest[HeldLock]:
         """A context manager holding ``key`` for the ``with`` block.
 
@@ -173,7 +211,11 @@ class LockManager:
         while held unless ``renew=False``, never past ``max_hold`` seconds;
         ``on_lost(held)`` is called if the lock is lost while held.
         Re-entrant per thread: an inner ``lock()`` of a held key costs no SQL.
+        ``until=session`` (a SQLAlchemy ``Session`` or ``scoped_session``)
+        holds the lock past the block until that session's open transaction
+        ends, so the lock covers the commit (see :mod:`dblock.sessions`).
         """
+        defer = _until_hook(until)
         key, blocking, wait, lease, opts = self._check(
             key,
             blocking=blocking,
@@ -186,7 +228,8 @@ class LockManager:
         return LockRequest(
             partial(
                 self._locker.acquire, key, blocking=blocking, timeout=wait, ttl=lease, options=opts
-            )
+            ),
+            defer,
         )
 
     def acquire(
@@ -224,6 +267,7 @@ class LockManager:
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
         on_busy: OnBusy = "raise",
+        until: object = None,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Decorate a function (or method) so each call holds the lock named by
         ``template``: a format string over the call's arguments
@@ -234,7 +278,7 @@ class LockManager:
         ``on_busy`` decides: ``"raise"`` (default), or a handler called as
         ``handler(error, *args, **kwargs)`` whose result is returned
         (``dblock.returns(value)`` returns a fixed value). The other options
-        are those of :meth:`lock`."""
+        are those of :meth:`lock` (``until=session`` included)."""
         return decorators.locked(
             lambda: self,
             template,
@@ -245,6 +289,7 @@ class LockManager:
             max_hold=max_hold,
             on_lost=on_lost,
             on_busy=on_busy,
+            defer=_until_hook(until),
         )
 
     def _check(
@@ -260,7 +305,7 @@ class LockManager:
     ) -> tuple[str, bool, float | None, float, LockOptions | None]:
         """Validate one request before any SQL; ``None`` options mean the defaults."""
         if self._closed:
-            raise DBLockError("this LockManager is closed")
+            raise ManagerClosed("this LockManager is closed")
         if not isinstance(blocking, bool):
             raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
         options = None
@@ -294,16 +339,24 @@ class LockManager:
 
     # -- life cycle ----------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, timeout: float = 0.0) -> None:
         """Stop background work and release the engine if dblock made it.
-        Held locks are not released: their rows expire with their leases."""
+
+        From the moment it starts, new requests and every thread still
+        waiting for a lock of this manager get :class:`~dblock.ManagerClosed`.
+        Locks still held are renewed for up to ``timeout`` seconds while their
+        holders finish; then they are released and marked lost (their
+        ``on_lost`` is called, ``check()`` and ``release()`` raise
+        :class:`~dblock.LockLost`): no lock is ever left held without renewal.
+        ``timeout=None`` waits for every holder."""
+        wait = check_timeout(timeout)
         if self._closed:
             return
         if self._sweeper is not None:
-            self._sweeper.stop()
+            self._sweeper.stop()  # before: its last run may still take its own lock
         self._closed = True
         _managers.discard(self)
-        self._locker.close()
+        self._locker.close(float("inf") if wait is None else wait)
         self._store.close()
 
     def __enter__(self) -> Self:
@@ -326,7 +379,7 @@ class LockManager:
         from .sweeper import Sweeper
 
         if self._closed:
-            raise DBLockError("this LockManager is closed")
+            raise ManagerClosed("this LockManager is closed")
         if self._sweeper is not None and self._sweeper.running:
             raise DBLockError(f"{self._sweeper!r} already runs for this manager")
         sweeper = Sweeper(self, interval=interval, **options)
@@ -350,6 +403,7 @@ class LockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        until: object = None,
     ) -> LockRequest[HeldLocks]:
         """A context manager holding every key in ``keys`` for the ``with``
         block, yielding :class:`~dblock.HeldLocks`. The keys are taken in one
@@ -357,6 +411,7 @@ class LockManager:
         for (A, B) and (B, A) cannot deadlock; ``timeout`` bounds the whole
         acquisition, and if one key cannot be had the others are released.
         The other options are those of :meth:`lock`, for every key."""
+        defer = _until_hook(until)
         _, blocking, wait, lease, opts = self._check(
             "-",
             blocking=blocking,
@@ -375,7 +430,8 @@ class LockManager:
                 timeout=wait,
                 ttl=lease,
                 options=opts,
-            )
+            ),
+            defer,
         )
 
     def acquire_many(
@@ -402,6 +458,14 @@ class LockManager:
         return acquire_many(
             self._locker, order_keys(keys), blocking=blocking, timeout=wait, ttl=lease, options=opts
         )
+
+
+def _until_hook(until: object) -> DeferHook | None:
+    if until is None:
+        return None
+    from .sessions import session_hook  # SQLAlchemy's ORM, only for those who use it
+
+    return session_hook(until)
 
 
 def _after_fork_in_child() -> None:

@@ -307,7 +307,7 @@ def test_password_is_masked_in_everything_printed_or_logged(
     url = sa.make_url(DEFAULT_URLS["postgresql"]).set(password=secret).render_as_string(False)
     table = ("--table", private.config.table)
     insert_expired(private, keys(3))  # type: ignore[operator]
-    private.acquire(key, ttl=60)
+    _held = private.acquire(key, ttl=60)  # kept: a dropped lock is released
     runs = [
         dblock("migrate", "-v", "--url", url, *table),
         dblock("migrate", "--sql", "--url", url, *table),
@@ -327,9 +327,16 @@ def test_password_is_masked_in_everything_printed_or_logged(
     assert private.config.table in with_env.stdout  # DBLOCK_URL was used
 
     proc = start_dblock("sweep", "--every", "0.2s", "-v", "--url", url, *table)
-    time.sleep(1.5)
+    # Signal it once it is sweeping (its handler is set by then), not after a guess.
+    assert proc.stderr is not None
+    first: list[str] = []
+    while not any(":***@" in line for line in first):
+        line = proc.stderr.readline()
+        assert line, "".join(first)
+        first.append(line)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
+    err = "".join(first) + err
     assert proc.returncode == 0, err
     assert secret not in out + err
     assert ":***@" in err

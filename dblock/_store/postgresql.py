@@ -5,6 +5,14 @@ takes a free or expired key; when the key is held the same statement reads
 the holder instead, so a waiter learns the holder's lease without a second
 round trip. ON CONFLICT never raises, so contention leaves the server log clean.
 
+The fence is drawn from the sequence under a transaction-scoped advisory
+lock on the key (two-int form: one class per lock table, the key's hash), so
+two acquisitions of one key draw and write their fences one after the other.
+Without it ``nextval`` ran before the conflict check: a statement held up
+there (waiting for another's insert of the key to end, or descheduled) could
+write a fence drawn before the one another process was granted, and
+released, on that key meanwhile, and the fence went backwards.
+
 Release deletes the row where the token is ours and, in the same statement,
 ``pg_notify``-s the key on a channel named after the table. One listener
 connection per process fans those notifications out to its waiting threads.
@@ -18,11 +26,13 @@ import os
 import select
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.pool import NullPool
 
 from ..config import Config
 from . import register
@@ -32,6 +42,11 @@ from .base import Backoff, Grant, Holder, Lease, Store, Wait
 log = logging.getLogger("dblock")
 
 _UNDEFINED_TABLE = "42P01"
+
+
+def _lock_class(table: str) -> int:
+    """The advisory lock class of a lock table: its name's CRC-32 as a signed int4."""
+    return (zlib.crc32(table.encode()) ^ 0x80000000) - 0x80000000
 
 
 @register("postgresql")
@@ -44,10 +59,13 @@ class PostgresStore(Store):
         t = self.quoted(self.names.table)
         seq = self.quoted(self.names.sequence).replace("'", "''")
         lease = "now() + make_interval(secs => %(ttl)s)"
+        # Materialised, and the INSERT reads its row: the lock is taken before nextval.
         self._acquire_sql = (
-            f"WITH ins AS ("
+            f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
+            f"{_lock_class(self.names.table)}, hashtext(%(key)s))), "
+            f"ins AS ("
             f"INSERT INTO {t} AS t (lock_key, owner, token, fence, acquired_at, expires_at) "
-            f"VALUES (%(key)s, %(owner)s, %(token)s, nextval('{seq}'), now(), {lease}) "
+            f"SELECT %(key)s, %(owner)s, %(token)s, nextval('{seq}'), now(), {lease} FROM lk "
             f"ON CONFLICT (lock_key) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
@@ -78,6 +96,7 @@ class PostgresStore(Store):
         self._channel = self.names.channel
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
+        self._direct: Engine | None = None  # listen_url's engine, made on first wait
 
     def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
         rows = self.run(
@@ -126,15 +145,30 @@ class PostgresStore(Store):
         }
 
     def waiter(self, key: str, since: float) -> Wait:
-        if not self.config.notify:
+        config = self.config
+        if not config.notify or (config.pooler and config.listen_url is None):
+            # A LISTEN through a transaction-mode pooler hears nothing
+            # reliably (its server connection changes): poll instead.
             return super().waiter(key, since)
         with self._listener_lock:
             if self._listener is None:
-                self._listener = Listener(
-                    self.engine, self._channel, make_room=self.executor.release_idle
-                )
+                engine = self._listen_engine()
+                # Straight to the server (listen_url): no pool of ours to make room in.
+                make_room = self.executor.release_idle if engine is self.engine else None
+                self._listener = Listener(engine, self._channel, make_room=make_room)
             listener = self._listener
         return NotifyWait(listener, key, since, self.config)
+
+    def _listen_engine(self) -> Engine:
+        """Where the LISTEN connection goes: ``listen_url`` (straight to the
+        server, past a pooler) if given, else the lock statements' engine."""
+        if self.config.listen_url is None:
+            return self.engine
+        if self._direct is None:
+            from .._engine import make_engine, resolve_url
+
+            self._direct = make_engine(resolve_url(self.config.listen_url), {"poolclass": NullPool})
+        return self._direct
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return getattr(exc, "sqlstate", None) == _UNDEFINED_TABLE
@@ -144,6 +178,8 @@ class PostgresStore(Store):
             listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
+        if self._direct is not None:
+            self._direct.dispose()
         super().close()
 
     def after_fork(self) -> None:
