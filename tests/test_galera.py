@@ -50,10 +50,12 @@ def test_racing_nodes_have_one_winner_and_losers_are_busy(
     rounds = 60
     outcomes: dict[int, list[object]] = {i: [] for i in range(rounds)}
     barrier = threading.Barrier(len(node_managers))
-    held = []
     mutex = threading.Lock()
+    lost_at_release = 0
 
     def racer(manager: LockManager) -> None:
+        nonlocal lost_at_release
+        held = []
         for r in range(rounds):
             barrier.wait()
             try:
@@ -64,22 +66,21 @@ def test_racing_nodes_have_one_winner_and_losers_are_busy(
                 outcome = exc
             else:
                 outcome = "won"
-                with mutex:
-                    held.append(lock)
+                held.append(lock)
             with mutex:
                 outcomes[r].append(outcome)
+        for lock in held:  # each by the thread that holds it
+            try:
+                lock.release()
+            except LockLost:  # a second "winner" whose row was never its own
+                with mutex:
+                    lost_at_release += 1
 
     threads = [threading.Thread(target=racer, args=(m,)) for m in node_managers]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    lost_at_release = 0
-    for lock in held:
-        try:
-            lock.release()
-        except LockLost:  # a second "winner" whose row was never its own
-            lost_at_release += 1
 
     errors = [o for os_ in outcomes.values() for o in os_ if isinstance(o, Exception)]
     assert errors == []
@@ -158,23 +159,27 @@ def test_fence_grows_across_keys_and_nodes(node_managers: list[LockManager]) -> 
 def test_sweep_through_another_node(galera: PrivateGalera) -> None:
     """The sweeper's DELETE … RETURNING runs on Galera (with the same
     no-silent-retry setting as the INSERT) and removes an expired row that
-    another node wrote."""
+    another node wrote (as a crashed holder leaves it)."""
+    import sqlalchemy as sa
+
     from dblock._store.admin import SweepReason
 
     table = f"dblock_sweep_{uuid.uuid4().hex[:8]}"
-    writer = LockManager(galera.urls[0], table=table, renew=False)
     sweeper = LockManager(galera.urls[1], table=table)
+    writer = sa.create_engine(galera.urls[0], isolation_level="AUTOCOMMIT")
     try:
-        writer.create_schema()
+        sweeper.create_schema()
         key = f"{_prefix()}:expired"
-        writer.acquire(key, ttl=0.05)
-        deadline = time.monotonic() + 30
-        swept = []
-        while not swept and time.monotonic() < deadline:  # until the lease is over
-            swept = sweeper.store.sweep(SweepReason.EXPIRED, older_than=0.0, limit=10)
+        with writer.connect() as conn:
+            conn.exec_driver_sql(
+                f"INSERT INTO {table} (lock_key, owner, token, acquired_at, expires_at) "
+                "VALUES (%s, 'crashed', 'tok', UTC_TIMESTAMP(6) - INTERVAL 2 SECOND, "
+                "UTC_TIMESTAMP(6) - INTERVAL 1 SECOND)",
+                (key,),
+            )
+        swept = sweeper.store.sweep(SweepReason.EXPIRED, older_than=0.0, limit=10)
         assert [row.key for row in swept] == [key]
     finally:
-        writer.close()
+        writer.dispose()
+        sweeper.drop_schema()
         sweeper.close()
-        with LockManager(galera.urls[0], table=table) as admin:
-            admin.drop_schema()

@@ -243,8 +243,10 @@ class MySQLStore(Store):
                 f"RETURNING {COLUMNS}, UTC_TIMESTAMP(6)"
             )
             if self.galera:
-                # As for the INSERT: never report rows of a run that was rolled back.
-                sql = "SET STATEMENT wsrep_retry_autocommit=0 FOR " + sql
+                # As for the INSERT: never report rows of a run that was rolled
+                # back; and first apply what other nodes committed, so rows
+                # written there are seen.
+                sql = "SET STATEMENT wsrep_retry_autocommit=0, wsrep_sync_wait=2 FOR " + sql
             return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
         # MySQL has no DELETE ... RETURNING: read a batch, then delete each row
         # by its token, so a row taken over in between is left alone.
