@@ -441,13 +441,20 @@ class Store:
 
     # -- orphans -----------------------------------------------------------
 
-    def add_orphan(self, key: str, token: str) -> None:
-        log.warning(
-            "dblock: acquisition of %r may have committed while the database was "
-            "unreachable; its row will be deleted once the database answers",
-            key,
-        )
+    def add_orphan(self, key: str, token: str, *, released: bool = False) -> None:
+        """Delete the row of ``(key, token)`` once the database answers: an
+        acquisition whose outcome we never learned, or (``released``) a
+        release that could not reach the database."""
+        if not released:
+            log.warning(
+                "dblock: acquisition of %r may have committed while the database was "
+                "unreachable; its row will be deleted once the database answers",
+                key,
+            )
         self._orphans.append((key, token))
+
+    def is_orphan(self, key: str, token: str) -> bool:
+        return (key, token) in self._orphans
 
     @property
     def has_orphans(self) -> bool:
@@ -465,7 +472,7 @@ class Store:
                 except BackendError:
                     return  # still unreachable; try again next time
                 self._orphans.popleft()
-                log.info("dblock: removed the row of an unconfirmed acquisition of %r", key)
+                log.info("dblock: removed the row of %r left by an unanswered statement", key)
         finally:
             self._orphans_lock.release()
 

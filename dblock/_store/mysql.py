@@ -25,6 +25,24 @@ requirement) takes no such lock; we warn about it once.
 
 SQLAlchemy's MySQL dialects set CLIENT_FOUND_ROWS, so UPDATE row counts are
 rows *matched*; we only act on INSERT and DELETE counts, which it leaves alone.
+
+Galera (detected at first use from ``wsrep_on``). Every node accepts writes;
+a race between nodes is settled by certification at commit, and the loser is
+rolled back with error 1213. With the server default
+``wsrep_retry_autocommit=1`` the loser's autocommit statement is silently run
+again after the rows of its rolled-back ``INSERT … RETURNING`` already went to
+the client: both racers would read a grant. So on Galera the INSERT carries
+``SET STATEMENT wsrep_retry_autocommit=0``: the statement's rows then reach
+the client only followed by the OK of its commit, or are followed by 1213,
+which counts as "someone else got it" (we read the holder next). The INSERT
+also carries ``wsrep_sync_wait=4``: it first waits until this node has applied
+every transaction committed anywhere before it started, so the
+``AUTO_INCREMENT`` fence it takes is above every fence already handed out
+(nodes allocate from interleaved series, offset n, increment N; without the
+wait, fences of different keys came out of order across nodes; those of one
+key grew even so, since a node can only win a key once it has applied the
+previous holder's row). The holder read after a lost race waits the same way
+(``wsrep_sync_wait=1``), so it sees the winner's row instead of an empty key.
 """
 
 from __future__ import annotations
@@ -49,6 +67,9 @@ _UTC = timezone.utc
 # How many times one attempt may find the key freed or expired under its feet
 # (deleted between our INSERT and our SELECT) before reporting it busy.
 _RACE_RETRIES = 3
+# Statement prefixes on Galera (see the module docstring).
+_GALERA_INSERT = "SET STATEMENT wsrep_retry_autocommit=0, wsrep_sync_wait=4 FOR "
+_GALERA_READ = "SET STATEMENT wsrep_sync_wait=1 FOR "
 
 
 @register("mysql", "mariadb")
@@ -77,13 +98,28 @@ class MySQLStore(Store):
         self._t = t
         # Capabilities are read from the server on first use, not at import.
         self.returning: bool | None = None
+        self.galera: bool | None = None
+        self._galera_sql = (
+            _GALERA_INSERT + self._insert_sql,
+            _GALERA_INSERT + self._insert_returning_sql,
+            _GALERA_READ + self._holder_sql,
+        )
         self._offset: float | None = None  # server UTC minus local time.time()
         self._offset_at = 0.0
 
     def _capabilities_steps(self) -> Steps[None]:
-        # Read from the server on first use, not at import; idempotent, so
-        # two first uses racing each other do no harm.
+        # Read from the server on first use, not at import; idempotent (only
+        # assignments of values computed in advance), so two first uses
+        # racing each other do no harm.
         (version,) = (yield "SELECT VERSION()", {}, True, False).rows[0]
+        mariadb = "mariadb" in str(version).lower()
+        # SHOW VARIABLES, not @@wsrep_on: MySQL has no such variable.
+        wsrep = (yield "SHOW VARIABLES LIKE 'wsrep_on'", {}, True, False).rows
+        galera = mariadb and bool(wsrep) and str(wsrep[0][1]).upper() == "ON"
+        if galera:
+            # Other strings: retry() tells the INSERTs apart by identity.
+            self._insert_sql, self._insert_returning_sql, self._holder_sql = self._galera_sql
+        self.galera = galera
         (mode,) = (yield "SELECT @@innodb_autoinc_lock_mode", {}, True, False).rows[0]
         if int(mode) >= 2 and self.returning is None:
             log.warning(
@@ -207,6 +243,11 @@ class MySQLStore(Store):
                 f"DELETE FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
                 f"RETURNING {COLUMNS}, UTC_TIMESTAMP(6)"
             )
+            if self.galera:
+                # As for the INSERT: never report rows of a run that was rolled
+                # back; and first apply what other nodes committed, so rows
+                # written there are seen.
+                sql = "SET STATEMENT wsrep_retry_autocommit=0, wsrep_sync_wait=2 FOR " + sql
             return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
         # MySQL has no DELETE ... RETURNING: read a batch, then delete each row
         # by its token, so a row taken over in between is left alone.
@@ -224,10 +265,11 @@ class MySQLStore(Store):
         return gone
 
     def retry(self, sql: str, exc: BackendError, attempt: int) -> Result | float | None:
-        """InnoDB's deadlock and lock-wait victims are contention, not
-        failure. A victim was rolled back whole (it is its own transaction),
-        so an INSERT IGNORE victim counts as ignored (the caller reads the
-        holder next) and any other statement is simply run again."""
+        """InnoDB's deadlock and lock-wait victims, and Galera's certification
+        losers (also 1213), are contention, not failure. A victim was rolled
+        back whole (it is its own transaction), so an INSERT IGNORE victim
+        counts as ignored (the caller reads the holder next) and any other
+        statement is simply run again."""
         if not _deadlocked(exc) or attempt == _DEADLOCK_RETRIES:
             return None
         if sql is self._insert_sql or sql is self._insert_returning_sql:
