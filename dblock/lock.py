@@ -35,6 +35,7 @@ from .errors import (
     LockTimeout,
     SchemaMissing,
 )
+from .keys import db_text
 from .registry import Entry, Registry, Waiter, current_owner
 from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
 
@@ -278,7 +279,7 @@ class Locker:
         self.renewer.close()
 
     def owner_label(self) -> str:
-        return f"{self._client_id}:{_current_thread().name}"[:255]
+        return db_text(f"{self._client_id}:{_current_thread().name}")[:255]
 
     # -- acquire -----------------------------------------------------------
 
@@ -415,6 +416,9 @@ class Locker:
         token = token or _urandom(16).hex()
         deadline = None if timeout is None else start + timeout
         wait = None
+        if deadline is not None:
+            # A wait for a pooled connection ends with this request's timeout too.
+            store.executor.request_deadline(deadline)
         try:
             while True:
                 if wait is not None:
@@ -445,6 +449,8 @@ class Locker:
                     wait = store.waiter(key, sent_at)
                 wait.sleep(limit)
         finally:
+            if deadline is not None:
+                store.executor.request_deadline(None)
             if wait is not None:
                 wait.close()
 

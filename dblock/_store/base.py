@@ -30,8 +30,9 @@ from typing import Any, ClassVar, cast
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import Table
 from sqlalchemy.engine import Engine
-from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
+from .._engine import mask
 from ..config import Config
 from ..errors import BackendError, SchemaMissing
 from ..schema import TableNames, lock_table
@@ -44,7 +45,9 @@ __all__ = [
     "Holder",
     "Interrupted",
     "Lease",
+    "PoolExhausted",
     "Store",
+    "Unreachable",
     "Wait",
 ]
 
@@ -88,6 +91,16 @@ class Interrupted(BackendError):
     have been committed."""
 
 
+class Unreachable(BackendError):
+    """No statement was sent: the database could not be reached (or no
+    connection could be had). Nothing was written; trying again may work."""
+
+
+class PoolExhausted(Unreachable):
+    """Every connection of the engine's pool is checked out, and none came
+    free in time. Nothing was sent."""
+
+
 @dataclasses.dataclass(slots=True)
 class Result:
     rows: Sequence[tuple[Any, ...]]
@@ -98,6 +111,9 @@ class Result:
 # A connection idle in the executor's stack longer than this goes back to
 # SQLAlchemy's pool, so the pool's recycling and pre-ping settings still apply.
 IDLE_SECONDS = 30.0
+
+# Answers with an error the DELETE of an orphan may get before it is dropped.
+ORPHAN_ATTEMPTS = 3
 
 # Locks renewed per statement: well under every driver's parameter limit.
 RENEW_CHUNK = 500
@@ -117,6 +133,7 @@ class Executor:
     """
 
     __slots__ = (
+        "_capacity",
         "_dbapi_error",
         "_direct",
         "_engine",
@@ -124,6 +141,8 @@ class Executor:
         "_is_missing_table",
         "_max_idle",
         "_owns",
+        "_pool",
+        "_request",
         "_table",
         "_url",
     )
@@ -143,11 +162,26 @@ class Executor:
         self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
         self._is_missing_table = is_missing_table
         self._table = table
-        self._url = engine.url.render_as_string(hide_password=True)
+        self._url = mask(engine.url)
         self._direct = engine.dialect.driver in _DIRECT_DRIVERS
         self._idle: list[tuple[PoolProxiedConnection, float]] = []
         size = getattr(engine.pool, "size", None)
         self._max_idle = size() if callable(size) else 4
+        self._pool = engine.pool
+        # How many connections the pool hands out at most (None: no limit we know of).
+        self._capacity: int | None = None
+        overflow = getattr(engine.pool, "_max_overflow", -1)
+        if isinstance(engine.pool, QueuePool) and isinstance(overflow, int) and overflow >= 0:
+            self._capacity = engine.pool.size() + overflow
+        # Per thread: the deadline (time.monotonic()) of the acquisition under
+        # way, so a wait for a pooled connection ends with the request's own
+        # timeout rather than the pool's.
+        self._request = threading.local()
+
+    def request_deadline(self, deadline: float | None) -> None:
+        """Bound this thread's waits for a pooled connection by ``deadline``
+        (a ``time.monotonic()`` reading) until called again with ``None``."""
+        self._request.deadline = deadline
 
     @property
     def engine(self) -> Engine:
@@ -204,12 +238,54 @@ class Executor:
             if _monotonic() - since < IDLE_SECONDS:
                 return conn
             conn.close()  # back to the pool, which recycles or pings it as configured
+        if self._capacity is not None:
+            self._wait_for_pool()
         try:
             return self._engine.raw_connection()
+        except sa_exc.TimeoutError as exc:
+            raise self._exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
             raise self._translate(exc.orig or exc, sent=False) from exc
         except self._dbapi_error as exc:  # SQLAlchemy 2.1 lets connect errors through
             raise self._translate(exc, sent=False) from exc
+
+    def _wait_for_pool(self) -> None:
+        """If every pooled connection is checked out and this thread has a
+        deadline, wait for one to come free (polling) until that deadline:
+        the pool's own wait knows only the pool's timeout. A connection freed
+        and taken by another thread between the check and the checkout still
+        leaves us in the pool's wait, bounded by its timeout."""
+        deadline: float | None = getattr(self._request, "deadline", None)
+        if deadline is None:
+            return
+        pool = cast(QueuePool, self._pool)
+        capacity = cast(int, self._capacity)
+        step = 0.001
+        while pool.checkedout() >= capacity:
+            left = deadline - _monotonic()
+            if left <= 0:
+                raise self._exhausted(None)
+            time.sleep(min(step, left))
+            step = min(step * 2, 0.05)
+
+    def _exhausted(self, exc: BaseException | None) -> PoolExhausted:
+        pool = self._pool
+        if isinstance(pool, QueuePool):
+            what = (
+                f"pool_size {pool.size()}, max_overflow {getattr(pool, '_max_overflow', '?')}, "
+                f"pool_timeout {pool.timeout():g} s"
+            )
+        else:
+            what = type(pool).__name__
+        why = (
+            "no connection came free within the pool's timeout"
+            if exc is not None
+            else "no connection came free before the request's timeout"
+        )
+        return PoolExhausted(
+            f"the connection pool of {self._url} is exhausted ({what}; all checked out): "
+            f"{why}; nothing was sent to the database"
+        )
 
     def _checkin(self, conn: PoolProxiedConnection) -> None:
         if len(self._idle) < self._max_idle:
@@ -233,12 +309,16 @@ class Executor:
 
     def _run_observed(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
         sent = False
+        if self._capacity is not None:
+            self._wait_for_pool()
         try:
             with self._engine.connect() as conn:
                 sent = True
                 result = conn.exec_driver_sql(sql, dict(params))
                 rows = [tuple(r) for r in result.fetchall()] if fetch else []
                 return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
+        except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
+            raise self._exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
             raise self._translate(
                 exc.orig or exc, sent=sent, interrupted=exc.connection_invalidated
@@ -253,7 +333,7 @@ class Executor:
             return SchemaMissing(self._table, self._url)
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not sent:
-            return BackendError(f"cannot connect to {self._url}: {detail}")
+            return Unreachable(f"cannot connect to {self._url}: {detail}")
         if interrupted:
             return Interrupted(f"connection to {self._url} lost during a statement: {detail}")
         return BackendError(f"statement failed on {self._url}: {detail}")
@@ -316,7 +396,7 @@ class Store:
         self.quoted = engine.dialect.identifier_preparer.quote
         # (key, token) pairs whose acquisition may have committed although the
         # caller was told it failed; deleted as soon as the database answers.
-        self._orphans: deque[tuple[str, str]] = deque()
+        self._orphans: deque[tuple[str, str, int]] = deque()
         self._orphans_lock = threading.Lock()
 
     # -- the contract ------------------------------------------------------
@@ -378,27 +458,59 @@ class Store:
             "unreachable; its row will be deleted once the database answers",
             key,
         )
-        self._orphans.append((key, token))
+        self._orphans.append((key, token, 0))
 
     @property
     def has_orphans(self) -> bool:
         return bool(self._orphans)
 
     def clean_orphans(self) -> None:
-        """Delete rows left by acquisitions whose outcome we never learned."""
+        """Delete rows left by acquisitions whose outcome we never learned.
+
+        While the database does not answer, every orphan waits for it. An
+        orphan whose DELETE the database answers with an error is tried again
+        later, after the others, and dropped (with an ERROR line) after
+        :data:`ORPHAN_ATTEMPTS` such answers; one whose DELETE cannot even be
+        sent (say, a value the driver cannot encode) is dropped at once. Either
+        way its row, if it exists, is left to its lease and the sweeper, and
+        no orphan ever holds up the others or the caller."""
         if not self._orphans or not self._orphans_lock.acquire(blocking=False):
             return
         try:
-            while self._orphans:
-                key, token = self._orphans[0]
+            for _ in range(len(self._orphans)):
+                key, token, failures = self._orphans[0]
                 try:
                     self.release(key, token)
-                except BackendError:
+                except (Unreachable, Interrupted):
                     return  # still unreachable; try again next time
+                except SchemaMissing:
+                    pass  # no table, so no row to delete
+                except BackendError as exc:
+                    self._orphans.popleft()
+                    if failures + 1 < ORPHAN_ATTEMPTS:
+                        self._orphans.append((key, token, failures + 1))
+                    else:
+                        self._give_up_orphan(key, exc)
+                    continue
+                except Exception as exc:
+                    self._orphans.popleft()
+                    self._give_up_orphan(key, exc)
+                    continue
                 self._orphans.popleft()
                 log.info("dblock: removed the row of an unconfirmed acquisition of %r", key)
         finally:
             self._orphans_lock.release()
+
+    @staticmethod
+    def _give_up_orphan(key: str, exc: BaseException) -> None:
+        log.error(
+            "dblock: cannot delete the row of an unconfirmed acquisition of %r (%s: %s); "
+            "giving up: the row, if it was written, stays until its lease ends or the "
+            "sweeper removes it",
+            key,
+            type(exc).__name__,
+            exc,
+        )
 
     # -- helpers for the dialects -----------------------------------------
 
