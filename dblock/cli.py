@@ -34,7 +34,7 @@ from .config import Config
 from .errors import DBLockError, LockArgumentError
 from .manager import LockManager
 from .schema import TableNames
-from .sweeper import Sweeper
+from .sweeper import Sweeper, SweeperConfig
 
 __all__ = ["main", "parse_duration"]
 
@@ -424,6 +424,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     }
     if args.every is not None:
         options["interval"] = args.every
+    SweeperConfig.from_options(None, options)  # bad options fail before any database
     with _manager(args) as manager:
         sweeper = Sweeper(manager, **options)
         if args.once:

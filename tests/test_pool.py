@@ -1,0 +1,96 @@
+"""A borrowed engine whose pool is used up (issue 9, item 11): acquire says
+so with a ``BackendError`` naming the pool, within the request's own
+timeout, without the "may have committed" warning (nothing was sent);
+release logs and returns False, like any other unreachable database."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import BackendError, LockManager
+from tests.conftest import row_of
+
+POOL_TIMEOUT = 30.0
+
+
+@pytest.fixture
+def small_engine(db_url: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=POOL_TIMEOUT)
+    yield engine
+    engine.dispose()
+
+
+def _no_commit_warning(caplog: pytest.LogCaptureFixture) -> None:
+    assert not [r for r in caplog.records if "may have committed" in r.getMessage()]
+
+
+def test_exhausted_pool_fails_within_the_request_timeout(
+    small_engine: sa.Engine, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with LockManager(small_engine, renew=False) as m:
+        with small_engine.connect():  # the application holds the pool's only connection
+            started = time.monotonic()
+            with caplog.at_level(logging.DEBUG, logger="dblock"):
+                with pytest.raises(BackendError) as info:
+                    m.acquire(key, timeout=0.3)
+            # The request's 0.3 s bounds the wait, not the pool's 30 s.
+            assert time.monotonic() - started < POOL_TIMEOUT / 2
+        message = str(info.value)
+        assert "pool" in message and "exhausted" in message
+        assert "pool_size 1" in message and "max_overflow 0" in message
+        assert "pool_timeout 30 s" in message
+        assert "nothing was sent" in message
+        _no_commit_warning(caplog)
+        assert not m.store.has_orphans
+        assert len(m._locker.registry) == 0
+        # Once a connection is free again, the key is there to take.
+        with m.lock(key, blocking=False):
+            assert row_of(m, key) is not None
+
+
+def test_pool_timeout_shorter_than_the_request_keeps_waiting_for_a_connection(
+    db_url: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiting request outlasts the pool's timeout: it waits for a
+    connection until its own timeout, then says the pool is exhausted."""
+    engine = sa.create_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=0.05)
+    try:
+        with LockManager(engine, renew=False) as m:
+            with engine.connect():
+                with caplog.at_level(logging.DEBUG, logger="dblock"):
+                    with pytest.raises(BackendError, match="exhausted"):
+                        m.acquire(key, timeout=0.3)
+            _no_commit_warning(caplog)
+            assert not m.store.has_orphans
+    finally:
+        engine.dispose()
+
+
+def test_fail_fast_and_release_on_an_exhausted_pool(
+    db_url: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = sa.create_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    try:
+        with LockManager(engine, renew=False) as m:
+            held = m.acquire(key)
+            with engine.connect():
+                with caplog.at_level(logging.DEBUG, logger="dblock"):
+                    # No timeout of its own: the pool's timeout bounds it.
+                    with pytest.raises(BackendError, match="pool_timeout 0.2 s"):
+                        m.acquire(key + ":other", blocking=False)
+                    assert held.release() is False  # logged, never raised
+            _no_commit_warning(caplog)
+            assert any(
+                r.levelno == logging.ERROR and repr(key) in r.getMessage() for r in caplog.records
+            )
+            assert len(m._locker.registry) == 0
+            # The row is left to its lease, as for any unreachable database.
+            assert row_of(m, key) is not None
+            m.store.release(key, held.token)
+    finally:
+        engine.dispose()
