@@ -356,7 +356,9 @@ def test_an_unsupported_database_is_named_with_the_supported_ones(tmp_path: Path
     assert done.returncode == 2, done.stderr
     line = _one_line_error(done)
     assert "does not support the 'oracle' database" in line
-    assert "PostgreSQL" in line and "MariaDB" in line and "SQLite" in line
+    assert "PostgreSQL" in line
+    assert "MariaDB" in line
+    assert "SQLite" in line
     assert "pip install" not in line
     assert "tiger" not in done.stdout + done.stderr
 
@@ -373,7 +375,8 @@ def test_read_only_commands_create_no_sqlite_database(tmp_path: Path) -> None:
         done = dblock(*args, "--url", f"sqlite:///{missing}", cwd=tmp_path)
         assert done.returncode == 1, (args, done.stderr)
         line = _one_line_error(done)
-        assert "does not exist" in line and "dblock migrate" in line
+        assert "does not exist" in line
+        assert "dblock migrate" in line
         assert list(tmp_path.iterdir()) == []  # no directory, no file
 
 

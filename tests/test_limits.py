@@ -77,7 +77,8 @@ def test_thread_name_with_a_surrogate_does_not_break_acquire(
     thread = threading.Thread(target=run, name=f"worker-{SURROGATE_KEY}")
     thread.start()
     thread.join()
-    assert len(seen) == 1 and isinstance(seen[0], str), seen
+    assert len(seen) == 1, seen
+    assert isinstance(seen[0], str), seen
     assert seen[0].endswith("worker-alice?")
     assert not manager.store.has_orphans
 

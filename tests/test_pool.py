@@ -35,14 +35,18 @@ def test_exhausted_pool_fails_within_the_request_timeout(
     with LockManager(small_engine, renew=False) as m:
         with small_engine.connect():  # the application holds the pool's only connection
             started = time.monotonic()
-            with caplog.at_level(logging.DEBUG, logger="dblock"):
-                with pytest.raises(BackendError) as info:
-                    m.acquire(key, timeout=0.3)
+            with (
+                caplog.at_level(logging.DEBUG, logger="dblock"),
+                pytest.raises(BackendError) as info,
+            ):
+                m.acquire(key, timeout=0.3)
             # The request's 0.3 s bounds the wait, not the pool's 30 s.
             assert time.monotonic() - started < POOL_TIMEOUT / 2
         message = str(info.value)
-        assert "pool" in message and "exhausted" in message
-        assert "pool_size 1" in message and "max_overflow 0" in message
+        assert "pool" in message
+        assert "exhausted" in message
+        assert "pool_size 1" in message
+        assert "max_overflow 0" in message
         assert "pool_timeout 30 s" in message
         assert "nothing was sent" in message
         _no_commit_warning(caplog)
@@ -61,10 +65,12 @@ def test_pool_timeout_shorter_than_the_request_keeps_waiting_for_a_connection(
     engine = sa.create_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=0.05)
     try:
         with LockManager(engine, renew=False) as m:
-            with engine.connect():
-                with caplog.at_level(logging.DEBUG, logger="dblock"):
-                    with pytest.raises(BackendError, match="exhausted"):
-                        m.acquire(key, timeout=0.3)
+            with (
+                engine.connect(),
+                caplog.at_level(logging.DEBUG, logger="dblock"),
+                pytest.raises(BackendError, match="exhausted"),
+            ):
+                m.acquire(key, timeout=0.3)
             _no_commit_warning(caplog)
             assert not m.store.has_orphans
     finally:
@@ -78,12 +84,11 @@ def test_fail_fast_and_release_on_an_exhausted_pool(
     try:
         with LockManager(engine, renew=False) as m:
             held = m.acquire(key)
-            with engine.connect():
-                with caplog.at_level(logging.DEBUG, logger="dblock"):
-                    # No timeout of its own: the pool's timeout bounds it.
-                    with pytest.raises(BackendError, match="pool_timeout 0.2 s"):
-                        m.acquire(key + ":other", blocking=False)
-                    assert held.release() is False  # logged, never raised
+            with engine.connect(), caplog.at_level(logging.DEBUG, logger="dblock"):
+                # No timeout of its own: the pool's timeout bounds it.
+                with pytest.raises(BackendError, match=r"pool_timeout 0\.2 s"):
+                    m.acquire(key + ":other", blocking=False)
+                assert held.release() is False  # logged, never raised
             _no_commit_warning(caplog)
             assert any(
                 r.levelno == logging.ERROR and repr(key) in r.getMessage() for r in caplog.records

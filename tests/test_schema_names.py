@@ -126,7 +126,8 @@ def test_django_migration_sql_quotes_and_shortens(table: str) -> None:
         sql = "\n".join(_ddl.create_sql(vendor, names) + _ddl.drop_sql(vendor, names))
         assert names.expires_index in sql
         if vendor == "sqlite":
-            assert f'ON "{table}"' in sql and f'"{names.triggers[0]}"' in sql
+            assert f'ON "{table}"' in sql
+            assert f'"{names.triggers[0]}"' in sql
 
 
 def test_a_failed_migration_leaves_nothing_half_made(own_db: str, db: str) -> None:
@@ -143,9 +144,11 @@ def test_a_failed_migration_leaves_nothing_half_made(own_db: str, db: str) -> No
         )
     before = _tables(own_db)
     try:
-        with LockManager(own_db, table=table) as m:
-            with pytest.raises(BackendError, match="migration on .* failed"):
-                m.create_schema()
+        with (
+            LockManager(own_db, table=table) as m,
+            pytest.raises(BackendError, match=r"migration on .* failed"),
+        ):
+            m.create_schema()
         assert _tables(own_db) == before  # the lock and fence tables are gone again
         assert names.version_table in before  # not ours: left alone
     finally:

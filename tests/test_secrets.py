@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-pytestmark = pytest.mark.filterwarnings("ignore:'passwd' is deprecated:DeprecationWarning")
-
 from dblock import BackendError, LockManager
 from dblock._engine import mask, mask_text
 from tests.support.cli import dblock
+
+pytestmark = pytest.mark.filterwarnings("ignore:'passwd' is deprecated:DeprecationWarning")
 
 SECRET = "s3cret-pw"
 PARAMS = ["password", "passwd", "pwd", "sslpassword"]
