@@ -100,7 +100,8 @@ def make_engine(url: URL, options: Mapping[str, Any] | None = None) -> Engine:
         "pool_reset_on_return": None,
     }
     backend = url.get_backend_name()
-    check_dialect(backend, url.get_driver_name())
+    # (Only a known dialect's default driver can be looked up without loading it.)
+    check_dialect(backend, url.get_driver_name() if backend in SUPPORTED else "")
     if backend == "sqlite":
         database = url.database or ""
         if database in ("", ":memory:") or "mode=memory" in str(url):

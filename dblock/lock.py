@@ -279,7 +279,9 @@ class Locker:
         self.renewer.close()
 
     def owner_label(self) -> str:
-        return db_text(f"{self._client_id}:{_current_thread().name}")[:255]
+        label = f"{self._client_id}:{_current_thread().name}"
+        # A thread name may hold what no database stores (a lone surrogate).
+        return (label if label.isascii() else db_text(label))[:255]
 
     # -- acquire -----------------------------------------------------------
 
