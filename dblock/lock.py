@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
 from ._store import Grant, Holder, Interrupted, Store
+from ._store.base import never_sent
 from .config import Config, OnLost
 from .errors import (
     BackendError,
@@ -474,10 +475,11 @@ class Locker:
                 if not in_doubt:
                     raise  # failed cleanly: nothing was written
                 last = exc
-            except BaseException:
+            except BaseException as exc:
                 # Interrupted (KeyboardInterrupt, a signal handler's exception)
-                # with the INSERT possibly committed.
-                store.add_orphan(key, token)
+                # with the INSERT possibly committed, unless it was never sent.
+                if in_doubt or not never_sent(exc):
+                    store.add_orphan(key, token)
                 raise
             if attempt < _AMBIGUITY_RETRIES:
                 time.sleep(0.05 * 2**attempt)

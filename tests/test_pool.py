@@ -6,8 +6,12 @@ release logs and returns False, like any other unreachable database."""
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
+import traceback
 from collections.abc import Iterator
+from types import FrameType
 
 import pytest
 import sqlalchemy as sa
@@ -99,3 +103,52 @@ def test_fail_fast_and_release_on_an_exhausted_pool(
             m.store.release(key, held.token)
     finally:
         engine.dispose()
+
+
+class _Stop(Exception):
+    """What a signal handler raises (a timeout, say) in the middle of an acquire."""
+
+
+@pytest.mark.parametrize("timeout", [5.0, None], ids=["own-timeout", "pool-timeout"])
+def test_interrupted_while_waiting_for_the_pool_leaves_nothing(
+    small_engine: sa.Engine, key: str, caplog: pytest.LogCaptureFixture, timeout: float | None
+) -> None:
+    """A signal handler's exception while the request waits for a pooled
+    connection: no statement was sent, so there is nothing that "may have
+    committed": no warning, no orphan, nothing in the registry."""
+    in_pool_wait = threading.Event()
+    done = threading.Event()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        names = {f.name for f in traceback.extract_stack(frame)}
+        if "_attempt" in names and names & {"_wait_for_pool", "_do_get"}:
+            in_pool_wait.set()
+            raise _Stop
+
+    def interrupt() -> None:
+        main = threading.main_thread().ident
+        assert main is not None
+        while not done.is_set():
+            signal.pthread_kill(main, signal.SIGUSR1)
+            done.wait(0.02)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    sender = threading.Thread(target=interrupt)
+    try:
+        with LockManager(small_engine, renew=False) as m:
+            with small_engine.connect(), caplog.at_level(logging.DEBUG, logger="dblock"):
+                sender.start()
+                try:
+                    with pytest.raises(_Stop):
+                        m.acquire(key, timeout=timeout)
+                finally:
+                    done.set()
+                    sender.join()
+            assert in_pool_wait.is_set()
+            _no_commit_warning(caplog)
+            assert not m.store.has_orphans
+            assert len(m._locker.registry) == 0
+            with m.lock(key, blocking=False):
+                pass
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -49,6 +49,7 @@ __all__ = [
     "Store",
     "Unreachable",
     "Wait",
+    "never_sent",
 ]
 
 log = logging.getLogger("dblock")
@@ -195,7 +196,11 @@ class Executor:
         # goes away we fall back to the observed path, which is always correct.
         if not self._owns or getattr(self._engine, "_has_events", True):
             return self._run_observed(sql, params, fetch, lastrowid)
-        conn = self._checkout()
+        try:
+            conn = self._checkout()
+        except BaseException as exc:  # a signal handler's, say, while waiting for the pool
+            _mark_unsent(exc)
+            raise
         try:
             if self._direct:
                 cursor = conn.dbapi_connection.execute(sql, params)  # type: ignore[union-attr]
@@ -309,9 +314,9 @@ class Executor:
 
     def _run_observed(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
         sent = False
-        if self._capacity is not None:
-            self._wait_for_pool()
         try:
+            if self._capacity is not None:
+                self._wait_for_pool()
             with self._engine.connect() as conn:
                 sent = True
                 result = conn.exec_driver_sql(sql, dict(params))
@@ -325,6 +330,10 @@ class Executor:
             ) from exc
         except self._dbapi_error as exc:
             raise self._translate(exc, sent=sent) from exc
+        except BaseException as exc:
+            if not sent:
+                _mark_unsent(exc)
+            raise
 
     def _translate(
         self, exc: BaseException, *, sent: bool, interrupted: bool = False
@@ -337,6 +346,21 @@ class Executor:
         if interrupted:
             return Interrupted(f"connection to {self._url} lost during a statement: {detail}")
         return BackendError(f"statement failed on {self._url}: {detail}")
+
+
+_UNSENT = "_dblock_unsent"
+
+
+def _mark_unsent(exc: BaseException) -> None:
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(exc, _UNSENT, True)
+
+
+def never_sent(exc: BaseException) -> bool:
+    """True if ``exc`` (any exception, say a signal handler's) interrupted a
+    statement before it reached the database: nothing it would have written
+    can have been committed."""
+    return getattr(exc, _UNSENT, False) is True
 
 
 class Wait:
