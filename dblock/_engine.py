@@ -20,7 +20,7 @@ from sqlalchemy.exc import ArgumentError
 
 from .errors import LockArgumentError
 
-__all__ = ["DEFAULT_URL", "make_engine", "mask", "mask_text", "resolve_url"]
+__all__ = ["DEFAULT_URL", "check_url", "make_engine", "mask", "mask_text", "resolve_url"]
 
 DEFAULT_URL = "sqlite:///dblock.sqlite3"
 ENV_URL = "DBLOCK_URL"
@@ -70,6 +70,13 @@ def resolve_url(url: str | URL | None) -> URL:
 _SECRET_PARAM = re.compile(r"pass|pwd|secret|token|credential|api_?key", re.IGNORECASE)
 
 
+def check_url(url: URL) -> None:
+    """Refuse a URL naming a database or driver dblock does not speak."""
+    backend = url.get_backend_name()
+    # Only a known dialect's default driver can be looked up without loading it.
+    check_dialect(backend, url.get_driver_name() if backend in SUPPORTED else "")
+
+
 def mask(url: str | URL) -> str:
     """The URL with its password replaced by ``***``, for anything printed or
     logged: the user-info password and any query parameter that carries one
@@ -100,8 +107,7 @@ def make_engine(url: URL, options: Mapping[str, Any] | None = None) -> Engine:
         "pool_reset_on_return": None,
     }
     backend = url.get_backend_name()
-    # (Only a known dialect's default driver can be looked up without loading it.)
-    check_dialect(backend, url.get_driver_name() if backend in SUPPORTED else "")
+    check_url(url)
     if backend == "sqlite":
         database = url.database or ""
         if database in ("", ":memory:") or "mode=memory" in str(url):

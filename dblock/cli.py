@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import __version__, migrations
-from ._engine import ENV_URL, mask, mask_text, resolve_url
+from ._engine import ENV_URL, check_url, mask, mask_text, resolve_url
 from ._store.admin import LockRow, LockStats
 from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
@@ -273,6 +273,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     names = _names(args)
     url = resolve_url(args.url)
     if args.sql:
+        check_url(url)
         migrations.upgrade_sql(url, names, sys.stdout)
         return 0
     with LockManager(url, table=names.table, index=names.index) as manager:

@@ -351,8 +351,11 @@ def test_a_non_utf8_key_is_a_clear_error(private: LockManager, db_url: str) -> N
         assert "user:\\xff" in line
 
 
-def test_an_unsupported_database_is_named_with_the_supported_ones(tmp_path: Path) -> None:
-    done = dblock("list", "--url", "oracle://scott:tiger@db/x?password=tiger", cwd=tmp_path)
+@pytest.mark.parametrize("command", [["list"], ["migrate"], ["migrate", "--sql"]])
+def test_an_unsupported_database_is_named_with_the_supported_ones(
+    tmp_path: Path, command: list[str]
+) -> None:
+    done = dblock(*command, "--url", "oracle://scott:tiger@db/x?password=tiger", cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     line = _one_line_error(done)
     assert "does not support the 'oracle' database" in line
@@ -361,6 +364,7 @@ def test_an_unsupported_database_is_named_with_the_supported_ones(tmp_path: Path
     assert "SQLite" in line
     assert "pip install" not in line
     assert "tiger" not in done.stdout + done.stderr
+    assert done.stdout == ""
 
 
 def test_read_only_commands_create_no_sqlite_database(tmp_path: Path) -> None:
