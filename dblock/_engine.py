@@ -4,6 +4,12 @@ Given a URL, dblock makes its own small engine in AUTOCOMMIT with no reset on
 return to the pool: every lock statement is a transaction of its own, so a
 pooled connection never holds anything to roll back. Given an Engine, dblock
 uses it as it is (through an AUTOCOMMIT view of it) and never disposes it.
+
+The web integrations find an application's engine without being handed it,
+so they never share its pool (a request holding one of its connections would
+wait for a second one to take a lock): :func:`borrow` gives the URL and
+options of an engine of dblock's own that connects the way the application's
+does.
 """
 
 from __future__ import annotations
@@ -20,7 +26,16 @@ from sqlalchemy.exc import ArgumentError
 
 from .errors import LockArgumentError
 
-__all__ = ["DEFAULT_URL", "check_url", "make_engine", "mask", "mask_text", "resolve_url"]
+__all__ = [
+    "DEFAULT_URL",
+    "borrow",
+    "check_engine_options",
+    "check_url",
+    "make_engine",
+    "mask",
+    "mask_text",
+    "resolve_url",
+]
 
 DEFAULT_URL = "sqlite:///dblock.sqlite3"
 ENV_URL = "DBLOCK_URL"
@@ -101,7 +116,79 @@ def mask_text(text: str) -> str:
 _URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
 
 
+# Options that would make dblock's engine something it must not be.
+_REFUSED = {
+    "isolation_level": (
+        "dblock runs every lock statement in a transaction of its own (AUTOCOMMIT); "
+        "another isolation level would leave lock rows uncommitted"
+    ),
+    "pool": (
+        "dblock keeps a pool of its own, so that a lock statement never waits for a "
+        "connection the application holds; shape it with poolclass and the pool_* options"
+    ),
+}
+# ... and, when borrowing an application's engine, the ones that say how to
+# connect: dblock connects exactly as that engine does.
+_BORROWED = ("connect_args", "creator")
+
+
+def check_engine_options(
+    options: Mapping[str, Any] | None, *, name: str = "engine_options", borrowed: bool = False
+) -> dict[str, Any]:
+    """``options`` for :func:`make_engine`, refused with a message naming
+    ``name`` (the setting as the user spelled it) and saying why."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise LockArgumentError(f"{name} must be a dict of create_engine options, got {options!r}")
+    for option in options:
+        if not isinstance(option, str):
+            raise LockArgumentError(f"{name}: option names are strings, got {option!r}")
+        if option == "connect_args" and not isinstance(options[option], Mapping):
+            raise LockArgumentError(f"{name}['connect_args'] must be a dict")
+        if option in _REFUSED:
+            raise LockArgumentError(f"{name}[{option!r}] is not allowed: {_REFUSED[option]}")
+        if borrowed and option in _BORROWED:
+            raise LockArgumentError(
+                f"{name}[{option!r}] is not allowed when dblock borrows the application's "
+                "engine: dblock connects exactly as that engine does (its URL, connect_args "
+                "and creator). Set it on the application's engine, or give dblock a URL of "
+                "its own to configure its connections separately"
+            )
+    return dict(options)
+
+
+def borrow(
+    engine: Engine, options: Mapping[str, Any] | None = None, *, name: str = "engine_options"
+) -> tuple[URL, dict[str, Any]]:
+    """The URL and :func:`make_engine` options of an engine of dblock's own on
+    the database ``engine`` connects to.
+
+    The new engine connects through ``engine``'s pool creator: the same URL,
+    driver, ``connect_args``, ``creator`` and ``do_connect`` hooks; it keeps
+    ``engine``'s ``pool_pre_ping`` and ``pool_recycle`` (they describe the
+    network and the server), and has a pool of its own, sized by ``options``
+    (SQLAlchemy's defaults otherwise). On SQLite dblock opens the same file
+    with its own connection settings (busy timeout, WAL) instead.
+    """
+    # The driver spelled out: the connections are that driver's, and a bare
+    # postgresql:// must not turn into dblock's default driver on the way.
+    url = engine.url.set(drivername=f"{engine.url.get_backend_name()}+{engine.dialect.driver}")
+    sqlite = url.get_backend_name() == "sqlite"
+    kwargs = check_engine_options(options, name=name, borrowed=not sqlite)
+    if sqlite:
+        return url, kwargs
+    pool: Any = engine.pool
+    inherited: dict[str, Any] = {"creator": pool._creator}
+    if getattr(pool, "_pre_ping", False):
+        inherited["pool_pre_ping"] = True
+    if getattr(pool, "_recycle", -1) > 0:
+        inherited["pool_recycle"] = pool._recycle
+    return url, {**inherited, **kwargs}
+
+
 def make_engine(url: URL, options: Mapping[str, Any] | None = None) -> Engine:
+    options = check_engine_options(options)
     kwargs: dict[str, Any] = {
         "isolation_level": "AUTOCOMMIT",
         "pool_reset_on_return": None,
@@ -117,10 +204,16 @@ def make_engine(url: URL, options: Mapping[str, Any] | None = None) -> Engine:
             )
         if not database.startswith("file:"):
             Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
-        kwargs["connect_args"] = {"timeout": 30.0, "check_same_thread": False}
+        # The caller's connect_args add to these: without them the lock
+        # file would fail at once when busy, or on the renewal thread.
+        options["connect_args"] = {
+            "timeout": 30.0,
+            "check_same_thread": False,
+            **(options.get("connect_args") or {}),
+        }
     elif backend in ("mysql", "mariadb") and "charset" not in url.query:
         url = url.update_query_dict({"charset": "utf8mb4"})
-    kwargs.update(options or {})
+    kwargs.update(options)
     try:
         engine = create_engine(url, **kwargs)
     except ImportError as exc:

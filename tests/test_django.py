@@ -6,6 +6,9 @@ requests for one user against two running servers."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
 import sys
 import time
 import uuid
@@ -195,11 +198,76 @@ def test_manager_uses_the_test_database_and_settings() -> None:
         pytest.param({"DATABASE": "nope"}, "not in DATABASES", id="alias"),
         pytest.param({"BUSY_STATUS": 200}, "409 or 423", id="status"),
         pytest.param([("TTL", 3)], "must be a dict", id="not-dict"),
+        pytest.param(
+            {"ENGINE_OPTIONS": {"no_such_option": 1}}, "'no_such_option'", id="engine-option"
+        ),
+        pytest.param(
+            {"ENGINE_OPTIONS": {"isolation_level": "READ COMMITTED"}},
+            r"DBLOCK\['ENGINE_OPTIONS'\]\['isolation_level'\] is not allowed: .*AUTOCOMMIT",
+            id="isolation",
+        ),
+        pytest.param(
+            {"ENGINE_OPTIONS": {"pool": sa.pool.NullPool(lambda: None)}},
+            "dblock keeps a pool of its own",
+            id="pool",
+        ),
     ],
 )
 def test_bad_settings_are_refused(dblock: Any, message: str) -> None:
-    with override_settings(DBLOCK=dblock), pytest.raises(LockArgumentError, match=message):
-        dj.get_manager()
+    from django.apps import apps
+
+    with override_settings(DBLOCK=dblock):
+        with pytest.raises(LockArgumentError, match=message):
+            apps.get_app_config("dblock").ready()  # start-up
+        with pytest.raises(LockArgumentError, match=message):
+            dj.get_manager()
+
+
+def test_engine_options_shape_dblocks_own_pool() -> None:
+    """dblock's pool is its own (Django's connection is never used for a
+    lock), sized by ENGINE_OPTIONS; connect_args add to the OPTIONS it took
+    from DATABASES."""
+    assert dj.get_manager().engine.pool.size() == 5  # type: ignore[attr-defined]
+    options = {"pool_size": 1, "connect_args": {"application_name": "dblock-dj-test"}}
+    with override_settings(DBLOCK={"ENGINE_OPTIONS": options}):
+        manager = dj.get_manager()
+        assert manager.engine.pool.size() == 1  # type: ignore[attr-defined]
+        with manager.engine.connect() as conn:
+            name = conn.exec_driver_sql("SELECT current_setting('application_name')").scalar()
+        assert name == "dblock-dj-test"
+        with manager.lock("dj:pool") as held:
+            assert held.fence > 0
+
+
+def _manage(*args: str, dblock: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """``manage.py`` of the example project in a process of its own, with
+    ``dblock`` added to its DBLOCK setting."""
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        check=False,
+        cwd=EXAMPLE,
+        env={
+            **os.environ,
+            "PYTHONPATH": f"{EXAMPLE.parent.parent}{os.pathsep}{EXAMPLE}",
+            "DJANGO_SETTINGS_MODULE": "tests.support.django_env_settings",
+            "EXAMPLE_DB_NAME": connection.settings_dict["NAME"],
+            "EXAMPLE_DBLOCK": json.dumps(dblock),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.django_db(transaction=False)
+def test_bad_engine_options_stop_django_at_start_up() -> None:
+    """A real ``manage.py check`` process: a misspelt engine option stops
+    Django while it starts, naming the option; a good one passes."""
+    bad = _manage("check", dblock={"ENGINE_OPTIONS": {"pool_szie": 1}})
+    assert bad.returncode != 0
+    assert "'pool_szie'" in bad.stderr
+    good = _manage("check", dblock={"ENGINE_OPTIONS": {"pool_size": 1}})
+    assert good.returncode == 0, good.stderr
 
 
 @pytest.mark.django_db(transaction=False)
@@ -273,6 +341,30 @@ def _report_view(request: HttpRequest, user_id: int) -> JsonResponse:
 
 
 urlpatterns = [path("report/<int:user_id>", _report_view)]
+
+
+def test_busy_answers_problem_json(accounts: None) -> None:
+    """The view decorator and the middleware answer RFC 9457's body to
+    clients that accept anything or problem+json; text clients get text."""
+    client = Client()
+    with other_manager() as other, other.lock("user:1"):
+        anything = client.get("/users/1/balance", HTTP_ACCEPT="*/*")
+        problem = client.get("/users/1/balance", HTTP_ACCEPT="application/problem+json")
+        text = client.get("/users/1/balance", HTTP_ACCEPT="text/plain")
+    with override_settings(ROOT_URLCONF=__name__), other_manager() as other, other.lock("report:4"):
+        middleware = client.get("/report/4", HTTP_ACCEPT="*/*")
+    expected = {
+        "type": "about:blank",
+        "title": "Conflict",
+        "status": 409,
+        "detail": "Another request holds the lock for this resource. Try again shortly.",
+    }
+    for response in (anything, problem, middleware):
+        assert response.status_code == 409
+        assert response["Content-Type"] == "application/problem+json"
+        assert json.loads(response.content) == expected
+    assert text["Content-Type"].startswith("text/plain")
+    assert text.content.decode().startswith("409 Conflict: Another request holds")
 
 
 @override_settings(ROOT_URLCONF=__name__)
@@ -467,13 +559,27 @@ def test_sweeper_starts_with_the_first_request(accounts: None) -> None:
 
 
 @pytest.mark.slow
-def test_running_servers_let_one_request_per_user_in(accounts: None) -> None:
+@pytest.mark.parametrize(
+    "dblock",
+    [
+        pytest.param({}, id="default-pool"),
+        pytest.param({"ENGINE_OPTIONS": {"pool_size": 1, "max_overflow": 0}}, id="one-connection"),
+    ],
+)
+def test_running_servers_let_one_request_per_user_in(
+    accounts: None, dblock: dict[str, Any]
+) -> None:
     """Two `manage.py runserver` processes (threaded) on the test database;
-    many concurrent withdrawals for two users."""
+    many concurrent withdrawals for two users. Each request holds Django's
+    connection in the critical section; with dblock's pool cut to one
+    connection (and the LISTEN connection) per process, lock statements only
+    queue for it."""
     env = {
         "EXAMPLE_DB_NAME": connection.settings_dict["NAME"],
         "DJANGO_DEBUG": "0",
-        "PYTHONPATH": str(EXAMPLE.parent.parent),
+        "PYTHONPATH": f"{EXAMPLE.parent.parent}{os.pathsep}{EXAMPLE}",
+        "DJANGO_SETTINGS_MODULE": "tests.support.django_env_settings",
+        "EXAMPLE_DBLOCK": json.dumps(dblock),
     }
     ports = [web.free_port(), web.free_port()]
     per_user = 24

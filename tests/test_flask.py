@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -17,13 +19,22 @@ import pytest
 import sqlalchemy as sa
 from flask import Flask, jsonify
 from flask_sqlalchemy import SQLAlchemy
+from werkzeug.exceptions import HTTPException
 
-from dblock import LockArgumentError, LockBusy, LockManager, LockNotAcquired
+from dblock import (
+    DBLockError,
+    LockArgumentError,
+    LockBusy,
+    LockManager,
+    LockNotAcquired,
+    LockTimeout,
+)
 from dblock.contrib.flask import DBLock
 from tests.support import web
 from tests.support.db import private_database
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "flask_app"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "flask_app"
 
 
 def load_example() -> ModuleType:
@@ -178,6 +189,120 @@ def test_app_handler_wins(private_url: str, when: str) -> None:
     app.extensions["dblock"].manager.close()
 
 
+def test_busy_lock_answers_problem_json(app: Flask) -> None:
+    """Clients that accept anything, or problem+json, get RFC 9457's body;
+    plain-text clients keep the text body."""
+    client = app.test_client()
+    with other_manager(app) as other, other.lock("user:1"):
+        answers = {
+            accept: client.get("/users/1/balance", headers={"Accept": accept})
+            for accept in ("*/*", "application/problem+json", "text/plain")
+        }
+    for accept in ("*/*", "application/problem+json"):
+        response = answers[accept]
+        assert response.status_code == 409
+        assert response.content_type == "application/problem+json"
+        assert json.loads(response.get_data(as_text=True)) == {
+            "type": "about:blank",
+            "title": "Conflict",
+            "status": 409,
+            "detail": "Another request holds the lock for this resource. Try again shortly.",
+        }
+    text = answers["text/plain"]
+    assert text.content_type.startswith("text/plain")
+    assert text.get_data(as_text=True).startswith("409 Conflict: Another request holds")
+
+
+@pytest.mark.databases("sqlite")
+@pytest.mark.parametrize(
+    ("registered", "seen"),
+    [
+        pytest.param(DBLockError, "LockBusy", id="DBLockError"),
+        pytest.param(409, "BusyConflict", id="status-409"),
+        pytest.param(HTTPException, "BusyConflict", id="HTTPException"),
+        pytest.param(Exception, "BusyConflict", id="Exception"),
+    ],
+)
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_app_wide_handlers_see_a_busy_lock(
+    private_url: str, registered: Any, seen: str, when: str
+) -> None:
+    """The order, as documented: a handler for a dblock error class gets the
+    lock error itself; else the busy lock is a 409 HTTP error (like
+    ``abort(409)``) that handlers for 409, HTTPException or Exception get,
+    with the lock error as ``lock_error``."""
+    app = Flask(__name__)
+    app.config["DBLOCK_URL"] = private_url
+    ext = DBLock()
+
+    def mine(exc: Exception) -> tuple[Any, int]:
+        lock_error = getattr(exc, "lock_error", exc)
+        return jsonify(seen=type(exc).__name__, key=lock_error.key), 429
+
+    if when == "before":
+        app.register_error_handler(registered, mine)
+    ext.init_app(app)
+    if when == "after":
+        app.register_error_handler(registered, mine)
+
+    @app.get("/x")
+    @ext.locked(lambda: "x", blocking=False)
+    def view() -> str:
+        return "ok"
+
+    with app.app_context():
+        ext.manager.create_schema()
+    with LockManager(private_url) as other, other.lock("x"):
+        response = app.test_client().get("/x")
+    assert (response.status_code, response.get_json()) == (429, {"seen": seen, "key": "x"})
+    assert app.test_client().get("/x").get_data(as_text=True) == "ok"
+    app.extensions["dblock"].manager.close()
+
+
+@pytest.mark.databases("sqlite")
+def test_a_handler_for_one_kind_leaves_the_other_to_the_extension(private_url: str) -> None:
+    app = Flask(__name__)
+    app.config["DBLOCK_URL"] = private_url
+    app.register_error_handler(LockTimeout, lambda e: ("timed out", 503))
+    ext = DBLock(app)
+
+    @app.get("/busy")
+    @ext.locked(lambda: "x", blocking=False)
+    def busy() -> str:
+        return "ok"
+
+    @app.get("/wait")
+    @ext.locked(lambda: "x", timeout=0.1)
+    def wait() -> str:
+        return "ok"
+
+    ext.manager.create_schema()
+    with LockManager(private_url) as other, other.lock("x"):
+        assert app.test_client().get("/wait").status_code == 503
+        assert app.test_client().get("/busy").status_code == 409
+    ext.manager.close()
+
+
+@pytest.mark.databases("sqlite")
+def test_status_423_goes_to_a_423_handler(private_url: str) -> None:
+    app = Flask(__name__)
+    app.config.update(DBLOCK_URL=private_url, DBLOCK_BUSY_STATUS=423)
+    ext = DBLock(app)
+    app.register_error_handler(423, lambda e: (f"mine: {e.description}", 423))
+
+    @app.get("/x")
+    @ext.locked(lambda: "x", blocking=False)
+    def view() -> str:
+        return "ok"
+
+    ext.manager.create_schema()
+    with LockManager(private_url) as other, other.lock("x"):
+        response = app.test_client().get("/x")
+    assert response.status_code == 423
+    assert response.get_data(as_text=True).startswith("mine: Another request holds")
+    ext.manager.close()
+
+
 # -- configuration -------------------------------------------------------------
 
 
@@ -218,27 +343,157 @@ def test_bad_config_is_refused_at_init(config: dict[str, Any], message: str) -> 
         DBLock(app)
 
 
-def test_reuses_flask_sqlalchemy_engine(db: str, db_url: str, tmp_path: Path) -> None:
-    app = Flask(__name__)
-    app.config["SQLALCHEMY_DATABASE_URI"] = db_url
-    sqla = SQLAlchemy()
-    sqla.init_app(app)
-    ext = DBLock(app)
+def _probe(db: str, name: str) -> tuple[dict[str, Any], str | None]:
+    """Connect arguments that mark a connection with ``name``, and the SQL
+    that reads the mark back."""
+    if db == "postgresql":
+        return {"application_name": name}, "SELECT current_setting('application_name')"
+    if db == "mariadb":
+        return {"init_command": f"SET @dblock_probe = '{name}'"}, "SELECT @dblock_probe"
+    return {}, None
+
+
+def test_borrows_connection_settings_not_the_pool(db: str, db_url: str, tmp_path: Path) -> None:
+    """dblock connects the way Flask-SQLAlchemy's engine does (URL, driver,
+    connect_args, do_connect hooks, pre-ping, recycle) through a pool of its
+    own, sized by DBLOCK_ENGINE_OPTIONS."""
+    name = f"dblock-{tmp_path.name[-12:]}"
+    connect_args, probe = _probe(db, name)
+    hooked: list[str] = []
+
+    def make(config: dict[str, Any]) -> tuple[Flask, SQLAlchemy, DBLock]:
+        app = Flask(__name__)
+        app.config["SQLALCHEMY_DATABASE_URI"] = db_url
+        app.config["SQLALCHEMY_ENGINE_OPTIONS"] = {
+            "connect_args": connect_args,
+            "pool_pre_ping": True,
+            "pool_recycle": 600,
+        }
+        app.config.update(config)
+        sqla = SQLAlchemy()
+        sqla.init_app(app)
+        with app.app_context():
+            sa.event.listen(sqla.engine, "do_connect", lambda *a: hooked.append("called"))
+        return app, sqla, DBLock(app)
+
+    app, sqla, ext = make({})
     with app.app_context():
         app_engine = sqla.engine
         manager = ext.manager
-        if db == "sqlite":
-            # dblock's own engine on the same file, with its busy timeout and WAL.
-            assert manager.store.owns_engine
-            assert manager.engine.url.database == app_engine.url.database
-        else:
-            assert not manager.store.owns_engine
-            assert manager.engine.pool is app_engine.pool
-        with manager.lock(f"flask:reuse:{tmp_path.name}") as held:
+        assert manager.store.owns_engine
+        assert manager.engine is not app_engine
+        assert manager.engine.pool is not app_engine.pool
+        assert manager.engine.url.database == app_engine.url.database
+        assert manager.engine.pool.size() == 5  # type: ignore[attr-defined]
+        with manager.lock(f"flask:borrow:{tmp_path.name}") as held:
             assert held.fence > 0
+        if probe is not None:
+            assert hooked  # the app's do_connect hook made dblock's connection
+            assert manager.engine.pool._pre_ping  # type: ignore[attr-defined]
+            assert manager.engine.pool._recycle == 600  # type: ignore[attr-defined]
+            with manager.engine.connect() as conn:
+                assert conn.exec_driver_sql(probe).scalar() == name
     manager.close()
-    with app.app_context():
-        sqla.engine.dispose()
+
+    small, _, small_ext = make({"DBLOCK_ENGINE_OPTIONS": {"pool_size": 1}})
+    with small.app_context():
+        assert small_ext.manager.engine.pool.size() == 1  # type: ignore[attr-defined]
+        small_ext.manager.close()
+    for each in (app, small):
+        with each.app_context():
+            each.extensions["sqlalchemy"].engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        pytest.param(
+            {"DBLOCK_ENGINE_OPTIONS": {"no_such_option": 1}}, "'no_such_option'", id="unknown"
+        ),
+        pytest.param(
+            {"DBLOCK_ENGINE_OPTIONS": {"connect_args": {"connect_timeout": 1}}},
+            r"DBLOCK_ENGINE_OPTIONS\['connect_args'\] is not allowed when dblock borrows",
+            id="connect-args",
+        ),
+        pytest.param(
+            {"DBLOCK_ENGINE_OPTIONS": {"creator": lambda: None}},
+            r"DBLOCK_ENGINE_OPTIONS\['creator'\] is not allowed when dblock borrows",
+            id="creator",
+        ),
+        pytest.param(
+            {"DBLOCK_ENGINE_OPTIONS": {"isolation_level": "SERIALIZABLE"}},
+            r"DBLOCK_ENGINE_OPTIONS\['isolation_level'\] is not allowed: .*AUTOCOMMIT",
+            id="isolation",
+        ),
+        pytest.param(
+            {"DBLOCK_ENGINE_OPTIONS": {"pool": sa.pool.NullPool(lambda: None)}},
+            r"\['pool'\] is not allowed: dblock keeps a pool of its own",
+            id="pool",
+        ),
+        pytest.param(
+            {"DBLOCK_ENGINE_OPTIONS": {"pool_size": "x"}}, "cannot make an engine", id="bad-value"
+        ),
+    ],
+)
+@pytest.mark.databases("postgresql", "mariadb")
+def test_engine_options_are_checked_at_init_when_borrowing(
+    db_url: str, config: dict[str, Any], message: str
+) -> None:
+    app = Flask(__name__)
+    app.config["SQLALCHEMY_DATABASE_URI"] = db_url
+    app.config.update(config)
+    SQLAlchemy(app)
+    with pytest.raises(LockArgumentError, match=message):
+        DBLock(app)
+
+
+@pytest.mark.databases("sqlite")
+def test_engine_options_with_a_url_of_its_own(private_url: str) -> None:
+    """With DBLOCK_URL dblock configures its connections itself: connect_args
+    add to dblock's own (SQLite keeps its busy timeout), isolation_level is
+    refused, and a manager given to the extension takes no engine settings."""
+    app = Flask(__name__)
+    app.config["DBLOCK_URL"] = private_url
+    app.config["DBLOCK_ENGINE_OPTIONS"] = {"connect_args": {"cached_statements": 7}}
+    ext = DBLock(app)
+    with ext.manager.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+    ext.manager.close()
+
+    refused = Flask(__name__)
+    refused.config["DBLOCK_URL"] = private_url
+    refused.config["DBLOCK_ENGINE_OPTIONS"] = {"isolation_level": "SERIALIZABLE"}
+    with pytest.raises(LockArgumentError, match="AUTOCOMMIT"):
+        DBLock(refused)
+
+    with LockManager(private_url) as mine:
+        given = Flask(__name__)
+        given.config["DBLOCK_ENGINE_OPTIONS"] = {"pool_size": 1}
+        with pytest.raises(LockArgumentError, match="DBLOCK_ENGINE_OPTIONS cannot apply"):
+            DBLock(given, manager=mine)
+
+
+def test_bad_engine_options_stop_the_app_from_starting(db: str, tmp_path: Path) -> None:
+    """A real `flask` process loading an app with a misspelt engine option
+    exits at start-up, naming the option."""
+    with private_database(db, tmp_path) as url:
+        result = subprocess.run(
+            [sys.executable, "-m", "flask", "--app", POOL_APP, "routes"],
+            check=False,
+            cwd=tmp_path,
+            env={
+                **os.environ,
+                "DATABASE_URL": url,
+                "PYTHONPATH": str(ROOT),
+                "DBLOCK_ENGINE_OPTIONS": json.dumps({"pool_szie": 1}),
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode != 0
+    assert "'pool_szie'" in result.stderr
+    assert "LockArgumentError" in result.stderr
 
 
 @pytest.mark.databases("postgresql")
@@ -433,3 +688,48 @@ def test_ledger_check_notices_an_overlap() -> None:
         )
         == []
     )
+
+
+# -- dblock's own pool ----------------------------------------------------------
+
+POOL_APP = "tests.support.flask_pool_app:create_app"
+
+
+def pool_app_server(url: str, directory: Path, **env: str) -> Any:
+    """``tests/support/flask_pool_app.py`` (app pool: 2 connections, no
+    overflow, 3 s pool timeout) in a threaded `flask run` process."""
+    port = web.free_port()
+    return web.serving(
+        [
+            sys.executable,
+            *("-m", "flask", "--app", POOL_APP),
+            *("run", "--with-threads", "--port", str(port)),
+        ],
+        cwd=directory,
+        env={"DATABASE_URL": url, "PYTHONPATH": str(ROOT), **env},
+        port=port,
+        ready_path="/ready",
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "dblock_pool",
+    [
+        pytest.param({}, id="default-pool"),
+        pytest.param({"pool_size": 1, "max_overflow": 0}, id="one-connection"),
+    ],
+)
+def test_requests_holding_the_apps_pool_still_get_their_locks(
+    private_url: str, tmp_path: Path, dblock_pool: dict[str, int]
+) -> None:
+    """Four concurrent requests, each holding one of the app pool's two
+    connections when it takes the lock (timeout 8 s): all get it, none waits
+    for the app's pool (3 s timeout, no overflow); even with dblock's own
+    pool cut to one connection, lock statements only queue for it."""
+    with LockManager(private_url) as m:
+        m.create_schema()
+    options = {"DBLOCK_ENGINE_OPTIONS": json.dumps(dblock_pool)} if dblock_pool else {}
+    with pool_app_server(private_url, tmp_path, **options) as base:
+        statuses = web.concurrently([("POST", f"{base}/hold/pool", None)] * 4, threads=4)
+    assert statuses == [200] * 4

@@ -1,7 +1,10 @@
-"""A borrowed engine whose pool is used up (issue 9, item 11): acquire says
-so with a ``BackendError`` naming the pool, within the request's own
-timeout, without the "may have committed" warning (nothing was sent);
-release logs and returns False, like any other unreachable database."""
+"""dblock's pool: however small, lock statements queue for its connections
+and never starve on them (the sizing rule in the README's Flask and Django
+sections). And a pool that is used up (issue 9, item 11), say a borrowed
+engine the application holds every connection of: acquire says so with a
+``BackendError`` naming the pool, within the request's own timeout, without
+the "may have committed" warning (nothing was sent); release logs and
+returns False, like any other unreachable database."""
 
 from __future__ import annotations
 
@@ -27,6 +30,37 @@ def small_engine(db_url: str) -> Iterator[sa.Engine]:
     engine = sa.create_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=POOL_TIMEOUT)
     yield engine
     engine.dispose()
+
+
+@pytest.mark.parametrize("pool_size", [1, 2])
+def test_threads_share_a_pool_without_overflow(db_url: str, keys: object, pool_size: int) -> None:
+    """More threads than connections, each taking and releasing keys of its
+    own: every statement gets a connection, none waits out the pool's
+    timeout (a connection kept idle by one thread while another waits for
+    the pool would make it)."""
+    threads, rounds = 4, 25
+    names = keys(threads)  # type: ignore[operator]
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+    options = {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 3}
+    with LockManager(db_url, engine_options=options) as manager:
+
+        def work(key: str) -> None:
+            try:
+                start.wait(10)
+                for _ in range(rounds):
+                    with manager.lock(key, timeout=10):
+                        pass
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        pool = [threading.Thread(target=work, args=(k,)) for k in names]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join(120)
+        assert manager.engine.pool.checkedout() <= pool_size  # type: ignore[attr-defined]
+    assert errors == []
 
 
 def _no_commit_warning(caplog: pytest.LogCaptureFixture) -> None:

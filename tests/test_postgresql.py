@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -152,3 +153,30 @@ def _until(condition: object, seconds: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.01)
+
+
+def test_listener_connects_when_the_pool_has_no_room(
+    make_manager: object, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool of one connection and no overflow: the connection the waiter's
+    first attempt used stays idle with the statements, yet the LISTEN
+    connection gets in at once instead of waiting out the pool's timeout."""
+    holder = make_manager()  # type: ignore[operator]
+    waiter = make_manager(  # type: ignore[operator]
+        engine_options={"pool_size": 1, "max_overflow": 0, "pool_timeout": 2}
+    )
+    held = holder.acquire(key)
+    got = threading.Event()
+
+    def wait() -> None:
+        with waiter.lock(key, timeout=30):
+            got.set()
+
+    t = threading.Thread(target=wait)
+    t.start()
+    with caplog.at_level(logging.WARNING, logger="dblock"):
+        _until(lambda: _subscribed(waiter, key), seconds=6)
+        held.release()
+        assert got.wait(10)
+        t.join(10)
+    assert not [r for r in caplog.records if "LISTEN connection failed" in r.getMessage()]

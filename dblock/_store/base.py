@@ -134,7 +134,7 @@ class Executor:
     """
 
     __slots__ = (
-        "_capacity",
+        "_bounded",
         "_dbapi_error",
         "_direct",
         "_engine",
@@ -142,7 +142,6 @@ class Executor:
         "_is_missing_table",
         "_max_idle",
         "_owns",
-        "_pool",
         "_request",
         "_table",
         "_url",
@@ -168,12 +167,10 @@ class Executor:
         self._idle: list[tuple[PoolProxiedConnection, float]] = []
         size = getattr(engine.pool, "size", None)
         self._max_idle = size() if callable(size) else 4
-        self._pool = engine.pool
-        # How many connections the pool hands out at most (None: no limit we know of).
-        self._capacity: int | None = None
-        overflow = getattr(engine.pool, "_max_overflow", -1)
-        if isinstance(engine.pool, QueuePool) and isinstance(overflow, int) and overflow >= 0:
-            self._capacity = engine.pool.size() + overflow
+        pool = engine.pool
+        self._bounded: QueuePool | None = None
+        if isinstance(pool, QueuePool) and getattr(pool, "_max_overflow", -1) >= 0:
+            self._bounded = pool
         # Per thread: the deadline (time.monotonic()) of the acquisition under
         # way, so a wait for a pooled connection ends with the request's own
         # timeout rather than the pool's.
@@ -243,7 +240,7 @@ class Executor:
             if _monotonic() - since < IDLE_SECONDS:
                 return conn
             conn.close()  # back to the pool, which recycles or pings it as configured
-        if self._capacity is not None:
+        if self._bounded is not None:
             self._wait_for_pool()
         try:
             return self._engine.raw_connection()
@@ -263,10 +260,8 @@ class Executor:
         deadline: float | None = getattr(self._request, "deadline", None)
         if deadline is None:
             return
-        pool = cast(QueuePool, self._pool)
-        capacity = cast(int, self._capacity)
         step = 0.001
-        while pool.checkedout() >= capacity:
+        while self._pool_exhausted():
             left = deadline - _monotonic()
             if left <= 0:
                 raise self._exhausted(None)
@@ -274,7 +269,7 @@ class Executor:
             step = min(step * 2, 0.05)
 
     def _exhausted(self, exc: BaseException | None) -> PoolExhausted:
-        pool = self._pool
+        pool = self._engine.pool
         if isinstance(pool, QueuePool):
             what = (
                 f"pool_size {pool.size()}, max_overflow {getattr(pool, '_max_overflow', '?')}, "
@@ -293,10 +288,23 @@ class Executor:
         )
 
     def _checkin(self, conn: PoolProxiedConnection) -> None:
-        if len(self._idle) < self._max_idle:
+        if len(self._idle) < self._max_idle and not self._pool_exhausted():
             self._idle.append((conn, _monotonic()))
         else:
             conn.close()
+
+    def _pool_exhausted(self) -> bool:
+        """Whether every connection the pool may make is checked out (those
+        idle here included): only then can a thread be waiting for one, and
+        a connection kept idle here would leave it waiting until the pool's
+        timeout."""
+        pool = self._bounded
+        if pool is None:
+            return False
+        max_overflow: int = pool._max_overflow
+        if pool.overflow() < max_overflow:  # it may still open another
+            return False
+        return pool.checkedout() >= pool.size() + max_overflow
 
     def release_idle(self) -> None:
         """Hand every idle connection back to the pool."""
@@ -315,7 +323,7 @@ class Executor:
     def _run_observed(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
         sent = False
         try:
-            if self._capacity is not None:
+            if self._bounded is not None:
                 self._wait_for_pool()
             with self._engine.connect() as conn:
                 sent = True

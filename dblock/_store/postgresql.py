@@ -19,7 +19,7 @@ import select
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from sqlalchemy.engine import Engine
@@ -130,7 +130,9 @@ class PostgresStore(Store):
             return super().waiter(key, since)
         with self._listener_lock:
             if self._listener is None:
-                self._listener = Listener(self.engine, self._channel)
+                self._listener = Listener(
+                    self.engine, self._channel, make_room=self.executor.release_idle
+                )
             listener = self._listener
         return NotifyWait(listener, key, since, self.config)
 
@@ -217,9 +219,12 @@ class Listener:
     LINGER = 30.0
     RECENT = 2.0
 
-    def __init__(self, engine: Engine, channel: str) -> None:
+    def __init__(
+        self, engine: Engine, channel: str, *, make_room: Callable[[], None] | None = None
+    ) -> None:
         self._engine = engine
         self._channel = channel
+        self._make_room = make_room
         self._subs: dict[str, set[threading.Event]] = {}
         self._recent: dict[str, float] = {}
         self._recent_order: deque[tuple[float, str]] = deque()
@@ -312,6 +317,11 @@ class Listener:
             delay = min(delay * 2, 2.0)
 
     def _connect(self) -> Any:
+        if self._make_room is not None:
+            # The statements' idle connections go back to the pool first: in
+            # a pool without overflow they could be all it has, and this
+            # connection would wait for one until the pool's timeout.
+            self._make_room()
         proxied = self._engine.raw_connection()
         proxied.detach()  # ours alone for as long as we listen, not the pool's
         conn: Any = proxied.dbapi_connection

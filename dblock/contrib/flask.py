@@ -22,14 +22,17 @@ Configuration is read from ``app.config`` keys ``DBLOCK_<NAME>``: every
 ``DBLOCK_SWEEPER``, ``DBLOCK_SWEEPER_INTERVAL``, ``DBLOCK_SWEEPER_MAX_AGE``,
 ``DBLOCK_BUSY_STATUS`` (409 or 423), ``DBLOCK_BUSY_RESPONSE`` and
 ``DBLOCK_USE_SQLALCHEMY``. The database is, in this order: ``DBLOCK_URL``;
-``$DBLOCK_URL``; the engine of Flask-SQLAlchemy when the app has the
-extension (borrowed: dblock runs its statements on its own pooled
-connections in autocommit, never in the request's session); the SQLite file
-``./dblock.sqlite3``.
+``$DBLOCK_URL``; the database of Flask-SQLAlchemy when the app has the
+extension (dblock's engine then connects exactly as the app's engine does,
+through its creator, but keeps a pool of its own: a request holding a
+session connection must never wait for a second one to take a lock); the
+SQLite file ``./dblock.sqlite3``. ``DBLOCK_ENGINE_OPTIONS`` shape that
+engine; the ones that cannot apply are refused at ``init_app``.
 
 The extension adds ``flask dblock`` (``migrate``, ``sweep``, ``list``,
 ``release``), turns a :class:`~dblock.LockNotAcquired` escaping a view into a
-409 (or 423) response unless the app registered its own handler for it, and
+409 (or 423) response (through the app's handlers for ``DBLockError``, then
+for that status, as the README orders them), and
 with ``DBLOCK_SWEEPER = True`` sweeps expired rows in the background from the
 first request of each process on.
 """
@@ -46,25 +49,27 @@ import click
 from flask import Flask, Response, current_app, has_app_context, request
 from flask.cli import AppGroup
 from sqlalchemy.engine import Engine
+from werkzeug.exceptions import Conflict, Locked
 
 from .. import decorators, migrations
-from .._engine import ENV_URL
+from .._engine import ENV_URL, borrow, check_engine_options
 from ..decorators import KeySpec, OnBusy
-from ..errors import DBLockError, LockArgumentError, LockBusy, LockNotAcquired, LockTimeout
+from ..errors import DBLockError, LockArgumentError, LockNotAcquired
 from ..lock import UNSET, HeldLock, Unset
 from ..manager import LockManager, LockRequest
 from ..multi import HeldLocks
 from . import _admin
-from ._http import busy_body, log_busy, wants_json
+from ._http import busy_body, busy_message, log_busy, negotiate
 from ._settings import Settings, read_settings
 
-__all__ = ["DBLock", "cli"]
+__all__ = ["BusyConflict", "BusyLocked", "DBLock", "cli"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 EXTENSION = "dblock"
 _FLASK_ONLY = {"USE_SQLALCHEMY": True, "BUSY_RESPONSE": True}
+_ENGINE_OPTIONS = "DBLOCK_ENGINE_OPTIONS"
 
 
 class _State:
@@ -101,6 +106,13 @@ class DBLock:
             if not isinstance(settings.extra[flag], bool):
                 raise LockArgumentError(
                     f"DBLOCK_{flag} must be True or False, got {settings.extra[flag]!r}"
+                )
+        if self._manager is not None:
+            ignored = [f"DBLOCK_{k}" for k in ("URL", "ENGINE_OPTIONS") if k in values]
+            if ignored:
+                raise LockArgumentError(
+                    f"{' and '.join(ignored)} cannot apply: DBLock(manager=...) was given a "
+                    "LockManager, which already has its engine"
                 )
         manager = self._manager or _make_manager(app, settings)
         state = _State(manager, settings)
@@ -199,15 +211,15 @@ def _make_manager(app: Flask, settings: Settings) -> LockManager:
     options: dict[str, Any] = {"config": settings.config}
     url = settings.url or os.environ.get(ENV_URL)
     if url is not None:
-        return LockManager(url, engine_options=settings.engine_options, **options)
+        engine_options = check_engine_options(settings.engine_options, name=_ENGINE_OPTIONS)
+        return LockManager(url, engine_options=engine_options, **options)
     if settings.extra["USE_SQLALCHEMY"]:
         engine = _sqlalchemy_engine(app)
         if engine is not None:
-            if engine.dialect.name == "sqlite":
-                # A borrowed SQLite engine lacks dblock's busy timeout and WAL
-                # pragmas; the same file through dblock's own engine has them.
-                return LockManager(engine.url, engine_options=settings.engine_options, **options)
-            return LockManager(engine, **options)
+            # Never the app's pool itself: a request holding a session
+            # connection would wait for a second one to take a lock.
+            borrowed, engine_options = borrow(engine, settings.engine_options, name=_ENGINE_OPTIONS)
+            return LockManager(borrowed, engine_options=engine_options, **options)
         if "SQLALCHEMY_DATABASE_URI" in app.config:
             # Locks in a local SQLite file would not be shared with the other
             # servers: that mistake must not pass silently.
@@ -215,7 +227,8 @@ def _make_manager(app: Flask, settings: Settings) -> LockManager:
                 "the app configures SQLALCHEMY_DATABASE_URI but Flask-SQLAlchemy is not set up "
                 "on it yet: call db.init_app(app) before dblock's init_app, or set DBLOCK_URL"
             )
-    return LockManager(engine_options=settings.engine_options, **options)
+    engine_options = check_engine_options(settings.engine_options, name=_ENGINE_OPTIONS)
+    return LockManager(engine_options=engine_options, **options)
 
 
 def _sqlalchemy_engine(app: Flask) -> Engine | None:
@@ -232,19 +245,50 @@ def _sqlalchemy_engine(app: Flask) -> Engine | None:
 # -- busy responses -----------------------------------------------------------
 
 
+class BusyConflict(Conflict):
+    """A busy lock, as the HTTP error the app's handlers for 409 (or
+    ``HTTPException``, or ``Exception``) receive; ``lock_error`` is the
+    :class:`~dblock.LockNotAcquired` it stands for."""
+
+    lock_error: LockNotAcquired
+
+
+class BusyLocked(Locked):
+    """The same with ``DBLOCK_BUSY_STATUS = 423``."""
+
+    lock_error: LockNotAcquired
+
+
 def _handles_busy(app: Flask) -> bool:
-    """Whether the app registered its own handler for a busy lock already."""
-    handlers = app.error_handler_spec.get(None, {}).get(None, {})
-    return any(cls in handlers for cls in (LockNotAcquired, LockBusy, LockTimeout))
+    """Whether the app registered its own handler for every busy lock already
+    (one for LockBusy or LockTimeout alone wins over ours by being nearer in
+    the class tree, and leaves the other kind to ours)."""
+    return LockNotAcquired in app.error_handler_spec.get(None, {}).get(None, {})
 
 
-def _busy_response(exc: LockNotAcquired) -> Response:
-    status = state_of(current_app._get_current_object()).settings.busy_status  # type: ignore[attr-defined]
+def _busy_response(exc: LockNotAcquired) -> Any:
+    """The extension's handler for a busy lock. Flask picks it before the
+    app's handler for ``DBLockError`` (it is nearer in the class tree), so it
+    hands over to that one; otherwise the busy lock goes on as a 409/423 HTTP
+    error through the app's handlers for that status, ``HTTPException`` or
+    ``Exception``; with none, the body negotiated with the client."""
+    app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
     log_busy(exc, f"{request.method} {request.path}")
+    mine = app.error_handler_spec.get(None, {}).get(None, {}).get(DBLockError)
+    if mine is not None:
+        return app.ensure_sync(mine)(exc)
+    status = state_of(app).settings.busy_status
     body, content_type = busy_body(
-        exc, status, as_json=wants_json(request.headers.get("Accept"), request.content_type)
+        exc, status, negotiate(request.headers.get("Accept"), request.content_type)
     )
-    return Response(body, status=status, content_type=content_type)
+    error = (BusyConflict if status == 409 else BusyLocked)(
+        description=busy_message(exc),
+        response=Response(body, status=status, content_type=content_type),
+    )
+    error.lock_error = exc
+    error.__cause__ = exc
+    handled = app.handle_http_exception(error)
+    return error.get_response() if handled is error else handled
 
 
 # -- the in-app sweeper -------------------------------------------------------

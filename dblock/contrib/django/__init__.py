@@ -14,8 +14,9 @@
 
 Settings are the ``DBLOCK`` dict: every :class:`~dblock.Config` field under
 its upper-case name (``TABLE``, ``TTL``, ``TIMEOUT``, ...), plus ``URL``,
-``ENGINE_OPTIONS``, ``DATABASE`` (the alias whose connection settings make
-the URL when ``URL`` is not given; default ``"default"``), ``SWEEPER``,
+``ENGINE_OPTIONS`` (for dblock's own engine and pool; checked at start-up),
+``DATABASE`` (the alias whose connection settings make the URL when ``URL``
+is not given; default ``"default"``), ``SWEEPER``,
 ``SWEEPER_INTERVAL``, ``SWEEPER_MAX_AGE`` and ``BUSY_STATUS`` (409 or 423).
 
 ``manage.py migrate`` creates the lock table (the schema of dblock's alembic
@@ -75,8 +76,8 @@ def _make_manager() -> LockManager:
     from . import conf
 
     settings = conf.read()
-    url = settings.url or conf.url_for(str(settings.extra["DATABASE"]))
-    return LockManager(url, config=settings.config, engine_options=settings.engine_options)
+    url, engine_options = conf.engine_args(settings)
+    return LockManager(url, config=settings.config, engine_options=engine_options)
 
 
 def locked(

@@ -26,6 +26,7 @@ class DBLockConfig(AppConfig):
 
     def ready(self) -> None:
         settings = conf.read()  # a bad DBLOCK setting fails here, at start-up
+        conf.check_engine(settings)  # and so does a bad URL or ENGINE_OPTIONS
         setting_changed.connect(_settings_changed, dispatch_uid="dblock-settings")
         if settings.sweeper:
             request_started.connect(_maybe_start_sweeper, dispatch_uid="dblock-sweeper")

@@ -1,9 +1,12 @@
 """dblock's Django settings: the ``DBLOCK`` dict, and the database URL built
 from ``DATABASES`` when it gives none.
 
-dblock keeps an engine of its own on that database: lock statements must
-commit at once and must never join the request's transaction, so they cannot
-run on Django's connection.
+dblock keeps an engine of its own on that database, with a pool of its own
+shaped by ``DBLOCK["ENGINE_OPTIONS"]``: lock statements must commit at once
+and must never join the request's transaction, so they cannot run on
+Django's connection; and a request holding Django's connection (or one of
+its pool's) must never wait for another of those to take a lock. This is the
+rule of the Flask integration too.
 """
 
 from __future__ import annotations
@@ -12,11 +15,22 @@ from typing import Any
 
 from sqlalchemy import URL
 
+from ..._engine import check_engine_options, make_engine, resolve_url
 from ...errors import LockArgumentError
 from ...schema import TableNames
 from .._settings import Settings, read_settings
 
-__all__ = ["database_alias", "read", "table_names", "url_for", "url_from"]
+__all__ = [
+    "check_engine",
+    "database_alias",
+    "engine_args",
+    "read",
+    "table_names",
+    "url_for",
+    "url_from",
+]
+
+ENGINE_OPTIONS = "DBLOCK['ENGINE_OPTIONS']"
 
 _DJANGO_ONLY = {"DATABASE": "default"}
 
@@ -56,6 +70,21 @@ def read() -> Settings:
             f"({', '.join(map(repr, settings.DATABASES))})"
         )
     return result
+
+
+def engine_args(settings: Settings) -> tuple[URL, dict[str, Any]]:
+    """The URL and engine options of dblock's engine (options checked)."""
+    url = resolve_url(settings.url or url_for(str(settings.extra["DATABASE"])))
+    return url, check_engine_options(settings.engine_options, name=ENGINE_OPTIONS)
+
+
+def check_engine(settings: Settings) -> None:
+    """Make dblock's engine once and drop it, without connecting: a bad URL
+    or engine option fails at start-up rather than at the first lock."""
+    url, options = engine_args(settings)
+    if not options and not settings.url:
+        return  # nothing of the user's to check beyond what read() did
+    make_engine(url, options).dispose()
 
 
 def database_alias() -> str:

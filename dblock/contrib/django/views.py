@@ -8,7 +8,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse
 
 from ...errors import LockNotAcquired
-from .._http import busy_body, log_busy, wants_json
+from .._http import busy_body, log_busy, negotiate
 from . import conf
 
 __all__ = ["LockBusyMiddleware", "busy_response", "find_request"]
@@ -26,7 +26,7 @@ def busy_response(request: HttpRequest | None, exc: LockNotAcquired) -> HttpResp
     content_type = request.content_type if request is not None else None
     where = f"{request.method} {request.path}" if request is not None else "a view"
     log_busy(exc, where)
-    body, mime = busy_body(exc, status, as_json=wants_json(accept, content_type))
+    body, mime = busy_body(exc, status, negotiate(accept, content_type))
     return HttpResponse(body, status=status, content_type=mime)
 
 

@@ -1,0 +1,13 @@
+"""The example project's settings with ``DBLOCK`` entries taken from the
+environment (``EXAMPLE_DBLOCK``, JSON), for tests that start Django in a
+process of its own: ``DJANGO_SETTINGS_MODULE=tests.support.django_env_settings``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from exampleproject.settings import *  # noqa: F403
+from exampleproject.settings import DBLOCK
+
+DBLOCK = {**DBLOCK, **json.loads(os.environ.get("EXAMPLE_DBLOCK") or "{}")}
