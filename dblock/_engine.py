@@ -187,7 +187,9 @@ def borrow(
     return url, {**inherited, **kwargs}
 
 
-def make_engine(url: URL, options: Mapping[str, Any] | None = None) -> Engine:
+def make_engine(
+    url: URL, options: Mapping[str, Any] | None = None, *, pooler: bool = False
+) -> Engine:
     options = check_engine_options(options)
     kwargs: dict[str, Any] = {
         "isolation_level": "AUTOCOMMIT",
@@ -225,7 +227,17 @@ def make_engine(url: URL, options: Mapping[str, Any] | None = None) -> Engine:
         raise LockArgumentError(f"cannot make an engine for {mask(url)}: {exc}") from exc
     if backend == "sqlite":
         event.listen(engine, "connect", _sqlite_pragmas)
+    if pooler and backend == "postgresql":
+        event.listen(engine, "connect", _never_prepare)
     return engine
+
+
+def _never_prepare(dbapi_connection: Any, _record: Any) -> None:
+    # Behind a transaction-mode pooler each transaction may get another server
+    # connection: a statement psycopg prepared on one is missing (or already
+    # there) on the next. Set per connection, so that it holds for connections
+    # made through a borrowed engine's creator too.
+    dbapi_connection.prepare_threshold = None
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -152,6 +152,13 @@ class Config:
     on_lost
         Called (from the renewal thread) with the :class:`~dblock.HeldLock` when a
         held lock is found lost, unless the lock has a callback of its own.
+    pooler
+        The URL reaches PostgreSQL through a transaction-mode connection pooler
+        (pgbouncer, ...): dblock prepares no statements on the server, and its
+        waiters never LISTEN through the pooler (they use ``listen_url``, else poll).
+    listen_url
+        PostgreSQL: a URL straight to the server (bypassing the pooler) for the
+        one LISTEN connection per process that wakes waiters.
     """
 
     table: str = "dblock_locks"
@@ -168,6 +175,8 @@ class Config:
     renew: bool = True
     max_hold: float | None = None
     on_lost: OnLost | None = None
+    pooler: bool = False
+    listen_url: str | None = None
 
     def __post_init__(self) -> None:
         _check_identifier(self.table, "table")
@@ -191,7 +200,13 @@ class Config:
             )
         object.__setattr__(self, "max_hold", check_max_hold(self.max_hold))
         check_on_lost(self.on_lost)
-        for name in ("notify", "local_filter", "renew"):
+        if self.listen_url is not None and (
+            not isinstance(self.listen_url, str) or not self.listen_url
+        ):
+            raise LockArgumentError(
+                f"listen_url must be a PostgreSQL URL string, got {type(self.listen_url).__name__}"
+            )
+        for name in ("notify", "local_filter", "renew", "pooler"):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
                 raise LockArgumentError(f"{name} must be True or False, got {value!r}")

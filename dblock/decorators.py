@@ -27,6 +27,7 @@ from .config import (
     check_ttl,
     check_wait,
 )
+from .deferral import DeferHook, call_deferring
 from .errors import LockArgumentError, LockNotAcquired
 from .keys import KeyTemplate, check_key
 from .lock import UNSET, HeldLock, Unset
@@ -70,10 +71,13 @@ def locked(
     max_hold: float | None = None,
     on_lost: OnLost | None = None,
     on_busy: OnBusy = "raise",
+    defer: DeferHook | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """A decorator holding the lock(s) named by ``spec`` around each call.
 
     ``resolve`` returns the :class:`~dblock.LockManager` to use, at call time.
+    ``defer`` (see :mod:`dblock.deferral`) may make the release wait for
+    ends outside the call (a transaction's commit, a response's close).
     The other arguments are those of ``LockManager.locked``.
     """
     if not isinstance(blocking, bool):
@@ -126,6 +130,8 @@ def locked(
                 if handler is None:
                     raise
                 return handler(exc, *args, **kwargs)  # type: ignore[no-any-return]
+            if defer is not None:
+                return call_deferring(held, defer, func, args, kwargs)
             with held:
                 return func(*args, **kwargs)
 

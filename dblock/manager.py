@@ -36,6 +36,7 @@ from .config import (
     check_wait,
 )
 from .decorators import KeySpec, OnBusy
+from .deferral import DeferHook, exit_deferring
 from .errors import DBLockError, LockArgumentError
 from .keys import check_key
 from .lock import UNSET, HeldLock, Locker, LockOptions, Unset
@@ -69,14 +70,22 @@ H = TypeVar("H", bound=_Exits)
 
 class LockRequest(Generic[H]):
     """What ``LockManager.lock()`` and ``lock_many()`` return: checked before
-    any SQL, acquired on ``with`` entry, released on exit. It yields a
-    :class:`~dblock.HeldLock` (``lock``) or :class:`~dblock.HeldLocks` (``lock_many``)."""
+    any SQL, acquired on ``with`` entry, released on exit (or, with a
+    ``defer`` hook, when the ends it names are reached: see
+    :mod:`dblock.deferral`). It yields a :class:`~dblock.HeldLock` (``lock``)
+    or :class:`~dblock.HeldLocks` (``lock_many``)."""
 
-    __slots__ = ("_acquire", "_held")
+    __slots__ = ("_acquire", "_defer", "_held")
 
-    def __init__(self, acquire: Callable[[], H]) -> None:
+    def __init__(self, acquire: Callable[[], H], defer: DeferHook | None = None) -> None:
         self._acquire = acquire
+        self._defer = defer
         self._held: H | None = None
+
+    def deferred_by(self, defer: DeferHook) -> LockRequest[H]:
+        """The same request, its release waiting for what ``defer`` installs
+        (for integrations; see :mod:`dblock.deferral`)."""
+        return LockRequest(self._acquire, defer)
 
     def __enter__(self) -> H:
         self._held = self._acquire()
@@ -89,8 +98,12 @@ class LockRequest(Generic[H]):
         tb: TracebackType | None,
     ) -> None:
         held, self._held = self._held, None
-        if held is not None:
+        if held is None:
+            return
+        if self._defer is None:
             held.__exit__(exc_type, exc, tb)
+        else:
+            exit_deferring(held, self._defer, None, exc_type)  # type: ignore[arg-type]
 
 
 class LockManager:
@@ -121,7 +134,14 @@ class LockManager:
                 )
             engine, owns = url, False
         else:
-            engine, owns = make_engine(resolve_url(url), engine_options), True
+            engine = make_engine(resolve_url(url), engine_options, pooler=self.config.pooler)
+            owns = True
+        if self.config.listen_url is not None and engine.dialect.name != "postgresql":
+            if owns:
+                engine.dispose()
+            raise LockArgumentError(
+                f"listen_url is for PostgreSQL; this manager's database is {engine.dialect.name}"
+            )
         try:
             self._store: Store = open_store(engine, config=self.config, owns_engine=owns)
         except BaseException:
@@ -171,6 +191,7 @@ class LockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        until: object = None,
     ) -> LockRequest[HeldLock]:
         """A context manager holding ``key`` for the ``with`` block.
 
@@ -181,7 +202,11 @@ class LockManager:
         while held unless ``renew=False``, never past ``max_hold`` seconds;
         ``on_lost(held)`` is called if the lock is lost while held.
         Re-entrant per thread: an inner ``lock()`` of a held key costs no SQL.
+        ``until=session`` (a SQLAlchemy ``Session`` or ``scoped_session``)
+        holds the lock past the block until that session's open transaction
+        ends, so the lock covers the commit (see :mod:`dblock.sessions`).
         """
+        defer = _until_hook(until)
         key, blocking, wait, lease, opts = self._check(
             key,
             blocking=blocking,
@@ -194,7 +219,8 @@ class LockManager:
         return LockRequest(
             partial(
                 self._locker.acquire, key, blocking=blocking, timeout=wait, ttl=lease, options=opts
-            )
+            ),
+            defer,
         )
 
     def acquire(
@@ -232,6 +258,7 @@ class LockManager:
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
         on_busy: OnBusy = "raise",
+        until: object = None,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Decorate a function (or method) so each call holds the lock named by
         ``template``: a format string over the call's arguments
@@ -242,7 +269,7 @@ class LockManager:
         ``on_busy`` decides: ``"raise"`` (default), or a handler called as
         ``handler(error, *args, **kwargs)`` whose result is returned
         (``dblock.returns(value)`` returns a fixed value). The other options
-        are those of :meth:`lock`."""
+        are those of :meth:`lock` (``until=session`` included)."""
         return decorators.locked(
             lambda: self,
             template,
@@ -253,6 +280,7 @@ class LockManager:
             max_hold=max_hold,
             on_lost=on_lost,
             on_busy=on_busy,
+            defer=_until_hook(until),
         )
 
     def _check(
@@ -364,6 +392,7 @@ class LockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        until: object = None,
     ) -> LockRequest[HeldLocks]:
         """A context manager holding every key in ``keys`` for the ``with``
         block, yielding :class:`~dblock.HeldLocks`. The keys are taken in one
@@ -371,6 +400,7 @@ class LockManager:
         for (A, B) and (B, A) cannot deadlock; ``timeout`` bounds the whole
         acquisition, and if one key cannot be had the others are released.
         The other options are those of :meth:`lock`, for every key."""
+        defer = _until_hook(until)
         _, blocking, wait, lease, opts = self._check(
             "-",
             blocking=blocking,
@@ -389,7 +419,8 @@ class LockManager:
                 timeout=wait,
                 ttl=lease,
                 options=opts,
-            )
+            ),
+            defer,
         )
 
     def acquire_many(
@@ -416,6 +447,14 @@ class LockManager:
         return acquire_many(
             self._locker, order_keys(keys), blocking=blocking, timeout=wait, ttl=lease, options=opts
         )
+
+
+def _until_hook(until: object) -> DeferHook | None:
+    if until is None:
+        return None
+    from .sessions import session_hook  # SQLAlchemy's ORM, only for those who use it
+
+    return session_hook(until)
 
 
 def _after_fork_in_child() -> None:

@@ -609,3 +609,116 @@ def test_running_servers_let_one_request_per_user_in(
         1: 1000 - per_user,
         2: 1000 - per_user,
     }
+
+
+# -- the lock covers the commit ------------------------------------------------------
+
+
+def _held_elsewhere(key: str) -> bool:
+    with other_manager() as other:
+        try:
+            with other.lock(key, blocking=False):
+                return False
+        except LockBusy:
+            return True
+
+
+def _wait_free(key: str) -> bool:
+    deadline = time.monotonic() + 30
+    while _held_elsewhere(key):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_lock_in_a_transaction_is_held_until_commit() -> None:
+    from django.db import transaction
+
+    key = f"commit:{uuid.uuid4().hex}"
+
+    @dj.locked(lambda: key)
+    def service() -> str:
+        return "done"
+
+    with transaction.atomic():
+        assert service() == "done"
+        assert _held_elsewhere(key)  # still held: the transaction is open
+        assert service() == "done"  # the same request re-enters, no self-deadlock
+        with dj.lock(key), dj.lock_many([key, f"{key}:b"]):
+            pass
+        assert _held_elsewhere(key)
+        assert _held_elsewhere(f"{key}:b")
+    assert not _held_elsewhere(key)  # released by on_commit
+    assert not _held_elsewhere(f"{key}:b")
+    assert service() == "done"  # outside a transaction: released on return
+    assert not _held_elsewhere(key)
+
+
+def test_lock_in_a_transaction_is_released_by_a_rollback() -> None:
+    from django.db import transaction
+
+    key = f"rollback:{uuid.uuid4().hex}"
+    with pytest.raises(ZeroDivisionError), transaction.atomic():
+        with dj.lock(key):
+            pass
+        assert _held_elsewhere(key)
+        1 / 0  # noqa: B018
+    assert _wait_free(key)
+    with transaction.atomic():
+        with transaction.atomic():  # a savepoint rolled back: the work is undone
+            with dj.lock(f"{key}:sp"):
+                pass
+            transaction.set_rollback(True)
+        assert _wait_free(f"{key}:sp")
+
+
+@override_settings(ROOT_URLCONF="tests.support.stream_django_urls")
+def test_async_streamed_body_is_under_the_lock_on_asgi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ASGI a streamed body (here an async iterator) is sent after the
+    view returned; the lock is held for every chunk and released once the
+    handler closes the response."""
+    from django.core.handlers.asgi import ASGIHandler
+
+    from tests.support.streaming import CHUNKS, chunk
+
+    monkeypatch.setenv("STREAM_GATES", str(tmp_path))
+    key = f"astream:{uuid.uuid4().hex}"
+    sent: list[bytes] = []
+    held_during: list[bool] = []
+
+    received: list[bool] = []
+
+    async def receive() -> dict[str, Any]:
+        if not received:
+            received.append(True)
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asyncio.Event().wait()  # the client never disconnects
+        raise AssertionError
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.body" or not message.get("body"):
+            return
+        sent.append(message["body"])
+        held_during.append(await asyncio.to_thread(_held_elsewhere, key))
+        (tmp_path / f"{key}.{len(sent)}").touch()  # let the body go on
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": f"/stream-async/{key}",
+        "raw_path": f"/stream-async/{key}".encode(),
+        "query_string": b"",
+        "headers": [(b"host", b"testserver")],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+    }
+    asyncio.run(ASGIHandler()(scope, receive, send))
+    assert b"".join(sent).decode() == "".join(chunk(i) for i in range(CHUNKS))
+    assert held_during == [True] * CHUNKS
+    assert _wait_free(key)

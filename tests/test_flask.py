@@ -29,6 +29,7 @@ from dblock import (
     LockNotAcquired,
     LockTimeout,
 )
+from dblock.contrib._beside import beside
 from dblock.contrib.flask import DBLock
 from tests.support import web
 from tests.support.db import private_database
@@ -383,7 +384,14 @@ def test_borrows_connection_settings_not_the_pool(db: str, db_url: str, tmp_path
         assert manager.store.owns_engine
         assert manager.engine is not app_engine
         assert manager.engine.pool is not app_engine.pool
-        assert manager.engine.url.database == app_engine.url.database
+        if db == "sqlite":
+            # SQLite has one writer: dblock's rows go in a file beside the app's.
+            app_file = Path(app_engine.url.database)
+            lock_file = app_file.with_name(f"{app_file.stem}.dblock{app_file.suffix}")
+            assert manager.engine.url.database == str(lock_file)
+            manager.create_schema()  # `flask dblock migrate` migrates the lock file
+        else:
+            assert manager.engine.url.database == app_engine.url.database
         assert manager.engine.pool.size() == 5  # type: ignore[attr-defined]
         with manager.lock(f"flask:borrow:{tmp_path.name}") as held:
             assert held.fence > 0
@@ -727,9 +735,119 @@ def test_requests_holding_the_apps_pool_still_get_their_locks(
     connections when it takes the lock (timeout 8 s): all get it, none waits
     for the app's pool (3 s timeout, no overflow); even with dblock's own
     pool cut to one connection, lock statements only queue for it."""
-    with LockManager(private_url) as m:
+    # dblock's database: the app's, or for SQLite the lock file beside it.
+    with LockManager(beside(sa.make_url(private_url))) as m:
         m.create_schema()
     options = {"DBLOCK_ENGINE_OPTIONS": json.dumps(dblock_pool)} if dblock_pool else {}
     with pool_app_server(private_url, tmp_path, **options) as base:
         statuses = web.concurrently([("POST", f"{base}/hold/pool", None)] * 4, threads=4)
     assert statuses == [200] * 4
+
+
+# -- the lock covers the session's commit ------------------------------------------
+
+
+def _withdraw_app(url: str, cover: bool) -> tuple[Flask, SQLAlchemy]:
+    """An app whose locked service writes through db.session and whose view
+    commits after the service returned, as many views do."""
+    sqla = SQLAlchemy()
+    ext = DBLock()
+    app = Flask(__name__)
+    app.config.update(SQLALCHEMY_DATABASE_URI=url, DBLOCK_COVER_COMMIT=cover)
+    sqla.init_app(app)
+    ext.init_app(app)
+
+    @ext.locked("acct:{account}", timeout=60)
+    def withdraw(account: str) -> None:
+        balance = sqla.session.execute(
+            sa.text("SELECT balance FROM acct WHERE name = :n"), {"n": account}
+        ).scalar_one()
+        sqla.session.execute(
+            sa.text("UPDATE acct SET balance = :b WHERE name = :n"),
+            {"b": balance - 1, "n": account},
+        )
+
+    @app.post("/withdraw/<account>")
+    def view(account: str) -> str:
+        withdraw(account)
+        time.sleep(0.02)  # the rest of the view, before its commit
+        sqla.session.commit()
+        return "ok"
+
+    with app.app_context(), sqla.engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE acct (name VARCHAR(64) PRIMARY KEY, balance INT)"))
+    return app, sqla
+
+
+def _withdraw_20(app: Flask, sqla: SQLAlchemy, account: str) -> int:
+    import threading
+
+    with app.app_context(), sqla.engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO acct VALUES (:n, 100)"), {"n": account})
+    statuses: list[int] = []
+
+    def one() -> None:
+        statuses.append(app.test_client().post(f"/withdraw/{account}").status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert statuses == [200] * 20
+    with app.app_context(), sqla.engine.connect() as conn:
+        balance = conn.execute(
+            sa.text("SELECT balance FROM acct WHERE name = :n"), {"n": account}
+        ).scalar_one()
+    app.extensions["dblock"].manager.close()
+    with app.app_context():
+        sqla.engine.dispose()
+    return int(balance)
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+def test_session_commit_is_covered_by_default(private_url: str) -> None:
+    app, sqla = _withdraw_app(private_url, cover=True)
+    with app.app_context():
+        app.extensions["dblock"].manager.create_schema()
+    assert _withdraw_20(app, sqla, "a") == 80
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+def test_without_cover_commit_updates_are_lost(private_url: str) -> None:
+    app, sqla = _withdraw_app(private_url, cover=False)
+    with app.app_context():
+        app.extensions["dblock"].manager.create_schema()
+    assert _withdraw_20(app, sqla, "a") > 80
+
+
+def test_a_streamed_response_never_closed_releases_when_collected(
+    db_url: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import gc
+    import logging
+
+    from flask import Response
+
+    app = Flask(__name__)
+    app.config["DBLOCK_URL"] = db_url
+    ext = DBLock(app)
+
+    @ext.locked(lambda: key)
+    def view() -> Response:
+        return Response(iter(["a", "b"]))
+
+    with app.test_request_context():
+        response = view()
+    other = ext.manager
+    assert response.is_streamed
+    assert other._locker.registry.get(key) is not None  # held until the body is closed
+    with caplog.at_level(logging.WARNING, logger="dblock"), pytest.warns(ResourceWarning):  # noqa: PT031
+        del response
+        gc.collect()
+        deadline = time.monotonic() + 30
+        while other._locker.registry.get(key) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert other._locker.registry.get(key) is None
+    assert "garbage-collected without being closed" in caplog.text
+    other.close()

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.pool import NullPool
 
 from ..config import Config
 from . import register
@@ -78,6 +79,7 @@ class PostgresStore(Store):
         self._channel = self.names.channel
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
+        self._direct: Engine | None = None  # listen_url's engine, made on first wait
 
     def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
         rows = self.run(
@@ -126,15 +128,30 @@ class PostgresStore(Store):
         }
 
     def waiter(self, key: str, since: float) -> Wait:
-        if not self.config.notify:
+        config = self.config
+        if not config.notify or (config.pooler and config.listen_url is None):
+            # A LISTEN through a transaction-mode pooler hears nothing
+            # reliably (its server connection changes): poll instead.
             return super().waiter(key, since)
         with self._listener_lock:
             if self._listener is None:
-                self._listener = Listener(
-                    self.engine, self._channel, make_room=self.executor.release_idle
-                )
+                engine = self._listen_engine()
+                # Straight to the server (listen_url): no pool of ours to make room in.
+                make_room = self.executor.release_idle if engine is self.engine else None
+                self._listener = Listener(engine, self._channel, make_room=make_room)
             listener = self._listener
         return NotifyWait(listener, key, since, self.config)
+
+    def _listen_engine(self) -> Engine:
+        """Where the LISTEN connection goes: ``listen_url`` (straight to the
+        server, past a pooler) if given, else the lock statements' engine."""
+        if self.config.listen_url is None:
+            return self.engine
+        if self._direct is None:
+            from .._engine import make_engine, resolve_url
+
+            self._direct = make_engine(resolve_url(self.config.listen_url), {"poolclass": NullPool})
+        return self._direct
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return getattr(exc, "sqlstate", None) == _UNDEFINED_TABLE
@@ -144,6 +161,8 @@ class PostgresStore(Store):
             listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
+        if self._direct is not None:
+            self._direct.dispose()
         super().close()
 
     def after_fork(self) -> None:

@@ -20,14 +20,21 @@ Configuration is read from ``app.config`` keys ``DBLOCK_<NAME>``: every
 :class:`~dblock.Config` field (``DBLOCK_TABLE``, ``DBLOCK_TTL``,
 ``DBLOCK_TIMEOUT``, ...) and ``DBLOCK_URL``, ``DBLOCK_ENGINE_OPTIONS``,
 ``DBLOCK_SWEEPER``, ``DBLOCK_SWEEPER_INTERVAL``, ``DBLOCK_SWEEPER_MAX_AGE``,
-``DBLOCK_BUSY_STATUS`` (409 or 423), ``DBLOCK_BUSY_RESPONSE`` and
-``DBLOCK_USE_SQLALCHEMY``. The database is, in this order: ``DBLOCK_URL``;
-``$DBLOCK_URL``; the database of Flask-SQLAlchemy when the app has the
-extension (dblock's engine then connects exactly as the app's engine does,
-through its creator, but keeps a pool of its own: a request holding a
-session connection must never wait for a second one to take a lock); the
-SQLite file ``./dblock.sqlite3``. ``DBLOCK_ENGINE_OPTIONS`` shape that
-engine; the ones that cannot apply are refused at ``init_app``.
+``DBLOCK_BUSY_STATUS`` (409 or 423), ``DBLOCK_BUSY_RESPONSE``,
+``DBLOCK_USE_SQLALCHEMY`` and ``DBLOCK_COVER_COMMIT``. The database is, in
+this order: ``DBLOCK_URL``; ``$DBLOCK_URL``; the database of Flask-SQLAlchemy
+when the app has the extension (dblock's engine then connects exactly as the
+app's engine does, through its creator, but keeps a pool of its own: a
+request holding a session connection must never wait for a second one to
+take a lock); the SQLite file ``./dblock.sqlite3``. ``DBLOCK_ENGINE_OPTIONS``
+shape that engine; the ones that cannot apply are refused at ``init_app``.
+
+Locks taken through the extension cover the commit: with Flask-SQLAlchemy
+(and ``DBLOCK_COVER_COMMIT``, on by default) one whose function or block ends
+while ``db.session`` has a transaction open is held until that transaction
+ends; a view's lock whose response is streamed is held until the body has
+been sent and the response closed. An app database that is a SQLite file gets
+dblock's rows in a file beside it (``app.sqlite3`` -> ``app.dblock.sqlite3``).
 
 The extension adds ``flask dblock`` (``migrate``, ``sweep``, ``list``,
 ``release``), turns a :class:`~dblock.LockNotAcquired` escaping a view into a
@@ -42,7 +49,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 import click
@@ -50,15 +57,19 @@ from flask import Flask, Response, current_app, has_app_context, request
 from flask.cli import AppGroup
 from sqlalchemy.engine import Engine
 from werkzeug.exceptions import Conflict, Locked
+from werkzeug.wrappers import Response as WerkzeugResponse
 
 from .. import decorators, migrations
 from .._engine import ENV_URL, borrow, check_engine_options
 from ..decorators import KeySpec, OnBusy
+from ..deferral import DeferHook, Deferred
 from ..errors import DBLockError, LockArgumentError, LockNotAcquired
 from ..lock import UNSET, HeldLock, Unset
 from ..manager import LockManager, LockRequest
 from ..multi import HeldLocks
+from ..sessions import session_hook
 from . import _admin
+from ._beside import beside
 from ._http import busy_body, busy_message, log_busy, negotiate
 from ._settings import Settings, read_settings
 
@@ -68,7 +79,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 EXTENSION = "dblock"
-_FLASK_ONLY = {"USE_SQLALCHEMY": True, "BUSY_RESPONSE": True}
+_FLASK_ONLY = {"USE_SQLALCHEMY": True, "BUSY_RESPONSE": True, "COVER_COMMIT": True}
 _ENGINE_OPTIONS = "DBLOCK_ENGINE_OPTIONS"
 
 
@@ -81,6 +92,9 @@ class _State:
         self.sweeper: _admin.Sweeper | None = None
         self.sweeper_pid: int | None = None
         self.lock = threading.Lock()
+        # Held past the locked code until Flask-SQLAlchemy's session
+        # transaction ends (DBLOCK_COVER_COMMIT), if the app has the extension.
+        self.until: DeferHook | None = None
 
 
 class DBLock:
@@ -116,6 +130,10 @@ class DBLock:
                 )
         manager = self._manager or _make_manager(app, settings)
         state = _State(manager, settings)
+        if settings.extra["COVER_COMMIT"]:
+            ext = app.extensions.get("sqlalchemy")
+            if ext is not None:
+                state.until = session_hook(ext.session)
         app.extensions[EXTENSION] = state
         app.cli.add_command(cli)
         if settings.extra["BUSY_RESPONSE"] and not _handles_busy(app):
@@ -152,7 +170,9 @@ class DBLock:
     ) -> LockRequest[HeldLock]:
         """``LockManager.lock`` on the current app's manager (``manager``
         has the rest: ``acquire``, ``acquire_many``, ...)."""
-        return self.manager.lock(key, blocking=blocking, timeout=timeout, ttl=ttl)
+        return self.manager.lock(key, blocking=blocking, timeout=timeout, ttl=ttl).deferred_by(
+            _defer_release
+        )
 
     def lock_many(
         self,
@@ -162,7 +182,9 @@ class DBLock:
         timeout: float | Unset | None = UNSET,
         ttl: float | None = None,
     ) -> LockRequest[HeldLocks]:
-        return self.manager.lock_many(keys, blocking=blocking, timeout=timeout, ttl=ttl)
+        return self.manager.lock_many(
+            keys, blocking=blocking, timeout=timeout, ttl=ttl
+        ).deferred_by(_defer_release)
 
     def locked(
         self,
@@ -183,6 +205,7 @@ class DBLock:
             timeout=timeout,
             ttl=ttl,
             on_busy=on_busy,
+            defer=_defer_release,
         )
 
     # -- the in-app sweeper ------------------------------------------------
@@ -219,6 +242,10 @@ def _make_manager(app: Flask, settings: Settings) -> LockManager:
             # Never the app's pool itself: a request holding a session
             # connection would wait for a second one to take a lock.
             borrowed, engine_options = borrow(engine, settings.engine_options, name=_ENGINE_OPTIONS)
+            if engine.dialect.name == "sqlite":
+                # SQLite has one writer: dblock's rows go in a file of their
+                # own beside the app's (see dblock.contrib._beside).
+                borrowed = beside(borrowed)
             return LockManager(borrowed, engine_options=engine_options, **options)
         if "SQLALCHEMY_DATABASE_URI" in app.config:
             # Locks in a local SQLite file would not be shared with the other
@@ -240,6 +267,63 @@ def _sqlalchemy_engine(app: Flask) -> Engine | None:
         engine = ext.engine
     assert isinstance(engine, Engine)
     return engine
+
+
+# -- when the lock is released ----------------------------------------------------
+
+_NEVER_CLOSED = (
+    "its streamed response was garbage-collected without being closed (a server that "
+    "never calls close() on the response)"
+)
+
+
+def _defer_release(deferred: Deferred, result: Any) -> Any:
+    """Hold a lock past the locked code until the app's session transaction
+    ends (Flask-SQLAlchemy, ``DBLOCK_COVER_COMMIT``) and until a streamed body
+    has been sent and closed."""
+    if has_app_context():
+        state = current_app.extensions.get(EXTENSION)
+        if isinstance(state, _State) and state.until is not None:
+            result = state.until(deferred, result)
+    if isinstance(result, tuple) and result:
+        return (_defer_body(deferred, result[0]), *result[1:])
+    return _defer_body(deferred, result)
+
+
+def _defer_body(deferred: Deferred, body: Any) -> Any:
+    if isinstance(body, WerkzeugResponse):
+        if body.is_streamed:
+            body.call_on_close(deferred.trigger(dropped=_NEVER_CLOSED))
+        return body
+    if isinstance(body, Iterator) and not isinstance(body, (str, bytes, bytearray)):
+        # A view returning a generator: Flask makes the response around it.
+        return _ClosingBody(body, deferred.trigger(dropped=_NEVER_CLOSED))
+    return body
+
+
+class _ClosingBody:
+    """A body iterator that reports its close (the server closes the body
+    once it is sent, or abandoned)."""
+
+    __slots__ = ("_body", "_closed")
+
+    def __init__(self, body: Iterator[Any], closed: Callable[[], None]) -> None:
+        self._body = body
+        self._closed = closed
+
+    def __iter__(self) -> _ClosingBody:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._body)
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._closed()
 
 
 # -- busy responses -----------------------------------------------------------

@@ -40,11 +40,20 @@ def read_counter(url: str, name: str) -> int:
 
 
 def increment_worker(
-    url: str, key: str, name: str, threads: int, rounds: int, use_lock: bool, go: Any
+    url: str,
+    key: str,
+    name: str,
+    threads: int,
+    rounds: int,
+    use_lock: bool,
+    go: Any,
+    lock_url: str | None = None,
+    options: dict[str, Any] | None = None,
 ) -> None:
     """Threads doing a deliberately non-atomic read-modify-write of one counter
-    row, each inside the lock (or not, for the control run)."""
-    manager = LockManager(url)
+    row, each inside the lock (or not, for the control run). The locks are on
+    ``lock_url`` (default: ``url``) with ``options``."""
+    manager = LockManager(lock_url or url, **(options or {}))
     engine = counter_engine(url)
     select = sa.select(COUNTER.c.value).where(COUNTER.c.name == name)
 

@@ -7,6 +7,8 @@ and listens on 127.0.0.1 on a free port, and is removed on :meth:`close`.
   (PostgreSQL refuses to run as root), trust authentication.
 * :class:`PrivateMariaDB`: ``mariadb-install-db`` + ``mariadbd``, root with
   an empty password.
+* :class:`PgBouncer`: Debian's ``pgbouncer`` in transaction mode in front of
+  a PostgreSQL server (the shared one by default), run as ``postgres``.
 
 ``crash()`` stops the server the way a power cut would (PostgreSQL's
 immediate shutdown, SIGKILL for MariaDB: both recover from their logs on
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-__all__ = ["PrivateMariaDB", "PrivatePostgres", "PrivateServer", "free_port"]
+__all__ = ["PgBouncer", "PrivateMariaDB", "PrivatePostgres", "PrivateServer", "free_port"]
 
 
 def free_port() -> int:
@@ -200,6 +202,95 @@ class PrivateMariaDB(PrivateServer):
     def crash(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGKILL)
+            self._proc.wait(30)
+        self._proc = None
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(30)
+        self._proc = None
+
+
+def _pgbouncer() -> str:
+    """The pgbouncer binary, installed from Debian's packages if missing."""
+    binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+    if not os.path.exists(binary) and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "install", "-y", "pgbouncer"], env=env, check=False,
+                       capture_output=True, timeout=600)  # fmt: skip
+    if not os.path.exists(binary):
+        raise RuntimeError("pgbouncer is not installed: apt-get install -y pgbouncer")
+    return binary
+
+
+class PgBouncer(PrivateServer):
+    """A private pgbouncer in transaction mode (the common deployment) in
+    front of ``target`` (a PostgreSQL URL). Its server pool is small, so
+    client connections share server connections as they do in production."""
+
+    name = "pgbouncer"
+
+    def __init__(self, target: str, *, pool_size: int = 3) -> None:
+        binary = _pgbouncer()
+        self.binary = binary
+        self.target = sa.make_url(target)
+        self.dir = Path(tempfile.mkdtemp(prefix="dblock-pgbouncer-"))
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres")  # pgbouncer runs as postgres: its log goes here
+        self.port = free_port()
+        t = self.target
+        (self.dir / "users.txt").write_text(f'"{t.username}" ""\n')
+        (self.dir / "pgbouncer.ini").write_text(
+            f"""[databases]
+{t.database} = host={t.host} port={t.port or 5432} dbname={t.database} user={t.username}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {self.port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {self.dir / "users.txt"}
+pool_mode = transaction
+default_pool_size = {pool_size}
+max_client_conn = 500
+ignore_startup_parameters = extra_float_digits,options
+logfile = {self.dir / "pgbouncer.log"}
+pidfile = {self.dir / "pgbouncer.pid"}
+"""
+        )
+        self._proc: subprocess.Popen[bytes] | None = None
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def url(self) -> str:
+        t = self.target
+        return f"postgresql+psycopg://{t.username}@127.0.0.1:{self.port}/{t.database}"
+
+    def start(self) -> None:
+        user = ["-u", "postgres"] if os.geteuid() == 0 else []
+        self._proc = subprocess.Popen(
+            [self.binary, *user, str(self.dir / "pgbouncer.ini")],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.crash()
+            raise
+
+    def crash(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
             self._proc.wait(30)
         self._proc = None
 

@@ -19,6 +19,14 @@ its upper-case name (``TABLE``, ``TTL``, ``TIMEOUT``, ...), plus ``URL``,
 is not given; default ``"default"``), ``SWEEPER``,
 ``SWEEPER_INTERVAL``, ``SWEEPER_MAX_AGE`` and ``BUSY_STATUS`` (409 or 423).
 
+The lock covers the commit: a lock taken through this module (``locked``,
+``locked_view``, ``lock``, ``lock_many``) whose function or block ends while
+a transaction is open on one of Django's connections (``ATOMIC_REQUESTS``,
+``transaction.atomic()``) is held until that transaction commits or rolls
+back; a view's lock whose response is streamed (``StreamingHttpResponse``,
+``FileResponse``) is held until the body has been sent and the response
+closed.
+
 ``manage.py migrate`` creates the lock table (the schema of dblock's alembic
 revision); ``dblock_list``, ``dblock_sweep`` and ``dblock_release --force``
 are management commands; the admin shows held locks read-only with a
@@ -29,15 +37,17 @@ answers 409 for a busy lock raised anywhere in a view.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar
 
 from ... import decorators
 from ...decorators import KeySpec, OnBusy
-from ...lock import UNSET, Unset
-from ...manager import LockManager
+from ...deferral import Deferred
+from ...lock import UNSET, HeldLock, Unset
+from ...manager import LockManager, LockRequest
+from ...multi import HeldLocks
 
-__all__ = ["get_manager", "locked", "locked_view", "reset_manager"]
+__all__ = ["get_manager", "lock", "lock_many", "locked", "locked_view", "reset_manager"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -91,7 +101,13 @@ def locked(
     """``LockManager.locked`` on the project's manager (looked up per call,
     so it can decorate at import time)."""
     return decorators.locked(
-        get_manager, template, blocking=blocking, timeout=timeout, ttl=ttl, on_busy=on_busy
+        get_manager,
+        template,
+        blocking=blocking,
+        timeout=timeout,
+        ttl=ttl,
+        on_busy=on_busy,
+        defer=defer_release,
     )
 
 
@@ -112,5 +128,66 @@ def locked_view(
         return busy_response(find_request(args), error)
 
     return decorators.locked(
-        get_manager, template, blocking=blocking, timeout=timeout, ttl=ttl, on_busy=busy
+        get_manager,
+        template,
+        blocking=blocking,
+        timeout=timeout,
+        ttl=ttl,
+        on_busy=busy,
+        defer=defer_release,
     )
+
+
+def lock(
+    key: str,
+    *,
+    blocking: bool = True,
+    timeout: float | Unset | None = UNSET,
+    ttl: float | None = None,
+) -> LockRequest[HeldLock]:
+    """``LockManager.lock`` on the project's manager, held past the block
+    until the open transaction (if any) commits or rolls back."""
+    return (
+        get_manager()
+        .lock(key, blocking=blocking, timeout=timeout, ttl=ttl)
+        .deferred_by(defer_release)
+    )
+
+
+def lock_many(
+    keys: Iterable[str],
+    *,
+    blocking: bool = True,
+    timeout: float | Unset | None = UNSET,
+    ttl: float | None = None,
+) -> LockRequest[HeldLocks]:
+    """``LockManager.lock_many`` on the project's manager, held like :func:`lock`."""
+    return (
+        get_manager()
+        .lock_many(keys, blocking=blocking, timeout=timeout, ttl=ttl)
+        .deferred_by(defer_release)
+    )
+
+
+_NEVER_CLOSED = (
+    "its streamed response was garbage-collected without being closed (a server that "
+    "never calls close() on the response)"
+)
+
+
+def defer_release(deferred: Deferred, result: Any) -> Any:
+    """Hold the lock until every open transaction of this thread's database
+    connections has ended, and until a streamed response is closed."""
+    from django.db import connections
+    from django.http.response import HttpResponseBase
+
+    for connection in connections.all(initialized_only=True):
+        if connection.in_atomic_block:
+            # Called after the commit; a rollback drops the callback, which
+            # fires the trigger as it is collected (see dblock.deferral).
+            connection.on_commit(deferred.trigger())
+    if isinstance(result, HttpResponseBase) and result.streaming:
+        # The server calls close() once the body is sent (WSGI and ASGI alike);
+        # close() calls every resource closer.
+        result._resource_closers.append(deferred.trigger(dropped=_NEVER_CLOSED))
+    return result

@@ -18,6 +18,7 @@ from sqlalchemy import URL
 from ..._engine import check_engine_options, make_engine, resolve_url
 from ...errors import LockArgumentError
 from ...schema import TableNames
+from .._beside import beside
 from .._settings import Settings, read_settings
 
 __all__ = [
@@ -74,7 +75,8 @@ def read() -> Settings:
 
 def engine_args(settings: Settings) -> tuple[URL, dict[str, Any]]:
     """The URL and engine options of dblock's engine (options checked)."""
-    url = resolve_url(settings.url or url_for(str(settings.extra["DATABASE"])))
+    # The app's SQLite file has one writer: dblock's rows go in a file beside it.
+    url = resolve_url(settings.url or beside(url_for(str(settings.extra["DATABASE"]))))
     return url, check_engine_options(settings.engine_options, name=ENGINE_OPTIONS)
 
 

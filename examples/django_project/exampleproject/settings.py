@@ -1,4 +1,4 @@
-"""Settings of the dblock example project (PostgreSQL; see the README).
+"""Settings of the dblock example project (PostgreSQL by default; see the README).
 
 The database comes from the environment: EXAMPLE_DB_NAME (default
 ``dblock_example``), EXAMPLE_DB_HOST, EXAMPLE_DB_PORT, EXAMPLE_DB_USER,
@@ -47,16 +47,34 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {
-    "default": {
-        "ENGINE": "django.db.backends.postgresql",
-        "NAME": os.environ.get("EXAMPLE_DB_NAME", "dblock_example"),
-        "HOST": os.environ.get("EXAMPLE_DB_HOST", "127.0.0.1"),
-        "PORT": os.environ.get("EXAMPLE_DB_PORT", "5432"),
-        "USER": os.environ.get("EXAMPLE_DB_USER", "postgres"),
-        "PASSWORD": os.environ.get("EXAMPLE_DB_PASSWORD", ""),
+# EXAMPLE_DB_ENGINE: postgresql (default), mysql (MariaDB through PyMySQL) or
+# sqlite (EXAMPLE_DB_NAME is then the file, default db.sqlite3).
+ENGINE = os.environ.get("EXAMPLE_DB_ENGINE", "postgresql")
+if ENGINE == "sqlite":
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": os.environ.get("EXAMPLE_DB_NAME", "db.sqlite3"),
+        }
     }
-}
+else:
+    if ENGINE == "mysql":
+        import pymysql
+
+        pymysql.install_as_MySQLdb()
+    DATABASES = {
+        "default": {
+            "ENGINE": f"django.db.backends.{ENGINE}",
+            "NAME": os.environ.get("EXAMPLE_DB_NAME", "dblock_example"),
+            "HOST": os.environ.get("EXAMPLE_DB_HOST", "127.0.0.1"),
+            "PORT": os.environ.get("EXAMPLE_DB_PORT", "3306" if ENGINE == "mysql" else "5432"),
+            "USER": os.environ.get("EXAMPLE_DB_USER", "root" if ENGINE == "mysql" else "postgres"),
+            "PASSWORD": os.environ.get("EXAMPLE_DB_PASSWORD", ""),
+        }
+    }
+# Every view runs in one transaction. dblock's locks taken inside it are held
+# until it commits, so the next request for the user reads the new balance.
+DATABASES["default"]["ATOMIC_REQUESTS"] = os.environ.get("EXAMPLE_ATOMIC_REQUESTS", "1") == "1"
 
 # dblock: every key is optional. The locks live in DATABASES["default"] on
 # dblock's own connections (never inside a request's transaction).

@@ -14,6 +14,8 @@ from typing import Any
 from django.db import migrations, models
 
 import dblock.contrib.django.models
+from dblock import LockManager
+from dblock.contrib._beside import beside
 from dblock.contrib.django import _ddl, conf
 
 
@@ -21,11 +23,28 @@ def create_lock_table(apps: Any, schema_editor: Any) -> None:
     connection = schema_editor.connection
     if connection.alias != conf.database_alias():
         return
+    if lock_file_beside(connection):
+        return
     names = conf.table_names()
     if names.table in connection.introspection.table_names():
         return
     for sql in _ddl.create_sql(connection.vendor, names):
         schema_editor.execute(sql, params=None)
+
+
+def lock_file_beside(connection: Any) -> bool:
+    """A SQLite app database keeps dblock's rows in a file beside it (see
+    dblock.contrib._beside): the table goes there, by dblock's own migrations."""
+    settings = conf.read()
+    if connection.vendor != "sqlite" or settings.url is not None:
+        return False
+    url = conf.url_for(connection.alias)
+    lock_url = beside(url)
+    if lock_url == url:
+        return False
+    with LockManager(lock_url, config=settings.config) as manager:
+        manager.create_schema()
+    return True
 
 
 def drop_lock_table(apps: Any, schema_editor: Any) -> None:
@@ -74,5 +93,7 @@ class Migration(migrations.Migration):
                 "default_permissions": ("view",),
             },
         ),
-        migrations.RunPython(create_lock_table, drop_lock_table),
+        # Not atomic of its own: MySQL/MariaDB cannot run DDL in a transaction
+        # (where DDL is transactional the migration's transaction covers it).
+        migrations.RunPython(create_lock_table, drop_lock_table, atomic=False),
     ]

@@ -1,0 +1,169 @@
+"""Behind a connection pooler: dblock through a private pgbouncer in
+transaction mode (Debian's package) in front of the machine's PostgreSQL,
+with ``pooler=True``: no server-side prepared statements, no LISTEN through
+the pooler (a direct ``listen_url``, else polling), and the same contention
+checks as the direct tests."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import LockArgumentError, LockBusy, LockManager
+from tests.support import procs
+from tests.support.counting import StatementCounter
+from tests.support.db import DEFAULT_URLS
+from tests.support.servers import PgBouncer
+
+pytestmark = pytest.mark.databases("postgresql")
+
+ctx = multiprocessing.get_context("spawn")
+
+
+@pytest.fixture(scope="module")
+def bouncer() -> Iterator[PgBouncer]:
+    with LockManager(DEFAULT_URLS["postgresql"]) as m:
+        m.create_schema()
+    with PgBouncer(DEFAULT_URLS["postgresql"], pool_size=3) as server:
+        yield server  # type: ignore[misc]
+
+
+def hammer(managers: list[LockManager], key: str, rounds: int = 50) -> tuple[int, list[object]]:
+    """Threads, one per manager, taking ``key`` fail-fast ``rounds`` times;
+    the number of busy answers and every statement error seen."""
+    errors: list[object] = []
+    for m in managers:
+        sa.event.listen(m.engine, "handle_error", lambda c: errors.append(c.original_exception))
+    busy = 0
+
+    def run(m: LockManager) -> None:
+        nonlocal busy
+        for _ in range(rounds):
+            try:
+                with m.lock(key, blocking=False):
+                    time.sleep(0.0005)
+            except LockBusy:
+                busy += 1
+            except Exception as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in managers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return busy, errors
+
+
+def test_without_pooler_option_psycopg_prepares_and_fails(bouncer: PgBouncer, key: str) -> None:
+    """The failure ``pooler=True`` exists for: psycopg prepares a statement
+    run 5 times on a connection, and behind a transaction-mode pooler the next
+    transaction's server connection has it already, or lacks it."""
+    managers = [LockManager(bouncer.url, local_filter=False) for _ in range(4)]
+    try:
+        _, errors = hammer(managers, key)
+    finally:
+        for m in managers:
+            m.close()
+    assert any("prepared statement" in str(e) for e in errors)
+
+
+def test_contention_behind_the_pooler_raises_no_errors(bouncer: PgBouncer, key: str) -> None:
+    managers = [LockManager(bouncer.url, local_filter=False, pooler=True) for _ in range(4)]
+    counters = [StatementCounter(m.engine).__enter__() for m in managers]
+    try:
+        busy, errors = hammer(managers, key)
+    finally:
+        for m in managers:
+            m.close()
+    assert busy > 0  # there was contention
+    assert sum(c.count for c in counters) >= 200
+    assert errors == []
+
+
+def test_cross_process_read_modify_write_is_exact_behind_the_pooler(
+    bouncer: PgBouncer, key: str
+) -> None:
+    """Processes x threads incrementing a counter row (on the direct URL)
+    under locks taken through the pooler: no update is lost."""
+    url = DEFAULT_URLS["postgresql"]
+    processes, threads, rounds = 3, 4, 8
+    procs.reset_counter(url, key)
+    go = ctx.Event()
+    workers = [
+        ctx.Process(
+            target=procs.increment_worker,
+            args=(url, key, key, threads, rounds, True, go, bouncer.url, {"pooler": True}),
+        )
+        for _ in range(processes)
+    ]
+    for w in workers:
+        w.start()
+    go.set()
+    for w in workers:
+        w.join(300)
+        assert w.exitcode == 0
+    assert procs.read_counter(url, key) == processes * threads * rounds
+
+
+def _listeners() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "dblock-listener"]
+
+
+def _wait_behind(holder: LockManager, waiter: LockManager, key: str) -> float:
+    """``waiter`` waits for ``key`` held by ``holder``, which releases once
+    the waiter has tried twice; seconds from the release to the grant."""
+    held = holder.acquire(key)
+    granted = threading.Event()
+    with StatementCounter(waiter.engine) as c:
+
+        def wait() -> None:
+            with waiter.lock(key, timeout=60):
+                granted.set()
+
+        t = threading.Thread(target=wait)
+        t.start()
+        deadline = time.monotonic() + 30
+        while c.count < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        released = time.monotonic()
+        held.release()
+        assert granted.wait(60)
+        t.join(10)
+    return time.monotonic() - released
+
+
+def test_waiters_behind_the_pooler_poll_without_listen(bouncer: PgBouncer, key: str) -> None:
+    before = len(_listeners())
+    with (
+        LockManager(bouncer.url, pooler=True) as holder,
+        LockManager(bouncer.url, pooler=True) as waiter,
+    ):
+        _wait_behind(holder, waiter, key)
+        assert len(_listeners()) == before  # nobody LISTENs through the pooler
+
+
+def test_waiters_behind_the_pooler_listen_on_the_direct_url(bouncer: PgBouncer, key: str) -> None:
+    direct = DEFAULT_URLS["postgresql"]
+    with (
+        LockManager(bouncer.url, pooler=True) as holder,
+        LockManager(
+            bouncer.url, pooler=True, listen_url=direct, notify_recheck=30.0, poll_max=30.0
+        ) as waiter,
+    ):
+        _wait_behind(holder, waiter, key)
+        listener = waiter.store._listener  # type: ignore[attr-defined]
+        assert listener is not None
+        assert listener._engine.url.port == sa.make_url(direct).port  # not the pooler's
+
+
+def test_listen_url_is_for_postgresql(tmp_path: object) -> None:
+    with pytest.raises(LockArgumentError, match="listen_url is for PostgreSQL"):
+        LockManager(f"sqlite:///{tmp_path}/x.sqlite3", listen_url=DEFAULT_URLS["postgresql"])
+    with pytest.raises(LockArgumentError, match="listen_url must be"):
+        LockManager(DEFAULT_URLS["postgresql"], listen_url=5)
