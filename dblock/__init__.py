@@ -18,6 +18,7 @@ from .errors import (
     LockNotAcquired,
     LockNotHeld,
     LockTimeout,
+    ManagerClosed,
     SchemaMissing,
 )
 from .lock import HeldLock
@@ -38,6 +39,7 @@ __all__ = [
     "LockNotHeld",
     "LockRequest",
     "LockTimeout",
+    "ManagerClosed",
     "SchemaMissing",
     "returns",
 ]

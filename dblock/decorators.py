@@ -133,7 +133,10 @@ def locked(
             if defer is not None:
                 return call_deferring(held, defer, func, args, kwargs)
             with held:
-                return func(*args, **kwargs)
+                result = func(*args, **kwargs)
+                if inspect.isawaitable(result):
+                    _refuse_awaitable(func, result)
+                return result
 
         return wrapper
 
@@ -144,14 +147,31 @@ def _refuse_unsupported(func: Callable[..., Any]) -> None:
     name = getattr(func, "__qualname__", repr(func))
     if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
         raise LockArgumentError(
-            f"{name} is a coroutine function; dblock locks are synchronous "
-            "(run the locked part with asyncio.to_thread)"
+            f"{name} is a coroutine function: this synchronous decorator would release the "
+            "lock before its body runs; use the async form (dblock's asyncio API, "
+            "`async with`) for coroutines"
         )
     if inspect.isgeneratorfunction(func):
         raise LockArgumentError(
             f"{name} is a generator function: the lock would be released before its body "
             "runs; lock inside the generator with `with locks.lock(...)` instead"
         )
+
+
+def _refuse_awaitable(func: Callable[..., Any], result: object) -> None:
+    """The call returned an awaitable (an ``async def`` behind a plain
+    wrapper): its work has not run yet, and must not run after the lock is
+    released. Refuse it (the ``with`` around us releases the lock) and close
+    a coroutine so it does not warn that it was never awaited."""
+    close = getattr(result, "close", None)
+    if callable(close):
+        close()
+    name = getattr(func, "__qualname__", repr(func))
+    raise LockArgumentError(
+        f"{name} returned {type(result).__name__} {result!r}, an awaitable: its work would run "
+        "after this synchronous lock is released; use the async form (dblock's asyncio API, "
+        "`async with`) to lock coroutines"
+    )
 
 
 KeysOf = Callable[[tuple[Any, ...], dict[str, Any]], str | tuple[str, ...]]

@@ -140,7 +140,7 @@ def _release_quietly(held: HeldLock | HeldLocks, what: object) -> None:
     into the code that reached the end (a commit, a server closing a response)."""
     try:
         # NB: may run on a thread other than the one that acquired the lock.
-        held.release()
+        held.release(force=True)  # an explicit hand-over (see HeldLock.release)
     except LockLost as exc:
         log.error("dblock: %r was lost before its deferred release: %s", what, exc)
     except Exception:

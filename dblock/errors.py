@@ -7,10 +7,12 @@
      │    ├── LockBusy            fail-fast request, someone else holds it
      │    └── LockTimeout         a waiting request ran out of time
      ├── LockLost                 we held it, but the row is gone or someone else's
-     ├── LockNotHeld              release of a lock that is not held (also RuntimeError)
+     ├── LockNotHeld              release of a lock that is not held, or not by this
+     │                            thread / task (also RuntimeError)
      ├── LockArgumentError        bad key or option, refused before any SQL (also ValueError)
      ├── BackendError             the database is unreachable or failed a statement
-     └── SchemaMissing            the lock table does not exist: run ``dblock migrate``
+     ├── SchemaMissing            the lock table does not exist: run ``dblock migrate``
+     └── ManagerClosed            the LockManager was closed (new requests and waiters)
 
 The classes live here and are re-exported from :mod:`dblock`; they report
 themselves as ``dblock.X`` so tracebacks and logs show the name users import.
@@ -27,6 +29,7 @@ __all__ = [
     "LockNotAcquired",
     "LockNotHeld",
     "LockTimeout",
+    "ManagerClosed",
     "SchemaMissing",
 ]
 
@@ -91,7 +94,9 @@ class LockLost(DBLockError):
 
 
 class LockNotHeld(DBLockError, RuntimeError):
-    """``release()`` on a lock this holder no longer holds (already released)."""
+    """``release()`` on a lock this holder no longer holds (already released), or
+    by a thread or task other than the one that acquired it (as ``threading.RLock``
+    refuses; ``release(force=True)`` hands the release over explicitly)."""
 
     __module__ = "dblock"
 
@@ -124,3 +129,10 @@ class SchemaMissing(DBLockError):
         )
         self.table = table
         self.url = url
+
+
+class ManagerClosed(DBLockError):
+    """The :class:`~dblock.LockManager` was closed: refused to new requests, and
+    raised in every thread still waiting for a lock of that manager."""
+
+    __module__ = "dblock"

@@ -4,6 +4,20 @@
 manner of redis-py's ``Lock``: they validate, queue locally, retry and wait;
 each talk with the database is one call on the store that runs one statement.
 
+Holders. A lock belongs to its owner (a thread or an asyncio task, see
+:mod:`dblock.registry`) for as long as that owner runs and keeps a reference
+to it. Only the user holds a :class:`HeldLock` strongly; the registry and the
+renewer hold weak references (:class:`_Ref`), so a lock dropped without
+release is collected, warned about (``ResourceWarning``, like an unclosed
+file) and released on the renewal thread; a lock whose owner ended is
+released by the renewal thread too.
+
+Interruption. After the registry is asked, one ``try`` in :meth:`Locker._acquire`
+owns the clean-up: whatever is raised (a timeout, a signal handler's
+exception, ``KeyboardInterrupt``) at whatever point, the registry and the
+table are left as if the request had never been made; a key handed to us at
+that instant is released, or passed on to the next waiter.
+
 Hand-off. When a holder releases a key that another thread of the same
 process is queued for, the row need not go back to the database: one UPDATE
 gives it a new token, fence and lease for the next thread (instead of a
@@ -14,12 +28,16 @@ processes get their turn (lock cohorting, bounded for fairness).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
 import socket
+import sys
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable
 from datetime import datetime
 from types import TracebackType
@@ -27,17 +45,19 @@ from typing import TYPE_CHECKING, Final
 
 from ._store import Grant, Holder, Interrupted, Store
 from ._store.base import never_sent
-from .config import Config, OnLost
+from .config import Config, OnLost, check_ttl
 from .errors import (
     BackendError,
+    LockArgumentError,
     LockBusy,
     LockLost,
     LockNotHeld,
     LockTimeout,
+    ManagerClosed,
     SchemaMissing,
 )
 from .keys import db_text
-from .registry import Entry, Registry, Waiter, current_owner
+from .registry import CLOSED, Entry, Registry, Waiter, current_owner, owner_name, thread_owner
 from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
 
 if TYPE_CHECKING:
@@ -50,6 +70,7 @@ log = logging.getLogger("dblock")
 _monotonic = time.monotonic
 _urandom = os.urandom
 _current_thread = threading.current_thread
+_thread_owner = thread_owner
 
 
 class Unset(enum.Enum):
@@ -84,6 +105,31 @@ _AMBIGUITY_RETRIES = 3
 _EXPIRY_MARGIN = 0.002
 
 
+class _Ref(weakref.ref["HeldLock"]):
+    """How the registry and the renewer refer to a held lock: weakly, with
+    what it takes to release the lock once nobody can reach it any more."""
+
+    __slots__ = ("entry", "key", "live", "token", "tracked")
+
+    entry: Entry
+    key: str
+    token: str
+    live: bool  # not released yet
+    tracked: bool  # the renewer watches it
+
+
+def _refuse_on_event_loop(key: str) -> None:
+    """A blocking wait on a thread that runs an event loop would freeze the
+    loop (and every task on it) silently: refuse it instead."""
+    aio = sys.modules.get("asyncio")
+    if aio is not None and aio._get_running_loop() is not None:
+        raise LockArgumentError(
+            f"a blocking wait for lock {key!r} on a thread that runs an asyncio event loop "
+            "would freeze the loop; use dblock's asyncio API (`async with`), or "
+            "blocking=False / timeout=0"
+        )
+
+
 class HeldLock:
     """A lock this process holds, as yielded by ``LockManager.lock()``.
 
@@ -96,14 +142,18 @@ class HeldLock:
     """
 
     __slots__ = (
+        "__weakref__",
         "_acquired_mono",
         "_entry",
         "_expires_mono",
         "_locker",
         "_lost",
         "_next_check",
+        "_owner",
+        "_ref",
         "_released",
         "_renew_error",
+        "_revoked",
         "expires_at",
         "fence",
         "key",
@@ -129,7 +179,15 @@ class HeldLock:
     ) -> None:
         self._locker = locker
         self._entry = entry
+        self._owner = entry.owner
         self._released = False
+        self._revoked = False  # released by dblock (owner gone, manager closed)
+        ref = self._ref = _Ref(self, locker._collected)
+        ref.entry = entry
+        ref.key = entry.key
+        ref.token = token
+        ref.live = True
+        ref.tracked = False
         self.key = entry.key
         self.token = token
         self.owner = owner
@@ -203,14 +261,24 @@ class HeldLock:
         self._lost = reason
         return True
 
-    def release(self) -> bool:
+    def release(self, *, force: bool = False) -> bool:
         """Release one level of this lock.
 
         Returns False if the database could not be reached (the local lock is
         freed anyway and the row is left to its lease and the sweeper; the
         error is logged). Raises :class:`LockLost` if the row was no longer ours.
+        Only the thread (or asyncio task) that acquired the lock may release
+        it; anyone else gets :class:`~dblock.LockNotHeld` unless they say
+        ``force=True`` (an explicit hand-over: it releases every level).
         """
-        return self._locker.release(self)
+        return self._locker.release(self, force=force)
+
+    def extend(self, ttl: float | None = None) -> None:
+        """Renew the lease now, to ``ttl`` seconds from now (default: the
+        lock's ``ttl``), in one statement: for holders that renew by hand
+        (``renew=False``). Raises :class:`~dblock.LockLost` if the row is no
+        longer ours, :class:`~dblock.LockNotHeld` if the lock was released."""
+        self._locker.extend(self, self.ttl if ttl is None else check_ttl(ttl))
 
     def __enter__(self) -> Self:
         return self
@@ -264,7 +332,8 @@ class Locker:
         self.defaults = LockOptions(
             renew=config.renew, max_hold=config.max_hold, on_lost=config.on_lost
         )
-        self.renewer = Renewer(store, idle_tick=config.ttl * RENEW_AT)
+        self.renewer = Renewer(store, idle_tick=config.ttl * RENEW_AT, abandon=self._abandon)
+        self._closing = False
         self._client_id = ""
         self._set_client_id()
 
@@ -276,7 +345,19 @@ class Locker:
         self.renewer.after_fork()
         self._set_client_id()
 
-    def close(self) -> None:
+    def close(self, timeout: float) -> None:
+        """Refuse new requests, send every waiter away with
+        :class:`~dblock.ManagerClosed`, keep renewing the locks still held for
+        up to ``timeout`` seconds, then release them and mark them lost."""
+        self._closing = True
+        for waiter in self.registry.close():
+            waiter.wake(CLOSED)
+        deadline = _monotonic() + timeout
+        while self.renewer.tracked and _monotonic() < deadline:
+            # Holders release on their own threads; close() is rare: poll.
+            time.sleep(min(0.02, max(deadline - _monotonic(), 0.0)))
+        for held in self.renewer.held_locks():
+            self._abandon(held, "the LockManager was closed while it was held", closing=True)
         self.renewer.close()
 
     def owner_label(self) -> str:
@@ -297,110 +378,156 @@ class Locker:
     ) -> HeldLock:
         opts = options or self.defaults
         me = current_owner()
-        if not self._local:
-            entry = Entry(key, me)
-            return self._acquire_row(
-                entry, blocking=blocking, timeout=timeout, ttl=ttl, start=_monotonic(), opts=opts
-            )
+        if self._local:
+            entry = self.registry.get(key)
+            if entry is not None:
+                if entry.owner is me:
+                    ref: _Ref | None = entry.held
+                    held = None if ref is None else ref()
+                    if held is not None:
+                        if held._lost is not None:
+                            raise LockLost(key, held._lost)
+                        entry.depth += 1  # re-entrant: no SQL
+                        return held
+                if not blocking:
+                    raise LockBusy(key, level=1)  # no SQL
+        return self._acquire(key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts)
 
-        entry_or_none = self.registry.get(key)
-        if entry_or_none is not None and entry_or_none.owner == me:
-            held: HeldLock | None = entry_or_none.held
-            if held is not None:
-                if held._lost is not None:
-                    raise LockLost(key, held._lost)
-                entry_or_none.depth += 1  # re-entrant: no SQL
-                return held
-
-        start = _monotonic()
-        if not blocking:
-            if entry_or_none is not None:
-                raise LockBusy(key, level=1)  # no SQL
-            claimed = self.registry.claim(key, me)
-            if claimed is None:
-                raise LockBusy(key, level=1)
-            return self._acquire_row(
-                claimed, blocking=False, timeout=timeout, ttl=ttl, start=start, opts=opts
-            )
-
-        ticket = _Ticket(self.owner_label(), ttl, opts)
-        got = self.registry.join(key, me, ticket)
-        if isinstance(got, Entry):
-            return self._acquire_row(
-                got,
-                blocking=True,
-                timeout=timeout,
-                ttl=ttl,
-                start=start,
-                opts=opts,
-                owner=ticket.owner,
-            )
-        return self._wait_local(key, got, timeout=timeout, ttl=ttl, start=start, opts=opts)
-
-    def _wait_local(
+    def _acquire(  # noqa: PLR0912 - one function, so one `except` owns the clean-up
         self,
         key: str,
-        waiter: Waiter,
+        me: object,
         *,
+        blocking: bool,
         timeout: float | None,
         ttl: float,
-        start: float,
         opts: LockOptions,
     ) -> HeldLock:
+        """Level 1, then level 2. What this request owns at each moment is in
+        ``entry`` (the key at level 1), ``waiter`` (a place in its queue) or
+        ``held`` (the row too); the one ``except`` below gives back exactly that."""
+        start = _monotonic()
+        entry: Entry | None = None
+        waiter: Waiter | None = None
+        held: HeldLock | None = None
+        token: str | None = None
+        owner: str | None = None
+        try:
+            if not self._local:
+                entry = Entry(key, me)
+            elif not blocking:
+                entry = self.registry.claim(key, me)
+                if entry is None:
+                    raise LockBusy(key, level=1)
+            else:
+                ticket = _Ticket(self.owner_label(), ttl, opts)
+                owner = ticket.owner
+                got = self.registry.join(key, me, ticket)
+                if isinstance(got, Entry):
+                    entry = got
+                else:
+                    waiter = got
+                    grant = self._wait_turn(key, waiter, timeout)
+                    if grant is CLOSED:
+                        waiter = None
+                        raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
+                    if isinstance(grant, HeldLock):
+                        held, waiter = grant, None  # the previous holder handed us the row
+                    else:
+                        entry, waiter = waiter.entry, None
+                        token = grant if isinstance(grant, str) else None
+            if held is None:
+                assert entry is not None
+                held = self._acquire_loop(
+                    entry,
+                    blocking=blocking,
+                    timeout=timeout,
+                    ttl=ttl,
+                    start=start,
+                    opts=opts,
+                    owner=owner or self.owner_label(),
+                    token=token,
+                )
+                entry.held = held._ref
+                entry.handoffs = 0
+                self.renewer.track(held)
+                held._ref.tracked = True
+            if self._closing:
+                raise ManagerClosed(f"the LockManager was closed while acquiring {key!r}")
+            return held
+        except BaseException:
+            if waiter is not None:
+                self._withdraw(waiter)
+            elif held is not None:
+                self._give_back(held)
+            elif entry is not None:
+                self._leave(entry)
+            raise
+
+    def _wait_turn(self, key: str, waiter: Waiter, timeout: float | None) -> object:
+        """Wait in the queue of ``key`` until the key is handed to us; returns
+        what came with it (see :meth:`_acquire`)."""
+        if timeout != 0:
+            _refuse_on_event_loop(key)
         if not waiter.wait(timeout):
             if self.registry.abandon(key, waiter):
                 raise LockTimeout(key, timeout=timeout or 0.0, level=1)
             # The key was handed to us as we gave up; the wake-up follows the
             # hand-off statement. Take what we were given.
-            waiter.wait(None)
-        entry = waiter.entry
-        grant = waiter.grant
-        if isinstance(grant, HeldLock):
-            return grant  # the previous holder handed us the row
-        token = grant if isinstance(grant, str) else None
-        return self._acquire_row(
-            entry,
-            blocking=True,
-            timeout=timeout,
-            ttl=ttl,
-            start=start,
-            opts=opts,
-            owner=waiter.ticket.owner,
-            token=token,
-        )
+            pending = waiter.settle()
+            if pending is not None:
+                raise pending
+        return waiter.grant
 
-    def _acquire_row(
-        self,
-        entry: Entry,
-        *,
-        blocking: bool,
-        timeout: float | None,
-        ttl: float,
-        start: float,
-        opts: LockOptions,
-        owner: str | None = None,
-        token: str | None = None,
-    ) -> HeldLock:
-        """Level 2, for the thread that owns ``entry`` at level 1. Whatever
-        happens, the entry is either holding a row or handed on."""
+    def _withdraw(self, waiter: Waiter) -> None:
+        """Leave the queue of a key as if we had never joined it: if the key
+        was handed to us meanwhile, pass it on (or release the row)."""
+        entry = waiter.entry
+        if self.registry.abandon(entry.key, waiter):
+            return
+        waiter.settle()  # an interruption now changes nothing: we are raising already
+        grant = waiter.grant
+        if grant is CLOSED:
+            return
+        if isinstance(grant, HeldLock):
+            self._give_back(grant)
+            return
         try:
-            held = self._acquire_loop(
-                entry,
-                blocking=blocking,
-                timeout=timeout,
-                ttl=ttl,
-                start=start,
-                opts=opts,
-                owner=owner or self.owner_label(),
-                token=token,
+            if isinstance(grant, str):  # a failed hand-off: the row may carry this token
+                self._delete_row(entry.key, grant)
+        finally:
+            self._leave(entry)
+
+    def _give_back(self, held: HeldLock) -> None:
+        """Release a lock its acquirer never got to return (interrupted, or
+        the manager closed meanwhile). Nothing if dblock released it already."""
+        if not self._claim(held):
+            return
+        held._released = True
+        entry = held._entry
+        if entry.held is held._ref:
+            entry.held = None
+        try:
+            self._delete_row(held.key, held.token)
+        finally:
+            self._leave(entry)
+
+    def _delete_row(self, key: str, token: str) -> None:
+        """Best effort: delete the row if it carries ``token``, and never
+        leave it behind for longer than the database takes to answer again."""
+        try:
+            self.store.release(key, token)
+        except BackendError as exc:
+            log.error(
+                "dblock: releasing %r failed; the row stays until its lease ends or the "
+                "sweeper removes it: %s",
+                key,
+                exc,
             )
         except BaseException:
-            self._leave(entry)
+            self.store.add_orphan(key, token)
+            self.renewer.post(_noop)  # the renewal thread cleans orphans on its pass
             raise
-        entry.held = held
-        entry.handoffs = 0
-        self.renewer.track(held)
-        return held
 
     def _acquire_loop(
         self,
@@ -419,11 +546,13 @@ class Locker:
         token = token or _urandom(16).hex()
         deadline = None if timeout is None else start + timeout
         wait = None
-        if deadline is not None:
-            # A wait for a pooled connection ends with this request's timeout too.
-            store.executor.request_deadline(deadline)
+        # A wait for a pooled connection ends with this request's timeout too.
+        request = store.executor.request
+        request.deadline = deadline
         try:
             while True:
+                if self._closing:
+                    raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
                 if wait is not None:
                     wait.prepare()
                 if store.has_orphans:
@@ -449,11 +578,11 @@ class Locker:
                 if result.expires_in is not None:
                     limit = min(limit, max(result.expires_in, 0.0) + _EXPIRY_MARGIN)
                 if wait is None:
+                    _refuse_on_event_loop(key)
                     wait = store.waiter(key, sent_at)
                 wait.sleep(limit)
         finally:
-            if deadline is not None:
-                store.executor.request_deadline(None)
+            request.deadline = None
             if wait is not None:
                 wait.close()
 
@@ -477,9 +606,12 @@ class Locker:
                 last = exc
             except BaseException as exc:
                 # Interrupted (KeyboardInterrupt, a signal handler's exception)
-                # with the INSERT possibly committed, unless it was never sent.
+                # with the INSERT possibly committed (unless it was never sent):
+                # the renewal thread deletes the row at once, without delaying
+                # the interruption here.
                 if in_doubt or not never_sent(exc):
                     store.add_orphan(key, token)
+                    self.renewer.post(_noop)
                 raise
             if attempt < _AMBIGUITY_RETRIES:
                 time.sleep(0.05 * 2**attempt)
@@ -492,16 +624,22 @@ class Locker:
 
     # -- release -----------------------------------------------------------
 
-    def release(self, held: HeldLock) -> bool:
-        entry = held._entry
-        if held._released or entry.held is not held:
+    def release(self, held: HeldLock, *, force: bool = False) -> bool:
+        if held._released:
+            if held._revoked and held._lost is not None:
+                raise LockLost(held.key, held._lost)
             raise LockNotHeld(f"lock {held.key!r} is not held (already released)")
-        entry.depth -= 1
-        if entry.depth > 0:
+        if not force and held._owner is not _thread_owner():
+            # Not this thread's: perhaps this asyncio task's (the full check).
+            self.check_owner(held)
+        entry = held._entry
+        if entry.depth > 1 and not force and entry.held is held._ref:
+            entry.depth -= 1
             return True
+        if not self._claim(held):  # dblock released it meanwhile (owner gone, closed)
+            raise LockLost(held.key, held._lost or "dblock released it meanwhile")
         held._released = True
         entry.held = None
-        self.renewer.untrack(held)
         waiter = None
         if entry.handoffs < self._handoff_limit and held._lost is None:
             waiter = self.registry.pop_waiter(entry)
@@ -519,6 +657,11 @@ class Locker:
                 exc,
             )
             return False
+        except BaseException:
+            # Interrupted with the DELETE perhaps not committed.
+            self.store.add_orphan(held.key, held.token)
+            self.renewer.post(_noop)
+            raise
         finally:
             self._leave(entry)
         if held._lost is not None:
@@ -526,6 +669,97 @@ class Locker:
         if not deleted:
             raise LockLost(held.key, "its row was gone or held by another owner at release")
         return True
+
+    @staticmethod
+    def check_owner(held: HeldLock) -> None:
+        """Refuse a release by anyone but the holder, as ``threading.RLock`` does.
+        (A lock taken by a thread outside any task may be released by a task
+        running on that same thread: the thread is the holder.)"""
+        me = current_owner()
+        if held._owner is not me and held._owner is not _thread_owner() and not held._released:
+            raise LockNotHeld(
+                f"lock {held.key!r} is held by {owner_name(held._owner)}, not by "
+                f"{owner_name(me)}: only its holder may release it "
+                "(release(force=True) hands the release over explicitly)"
+            )
+
+    def _claim(self, held: HeldLock) -> bool:
+        """Take the job of releasing ``held``: True for exactly one caller.
+        The renewer's ``dict.pop`` is atomic, so the holder, the renewal
+        thread and ``close()`` can race for it; an untracked lock is known
+        only to the thread acquiring it."""
+        ref = held._ref
+        if not self.renewer.untrack(held) and (ref.tracked or not ref.live):
+            return False  # somebody else untracked it first
+        ref.live = False
+        return True
+
+    def _abandon(self, held: HeldLock, reason: str, *, closing: bool = False) -> None:
+        """Release a lock whose holder cannot: its owner ended, or the manager
+        closes. It is marked lost (``check()`` and ``release()`` raise
+        :class:`LockLost`) and its ``on_lost`` is called."""
+        if not self._claim(held):
+            return
+        if closing:
+            log.error("dblock: lock %r released and lost: %s", held.key, reason)
+        else:
+            log.warning("dblock: lock %r released: %s", held.key, reason)
+        if held._lost is None:
+            held._lost = reason
+            self.renewer.notify_lost(held)
+        held._revoked = True
+        held._released = True
+        entry = held._entry
+        try:
+            self._delete_row(held.key, held.token)
+        finally:
+            if entry.held is held._ref:
+                entry.held = None
+                self._leave(entry)
+
+    def _collected(self, ref: _Ref) -> None:
+        """Weak-reference callback: a held lock nobody can reach any more.
+        Runs wherever the last reference went (even inside a mutex), so it
+        only warns and hands the release to the renewal thread."""
+        if not ref.live:
+            return
+        try:
+            warnings.warn(
+                f"dblock: lock {ref.key!r} was never released; releasing it now",
+                ResourceWarning,
+                stacklevel=2,
+            )
+        finally:
+            # No new thread at interpreter exit: the lease ends it then.
+            with contextlib.suppress(RuntimeError):
+                self.renewer.post(lambda: self._release_collected(ref))
+
+    def _release_collected(self, ref: _Ref) -> None:
+        if not ref.live:
+            return
+        ref.live = False
+        if not self.renewer.untrack_token(ref.token) and ref.tracked:
+            return  # released by close() meanwhile
+        log.warning("dblock: lock %r was never released by its holder; releasing it", ref.key)
+        entry = ref.entry
+        try:
+            self._delete_row(ref.key, ref.token)
+        finally:
+            if entry.held is ref:
+                entry.held = None
+                self._leave(entry)
+
+    def extend(self, held: HeldLock, ttl: float) -> None:
+        if held._released:
+            self.release(held)  # raises the right error
+        if held._lost is not None:
+            raise LockLost(held.key, held._lost)
+        sent_at = _monotonic()
+        lease = self.store.renew([(held.key, held.token, ttl)]).get(held.token)
+        if lease is None:
+            self.renewer.lose(held, "its row was gone or held by another owner at extend()")
+            raise LockLost(held.key, held._lost or "its row was gone or held by another owner")
+        held._renewed(lease.expires_at, sent_at + lease.expires_in)
 
     def _hand_off(self, entry: Entry, held: HeldLock, waiter: Waiter) -> bool:
         """Give our row to the next local thread in one statement."""
@@ -538,8 +772,7 @@ class Locker:
         except BackendError as exc:
             # The row may carry the new token or still ours: the waiter tries
             # with the new token, which settles it either way.
-            waiter.grant = new_token
-            waiter.wake()
+            waiter.wake(new_token)
             log.error(
                 "dblock: handing %r to the next thread failed; the row stays until its "
                 "lease ends or the sweeper removes it: %s",
@@ -548,12 +781,12 @@ class Locker:
             )
             return False
         except BaseException:
-            waiter.grant = None
-            waiter.wake()
+            # Interrupted with the UPDATE perhaps committed: as above, the
+            # waiter's attempt with the new token settles it.
+            waiter.wake(new_token)
             raise
         if grant is None:
-            waiter.grant = None  # it acquires the row itself
-            waiter.wake()
+            waiter.wake(None)  # it acquires the row itself
             raise LockLost(held.key, "its row was gone or held by another owner at release")
         successor = HeldLock(
             self,
@@ -565,11 +798,11 @@ class Locker:
             sent_at=sent_at,
             options=ticket.options,
         )
-        entry.held = successor
+        entry.held = successor._ref
         entry.handoffs += 1
         self.renewer.track(successor)
-        waiter.grant = successor
-        waiter.wake()
+        successor._ref.tracked = True
+        waiter.wake(successor)
         return True
 
     def _leave(self, entry: Entry) -> None:
@@ -578,5 +811,8 @@ class Locker:
             return
         waiter = self.registry.leave(entry)
         if waiter is not None:
-            waiter.grant = None
-            waiter.wake()
+            waiter.wake(None)
+
+
+def _noop() -> None:
+    """A job that only wakes the renewal thread (which cleans orphans on its pass)."""

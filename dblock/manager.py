@@ -37,7 +37,7 @@ from .config import (
 )
 from .decorators import KeySpec, OnBusy
 from .deferral import DeferHook, exit_deferring
-from .errors import DBLockError, LockArgumentError
+from .errors import DBLockError, LockArgumentError, ManagerClosed
 from .keys import check_key
 from .lock import UNSET, HeldLock, Locker, LockOptions, Unset
 from .multi import HeldLocks, acquire_many, order_keys
@@ -73,14 +73,19 @@ class LockRequest(Generic[H]):
     any SQL, acquired on ``with`` entry, released on exit (or, with a
     ``defer`` hook, when the ends it names are reached: see
     :mod:`dblock.deferral`). It yields a :class:`~dblock.HeldLock` (``lock``)
-    or :class:`~dblock.HeldLocks` (``lock_many``)."""
+    or :class:`~dblock.HeldLocks` (``lock_many``).
 
-    __slots__ = ("_acquire", "_defer", "_held")
+    One request may be entered again inside its own ``with`` (like an RLock):
+    each exit releases what the matching entry acquired, innermost first."""
+
+    __slots__ = ("_acquire", "_defer", "_held", "_outer")
 
     def __init__(self, acquire: Callable[[], H], defer: DeferHook | None = None) -> None:
         self._acquire = acquire
         self._defer = defer
         self._held: H | None = None
+        # Entries still open around the innermost one (nested use only).
+        self._outer: list[H] | None = None
 
     def deferred_by(self, defer: DeferHook) -> LockRequest[H]:
         """The same request, its release waiting for what ``defer`` installs
@@ -88,8 +93,13 @@ class LockRequest(Generic[H]):
         return LockRequest(self._acquire, defer)
 
     def __enter__(self) -> H:
-        self._held = self._acquire()
-        return self._held
+        held = self._acquire()
+        if self._held is not None:
+            if self._outer is None:
+                self._outer = []
+            self._outer.append(self._held)
+        self._held = held
+        return held
 
     def __exit__(
         self,
@@ -97,7 +107,8 @@ class LockRequest(Generic[H]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        held, self._held = self._held, None
+        held = self._held
+        self._held = self._outer.pop() if self._outer else None
         if held is None:
             return
         if self._defer is None:
@@ -296,7 +307,7 @@ class LockManager:
     ) -> tuple[str, bool, float | None, float, LockOptions | None]:
         """Validate one request before any SQL; ``None`` options mean the defaults."""
         if self._closed:
-            raise DBLockError("this LockManager is closed")
+            raise ManagerClosed("this LockManager is closed")
         if not isinstance(blocking, bool):
             raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
         options = None
@@ -336,16 +347,24 @@ class LockManager:
 
     # -- life cycle ----------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, timeout: float = 0.0) -> None:
         """Stop background work and release the engine if dblock made it.
-        Held locks are not released: their rows expire with their leases."""
+
+        From the moment it starts, new requests and every thread still
+        waiting for a lock of this manager get :class:`~dblock.ManagerClosed`.
+        Locks still held are renewed for up to ``timeout`` seconds while their
+        holders finish; then they are released and marked lost (their
+        ``on_lost`` is called, ``check()`` and ``release()`` raise
+        :class:`~dblock.LockLost`): no lock is ever left held without renewal.
+        ``timeout=None`` waits for every holder."""
+        wait = check_timeout(timeout)
         if self._closed:
             return
         if self._sweeper is not None:
-            self._sweeper.stop()
+            self._sweeper.stop()  # before: its last run may still take its own lock
         self._closed = True
         _managers.discard(self)
-        self._locker.close()
+        self._locker.close(float("inf") if wait is None else wait)
         self._store.close()
 
     def __enter__(self) -> Self:
@@ -368,7 +387,7 @@ class LockManager:
         from .sweeper import Sweeper
 
         if self._closed:
-            raise DBLockError("this LockManager is closed")
+            raise ManagerClosed("this LockManager is closed")
         if self._sweeper is not None and self._sweeper.running:
             raise DBLockError(f"{self._sweeper!r} already runs for this manager")
         sweeper = Sweeper(self, interval=interval, **options)

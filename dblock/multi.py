@@ -50,8 +50,9 @@ def order_keys(keys: Iterable[str]) -> tuple[str, ...]:
 
 class HeldLocks(Mapping[str, HeldLock]):
     """The locks taken by ``lock_many()``: a read-only mapping ``key ->``
-    :class:`~dblock.HeldLock` in the order they were acquired. Releasing it
-    releases all of them, newest first."""
+    :class:`~dblock.HeldLock` in the order they were acquired, following the
+    ``Mapping`` contract (``held.get(123)`` is None, ``123 in held`` is False).
+    Releasing it releases all of them, newest first."""
 
     __slots__ = ("_by_key", "_released")
 
@@ -60,7 +61,13 @@ class HeldLocks(Mapping[str, HeldLock]):
         self._released = False
 
     def __getitem__(self, key: str) -> HeldLock:
-        return self._by_key[check_key(key)]
+        # The Mapping contract: anything that is not one of our keys is a
+        # KeyError (so get() returns None and `in` says False), never a
+        # LockArgumentError.
+        try:
+            return self._by_key[check_key(key)]
+        except LockArgumentError:
+            raise KeyError(key) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._by_key)
@@ -72,12 +79,16 @@ class HeldLocks(Mapping[str, HeldLock]):
     def released(self) -> bool:
         return self._released
 
-    def release(self) -> bool:
+    def release(self, *, force: bool = False) -> bool:
         """Release every lock, newest first. Returns False if the database
         could not be reached for some of them (see ``HeldLock.release``);
-        raises the first :class:`~dblock.LockLost` after releasing the rest."""
+        raises the first :class:`~dblock.LockLost` after releasing the rest.
+        Only the acquiring thread (or task) may, unless ``force=True``."""
+        held = list(self._by_key.values())
+        if not force and held:
+            held[0]._locker.check_owner(held[0])  # refuse before releasing any
         self._released = True
-        return release_all(list(self._by_key.values()))
+        return release_all(held, force=force)
 
     def __enter__(self) -> Self:
         return self
@@ -95,13 +106,13 @@ class HeldLocks(Mapping[str, HeldLock]):
         return f"<HeldLocks {list(self._by_key)!r}{state}>"
 
 
-def release_all(held: list[HeldLock]) -> bool:
+def release_all(held: list[HeldLock], *, force: bool = False) -> bool:
     """Release ``held`` newest first, all of them even if some fail."""
     ok = True
     lost: LockLost | None = None
     for lock in reversed(held):
         try:
-            ok = lock.release() and ok
+            ok = lock.release(force=force) and ok
         except LockLost as exc:
             lost = lost or exc
     if lost is not None:

@@ -1,12 +1,13 @@
 """Level 1: the in-process registry of local locks. No SQL lives here.
 
 One :class:`Entry` per key that some thread of this process holds or waits
-for. The entry's ``owner`` is the thread (or asyncio task) that holds the key
-locally, ``depth`` counts its re-entrant acquisitions, and ``queue`` holds the
-other local threads waiting for it, first come first served. When the owner
-leaves, the key goes straight to the head of the queue (the owner field
-changes hands under the registry mutex, so no third thread can slip in), or
-the entry is deleted: memory follows the keys in use, not the keys ever seen.
+for. The entry's ``owner`` is the thread (a :class:`ThreadOwner`, never a
+recyclable thread id) or asyncio task that holds the key locally, ``depth``
+counts its re-entrant acquisitions, and ``queue`` holds the other local
+threads waiting for it, first come first served. When the owner leaves, the
+key goes straight to the head of the queue (the owner field changes hands
+under the registry mutex, so no third thread can slip in), or the entry is
+deleted: memory follows the keys in use, not the keys ever seen.
 
 Reads on the fast paths (re-entrant acquire, fail-fast refusal) take no lock:
 a dict lookup is atomic, and ``entry.owner`` can only become *our* identity by
@@ -17,12 +18,64 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections import deque
 from typing import Any
 
-__all__ = ["Entry", "Registry", "Waiter", "current_owner"]
+from .errors import ManagerClosed
 
-_get_ident = threading.get_ident
+__all__ = [
+    "CLOSED",
+    "Entry",
+    "Registry",
+    "ThreadOwner",
+    "Waiter",
+    "current_owner",
+    "owner_alive",
+    "owner_name",
+    "thread_owner",
+]
+
+
+class _Anchor:
+    """Kept only by its thread's thread-local state: it dies with the thread."""
+
+    __slots__ = ("__weakref__",)
+
+
+class ThreadOwner:
+    """A thread as a lock owner.
+
+    Never a thread id: ids are recycled, and a new thread given a dead
+    holder's id must not be handed its lock. This object lives as long as
+    anything refers to it, so it cannot be reused; it knows whether its thread
+    still runs because the only strong reference to its anchor is in that
+    thread's thread-local state, which the interpreter clears when the thread
+    ends (also for threads not started by :mod:`threading`).
+    """
+
+    __slots__ = ("_anchor", "name")
+
+    def __init__(self, anchor: _Anchor, name: str) -> None:
+        self._anchor = weakref.ref(anchor)
+        self.name = name
+
+    def alive(self) -> bool:
+        return self._anchor() is not None
+
+    def __repr__(self) -> str:
+        return f"<thread {self.name!r}>"
+
+
+_local = threading.local()
+
+
+def _new_thread_owner() -> ThreadOwner:
+    anchor = _Anchor()
+    owner = ThreadOwner(anchor, threading.current_thread().name)
+    _local.anchor = anchor
+    _local.owner = owner
+    return owner
 
 
 def current_owner() -> object:
@@ -36,21 +89,55 @@ def current_owner() -> object:
         task = aio.current_task()
         if task is not None:
             return task
-    return _get_ident()
+    try:
+        return _local.owner
+    except AttributeError:
+        return _new_thread_owner()
+
+
+def thread_owner() -> ThreadOwner | None:
+    """This thread's owner object, if it ever asked for a lock (cheap: no
+    event loop check; for the release path's "is it ours?")."""
+    try:
+        return _local.owner  # type: ignore[no-any-return]
+    except AttributeError:
+        return None
+
+
+def owner_alive(owner: object) -> bool:
+    """Does the thread (or asyncio task) still run?"""
+    if isinstance(owner, ThreadOwner):
+        return owner.alive()
+    done = getattr(owner, "done", None)
+    return done is None or not done()
+
+
+def owner_name(owner: object) -> str:
+    """The owner, for people: ``thread 'worker-3'`` or ``task 'Task-7'``."""
+    if isinstance(owner, ThreadOwner):
+        return f"thread {owner.name!r}"
+    get_name = getattr(owner, "get_name", None)
+    return f"task {get_name()!r}" if get_name is not None else repr(owner)
+
+
+#: What a queued waiter is handed when the manager closes.
+CLOSED: Any = object()
 
 
 class Waiter:
     """A local thread queued for a key. ``ticket`` is what it asked for and
     ``grant`` what the previous owner hands over with the key (both opaque
-    here: level 2 decides what they mean)."""
+    here: level 2 decides what they mean). ``granted`` turns true when the key
+    is handed to it (under the mutex), ``ready`` once ``grant`` is filled in."""
 
-    __slots__ = ("_signal", "entry", "grant", "granted", "owner", "ticket")
+    __slots__ = ("_signal", "entry", "grant", "granted", "owner", "ready", "ticket")
 
     def __init__(self, entry: Entry, owner: object, ticket: Any) -> None:
         self.entry = entry
         self.owner = owner
         self.ticket = ticket
         self.granted = False
+        self.ready = False
         self.grant: Any = None
         self._signal = threading.Lock()
         self._signal.acquire()
@@ -58,8 +145,22 @@ class Waiter:
     def wait(self, timeout: float | None) -> bool:
         return self._signal.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
 
-    def wake(self) -> None:
+    def wake(self, grant: Any) -> None:
+        self.grant = grant
+        self.ready = True
         self._signal.release()
+
+    def settle(self) -> BaseException | None:
+        """Wait until ``grant`` is filled in, whatever interrupts us (the grant
+        must be taken, then passed on, never dropped); returns the first
+        exception that interrupted the wait, for the caller to raise."""
+        pending: BaseException | None = None
+        while not self.ready:
+            try:
+                self._signal.acquire(timeout=0.05)
+            except BaseException as exc:  # a signal handler's
+                pending = pending or exc
+        return pending
 
 
 class Entry:
@@ -70,8 +171,9 @@ class Entry:
         self.owner = owner
         self.depth = 1
         self.queue: deque[Waiter] = deque()
-        # What level 2 holds for this key (opaque here) and how many times in a
-        # row it was handed to a local waiter without going back to the database.
+        # What level 2 holds for this key (opaque here: a weak reference, so the
+        # registry never keeps an unreachable lock alive) and how many times in
+        # a row it was handed to a local waiter without going back to the database.
         self.held: Any = None
         self.handoffs = 0
 
@@ -79,7 +181,7 @@ class Entry:
 class Registry:
     """The map ``key -> Entry`` of one process."""
 
-    __slots__ = ("_entries", "_mutex", "_peak")
+    __slots__ = ("_entries", "_mutex", "_peak", "closed")
 
     # Dicts never shrink on deletion; after a burst of many concurrent keys a
     # fresh dict gives the memory back once the registry is empty again.
@@ -89,6 +191,7 @@ class Registry:
         self._entries: dict[str, Entry] = {}
         self._mutex = threading.Lock()
         self._peak = 0
+        self.closed = False
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -99,6 +202,8 @@ class Registry:
     def claim(self, key: str, owner: object) -> Entry | None:
         """Take the key if nobody holds or waits for it; ``None`` if somebody does."""
         with self._mutex:
+            if self.closed:
+                raise ManagerClosed("this LockManager is closed")
             if key in self._entries:
                 return None
             entry = self._entries[key] = Entry(key, owner)
@@ -109,6 +214,8 @@ class Registry:
         """Take the key, or queue for it: returns the entry if we own it now,
         else a :class:`Waiter` to wait on (then :meth:`abandon` on timeout)."""
         with self._mutex:
+            if self.closed:
+                raise ManagerClosed("this LockManager is closed")
             entry = self._entries.get(key)
             if entry is None:
                 entry = self._entries[key] = Entry(key, owner)
@@ -124,13 +231,14 @@ class Registry:
         with self._mutex:
             if waiter.granted:
                 return False
-            entry = self._entries[key]
-            entry.queue.remove(waiter)
+            entry = self._entries.get(key)
+            if entry is not None and waiter in entry.queue:
+                entry.queue.remove(waiter)
             return True
 
     def pop_waiter(self, entry: Entry) -> Waiter | None:
-        """Make the head of the queue the owner; the caller fills ``grant`` and
-        wakes it. ``None`` (and nothing changes) if nobody waits."""
+        """Make the head of the queue the owner; the caller wakes it with its
+        grant. ``None`` (and nothing changes) if nobody waits."""
         if not entry.queue:
             # Most releases: nobody queued. A thread queueing right after
             # this check is handed the key by leave(), under the mutex.
@@ -149,6 +257,19 @@ class Registry:
                     self._entries = {}
                     self._peak = 0
             return waiter
+
+    def close(self) -> list[Waiter]:
+        """Refuse every new claim and take every waiter out of its queue; the
+        caller wakes them with :data:`CLOSED`."""
+        with self._mutex:
+            self.closed = True
+            waiters: list[Waiter] = []
+            for entry in self._entries.values():
+                while entry.queue:
+                    waiter = entry.queue.popleft()
+                    waiter.granted = True
+                    waiters.append(waiter)
+            return waiters
 
     def clear(self) -> None:
         """Forget everything (a forked child must not inherit its parent's holders)."""

@@ -16,8 +16,19 @@ A lock is *lost* when
 * its lease runs out without renewal (``renew=False``, or ``max_hold`` reached).
 
 Then, at once: ``held.lost`` turns true, the error is logged with the key, the
-lock's ``on_lost`` callback (or the manager's) is called, and ``check()`` and
-``release()`` raise :class:`~dblock.LockLost`.
+lock's ``on_lost`` callback (or the manager's) is handed to the callback
+thread (never run here: a slow or failing callback must not delay or stop the
+renewal of any other lock), and ``check()`` and ``release()`` raise
+:class:`~dblock.LockLost`.
+
+Every pass also checks that each lock's owner (thread or asyncio task) still
+runs, and releases with a WARNING a lock whose owner ended without releasing
+it. Passes are planned at least once per renewal interval of every lock
+(a third of its lease, also for locks that are not renewed), so an abandoned
+lock is released within one renewal interval and before its lease ends.
+
+The renewer refers to held locks only weakly: a lock its holder dropped
+without releasing is collected, and released here (see ``Locker``).
 
 The lock's hot path pays two dict operations for this (track on acquire,
 untrack on release); the thread is not woken unless a newly tracked lock is
@@ -29,12 +40,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._store import Store
+from .callbacks import Callbacks
 from .errors import BackendError, SchemaMissing
+from .registry import owner_alive, owner_name
 
 if TYPE_CHECKING:
+    import weakref
+
     from .lock import HeldLock
 
 __all__ = ["Renewer"]
@@ -56,11 +73,24 @@ MIN_RENEWAL = 0.01
 class Renewer:
     """The renewal thread of one manager, and the set of locks it watches."""
 
-    def __init__(self, store: Store, idle_tick: float) -> None:
+    def __init__(
+        self,
+        store: Store,
+        idle_tick: float,
+        abandon: Callable[[HeldLock, str], None],
+    ) -> None:
         self._store = store
         self._idle_tick = idle_tick
-        self._held: dict[str, HeldLock] = {}  # token -> lock
-        self._cond = threading.Condition(threading.Lock())
+        # What to do with a lock whose owner ended: the lock facade releases it.
+        self._abandon = abandon
+        # token -> weak reference to the lock: renewal never keeps it alive.
+        self._held: dict[str, weakref.ref[HeldLock]] = {}
+        # Work for this thread posted from elsewhere (releasing collected locks).
+        self._jobs: deque[Callable[[], object]] = deque()
+        self.callbacks = Callbacks()
+        # Reentrant: a lock collected while this thread holds the condition
+        # posts its release from inside (weak-reference callbacks run anywhere).
+        self._cond = threading.Condition(threading.RLock())
         # When the thread will look next; +inf while it is looking, so that
         # track() during a pass always flags the pass as stale (_dirty).
         self._wake_at = float("inf")
@@ -71,25 +101,43 @@ class Renewer:
     # -- called by the lock ------------------------------------------------
 
     def track(self, held: HeldLock) -> None:
-        self._held[held.token] = held
+        self._held[held.token] = held._ref
         # Usually the thread already plans to look before this lock is due
         # (leases are mostly the manager's default): then no wake-up at all.
         if held._next_check < self._wake_at:
-            with self._cond:
-                if self._thread is None and not self._stopping:
-                    self._thread = threading.Thread(
-                        target=self._run, name="dblock-renewal", daemon=True
-                    )
-                    self._thread.start()
-                self._dirty = True
-                self._cond.notify()
+            self._nudge()
 
-    def untrack(self, held: HeldLock) -> None:
-        self._held.pop(held.token, None)
+    def untrack(self, held: HeldLock) -> bool:
+        """Stop watching ``held``; False if it was not watched. One atomic
+        ``dict.pop``: of several threads releasing one lock, exactly one wins."""
+        return self._held.pop(held.token, None) is not None
+
+    def untrack_token(self, token: str) -> bool:
+        return self._held.pop(token, None) is not None
+
+    def post(self, job: Callable[[], object]) -> None:
+        """Run ``job`` on the renewal thread soon."""
+        self._jobs.append(job)
+        self._nudge()
+
+    def _nudge(self) -> None:
+        with self._cond:
+            if self._thread is None and not self._stopping:
+                self._thread = threading.Thread(
+                    target=self._run, name="dblock-renewal", daemon=True
+                )
+                self._thread.start()
+            self._dirty = True
+            self._cond.notify()
 
     @property
     def tracked(self) -> int:
         return len(self._held)
+
+    def held_locks(self) -> list[HeldLock]:
+        """The locks watched now that are still reachable."""
+        found = (ref() for ref in list(self._held.values()))
+        return [held for held in found if held is not None]
 
     # -- life cycle --------------------------------------------------------
 
@@ -100,11 +148,15 @@ class Renewer:
             self._cond.notify()
         if thread is not None and thread is not threading.current_thread():
             thread.join(10.0)
+        self.run_jobs()  # posted after the thread's last pass
+        self.callbacks.close(10.0)
 
     def after_fork(self) -> None:
         """A forked child holds none of its parent's locks and has no thread."""
         self._held = {}
-        self._cond = threading.Condition(threading.Lock())
+        self._jobs = deque()
+        self.callbacks.after_fork()
+        self._cond = threading.Condition(threading.RLock())
         self._wake_at = float("inf")
         self._dirty = False
         self._thread = None
@@ -131,18 +183,42 @@ class Renewer:
             with self._cond:
                 self._wake_at = plan
 
+    def run_jobs(self) -> None:
+        while self._jobs:
+            try:
+                job = self._jobs.popleft()
+            except IndexError:
+                return
+            try:
+                job()
+            except Exception:
+                log.exception("dblock: releasing an abandoned lock failed")
+
     def _tick(self) -> float:
-        """Renew what is due, mark what is lost; return when to look next."""
+        """Release what was abandoned, renew what is due, mark what is lost;
+        return when to look next."""
+        self.run_jobs()
+        if self._store.has_orphans:
+            self._store.clean_orphans()
         now = _monotonic()
         due: list[HeldLock] = []
         next_check = now + self._idle_tick
-        for held in list(self._held.values()):
+        for ref in list(self._held.values()):
+            held = ref()
+            if held is None:
+                continue  # collected: its release is posted as a job
+            if not owner_alive(held._owner):
+                self._abandon(
+                    held, f"its holder, {owner_name(held._owner)}, ended without releasing it"
+                )
+                continue
             if held._lost is not None:
                 continue
             if now >= held._expires_mono:
                 self.lose(held, self._expired_reason(held))
             elif not held._renewable():
-                next_check = min(next_check, held._expires_mono)  # watch it run out
+                # Watch it run out, and look at its owner once per renewal interval.
+                next_check = min(next_check, held._expires_mono, now + held.ttl * RENEW_AT)
             elif held._next_check <= now + held.ttl * BATCH_WINDOW:
                 due.append(held)
             else:
@@ -168,7 +244,7 @@ class Renewer:
             log.warning("dblock: renewing %d lock(s) failed, will retry: %s", len(due), exc)
             return retry
         for held in due:
-            if self._held.get(held.token) is not held:
+            if self._held.get(held.token) is not held._ref:
                 continue  # released while the statement ran
             lease = leases.get(held.token)
             if lease is None:
@@ -188,13 +264,13 @@ class Renewer:
         return "its lease ran out before it could be renewed"
 
     def lose(self, held: HeldLock, reason: str) -> None:
-        """Mark ``held`` lost (once), log it and call its callback."""
-        if self._held.get(held.token) is not held or not held._mark_lost(reason):
+        """Mark ``held`` lost (once), log it and hand its callback to the callback thread."""
+        if self._held.get(held.token) is not held._ref or not held._mark_lost(reason):
             return
         log.error("dblock: lock %r lost: %s", held.key, reason)
+        self.notify_lost(held)
+
+    def notify_lost(self, held: HeldLock) -> None:
         callback = held.on_lost
         if callback is not None:
-            try:
-                callback(held)
-            except Exception:
-                log.exception("dblock: on_lost callback for %r failed", held.key)
+            self.callbacks.submit(f"on_lost callback for {held.key!r}", callback, held)

@@ -71,7 +71,7 @@ def test_sweep_deletes_only_rows_expired_longer_than_the_grace(
     live_key, old_key, recent_key = keys(3)  # type: ignore[operator]
     live = private.acquire(live_key, ttl=60)
     insert_expired(private, [old_key], ago=3600)
-    private.acquire(recent_key, ttl=0.1)
+    _recent = private.acquire(recent_key, ttl=0.1)  # kept: a dropped lock is released
     time.sleep(0.2)
     gone = private.store.sweep(EXPIRED, older_than=30, limit=100)
     assert [row.key for row in gone] == [old_key]
@@ -82,8 +82,7 @@ def test_sweep_deletes_only_rows_expired_longer_than_the_grace(
 
 def test_sweep_works_in_bounded_batches_oldest_first(private: LockManager, keys: object) -> None:
     backlog = keys(25)  # type: ignore[operator]
-    for key in backlog:
-        private.acquire(key, ttl=0.05)
+    _held = [private.acquire(key, ttl=0.05) for key in backlog]  # kept, not released
     time.sleep(0.2)
     batches = []
     while batch := private.store.sweep(EXPIRED, older_than=0.0, limit=10):

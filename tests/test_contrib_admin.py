@@ -26,8 +26,7 @@ def private(db_url: str) -> Iterator[LockManager]:
 
 def test_list_shows_rows_with_database_lease(private: LockManager) -> None:
     held = private.acquire("a%b", ttl=30)
-    private.acquire("a_c", ttl=0.1, renew=False)
-    private.acquire("zz", ttl=30)
+    _kept = [private.acquire("a_c", ttl=0.1, renew=False), private.acquire("zz", ttl=30)]
     time.sleep(0.3)
     infos = _admin.list_locks(private)
     assert [i.key for i in infos] == ["a%b", "a_c", "zz"]
@@ -42,7 +41,7 @@ def test_list_shows_rows_with_database_lease(private: LockManager) -> None:
 
 
 def test_sweep_expired_and_too_old(private: LockManager) -> None:
-    private.acquire("expired", ttl=0.1, renew=False)
+    _expired = private.acquire("expired", ttl=0.1, renew=False)  # kept, not released
     old = private.acquire("old", ttl=60)
     time.sleep(1.2)
     young = private.acquire("young", ttl=60)
@@ -80,7 +79,7 @@ def test_sweepers_take_turns(private: LockManager, make_manager: Any) -> None:
     other = make_manager(table=private.names.table)
     one = _admin.Sweeper(private, interval=60)
     two = _admin.Sweeper(other, interval=60)
-    private.acquire("gone", ttl=0.1, renew=False)
+    _gone = private.acquire("gone", ttl=0.1, renew=False)  # kept: a dropped lock is released
     time.sleep(0.3)
     with other.lock(two.key):  # the other sweeper is mid-round
         assert one.run_once() is None
@@ -93,7 +92,7 @@ def test_background_sweeper(private: LockManager) -> None:
     sweeper = _admin.Sweeper(private, interval=0.2).start()
     try:
         assert sweeper.running
-        private.acquire("bg", ttl=0.1, renew=False)
+        _bg = private.acquire("bg", ttl=0.1, renew=False)  # kept, not released
         deadline = time.monotonic() + 30
         while sweeper.swept == 0 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -287,13 +287,13 @@ def test_lease_options_pass_through(manager: LockManager, key: str) -> None:
 
     @manager.locked(key + ":{n}", renew=False, max_hold=7)
     def one(n: int) -> None:
-        held = manager._locker.registry._entries[f"{key}:{n}"].held
+        held = manager._locker.registry._entries[f"{key}:{n}"].held()
         seen.append((held.renew, held.max_hold))
 
     @manager.locked([key + ":a{n}", key + ":b{n}"], renew=False)
     def two(n: int) -> None:
         for k in (f"{key}:a{n}", f"{key}:b{n}"):
-            seen.append((manager._locker.registry._entries[k].held.renew, None))
+            seen.append((manager._locker.registry._entries[k].held().renew, None))
 
     one(1)
     two(1)

@@ -425,7 +425,7 @@ def test_class_based_view_method(accounts: None) -> None:
 def test_management_commands(capsys: pytest.CaptureFixture[str]) -> None:
     with other_manager() as other:
         held = other.acquire("cmd:held", ttl=60)
-        other.acquire("cmd:short", ttl=0.2, renew=False)
+        _short = other.acquire("cmd:short", ttl=0.2, renew=False)  # kept, not released
         time.sleep(0.5)
 
         call_command("dblock_list")
@@ -455,7 +455,7 @@ def test_release_command_wakes_a_waiter_at_once() -> None:
     """On PostgreSQL a force-release announces the key like a release, so a
     waiter in another process gets it without waiting for a re-check."""
     with other_manager() as holder, other_manager() as waiter:
-        holder.acquire("cmd:wake", ttl=60)
+        _held = holder.acquire("cmd:wake", ttl=60)  # kept: a dropped lock is released
         got: list[float] = []
 
         def wait() -> None:
@@ -542,7 +542,7 @@ def test_sweeper_starts_with_the_first_request(accounts: None) -> None:
         request_started.connect(_maybe_start_sweeper, dispatch_uid="dblock-sweeper")
         try:
             with other_manager() as other:
-                other.acquire("sweep:me", ttl=0.2, renew=False)
+                _kept = other.acquire("sweep:me", ttl=0.2, renew=False)  # not released
                 assert Client().get("/users/2/balance").status_code == 200
                 sweeper = current_sweeper()
                 assert sweeper is not None

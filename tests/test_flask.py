@@ -622,7 +622,7 @@ def test_sweeper_starts_with_the_first_request(private_url: str) -> None:
     state = app.extensions["dblock"]
     assert state.sweeper is None  # commands do not start it
     with other_manager(app) as other:
-        other.acquire("user:77", ttl=0.2, renew=False)
+        _kept = other.acquire("user:77", ttl=0.2, renew=False)  # kept, not released
         assert app.test_client().get("/users/1/balance").status_code == 200
         try:
             assert state.sweeper is not None

@@ -142,9 +142,9 @@ class Executor:
         "_is_missing_table",
         "_max_idle",
         "_owns",
-        "_request",
         "_table",
         "_url",
+        "request",
     )
 
     def __init__(
@@ -171,15 +171,10 @@ class Executor:
         self._bounded: QueuePool | None = None
         if isinstance(pool, QueuePool) and getattr(pool, "_max_overflow", -1) >= 0:
             self._bounded = pool
-        # Per thread: the deadline (time.monotonic()) of the acquisition under
-        # way, so a wait for a pooled connection ends with the request's own
-        # timeout rather than the pool's.
-        self._request = threading.local()
-
-    def request_deadline(self, deadline: float | None) -> None:
-        """Bound this thread's waits for a pooled connection by ``deadline``
-        (a ``time.monotonic()`` reading) until called again with ``None``."""
-        self._request.deadline = deadline
+        # Per thread: ``deadline``, the time.monotonic() by which the
+        # acquisition under way must end (None: none), so a wait for a pooled
+        # connection ends with the request's own timeout rather than the pool's.
+        self.request = threading.local()
 
     @property
     def engine(self) -> Engine:
@@ -257,7 +252,7 @@ class Executor:
         the pool's own wait knows only the pool's timeout. A connection freed
         and taken by another thread between the check and the checkout still
         leaves us in the pool's wait, bounded by its timeout."""
-        deadline: float | None = getattr(self._request, "deadline", None)
+        deadline: float | None = getattr(self.request, "deadline", None)
         if deadline is None:
             return
         step = 0.001
