@@ -14,6 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from dblock import BackendError, LockArgumentError, LockBusy, LockManager
+from dblock._store import Grant
 from dblock.config import Config
 from dblock.contrib.django import _ddl
 from dblock.schema import MAX_IDENTIFIER, TableNames
@@ -92,17 +93,19 @@ def test_every_allowed_table_name_works(own_db: str, db: str, table: str, key: s
         # Every statement dblock runs on the table: acquire, contention (the
         # holder read), hand-over, renewal, release, list, stats, sweep.
         with LockManager(own_db, table=table) as other:
-            held = m.acquire(key, ttl=30)
+            token = uuid.uuid4().hex
+            first = m.store.try_acquire(key, token, "me", 30.0)
+            assert isinstance(first, Grant)
             with pytest.raises(LockBusy):
                 other.acquire(key, blocking=False)
-            token = held.token
             if m.store.can_transfer:
-                token = uuid.uuid4().hex
-                assert m.store.transfer(key, held.token, token, "me", 30.0) is not None
+                new_token = uuid.uuid4().hex
+                assert m.store.transfer(key, token, new_token, "me", 30.0) is not None
+                token = new_token
             assert len(m.store.renew([(key, token, 30.0)])) == 1
             assert m.store.release(key, token)
             with other.lock(key, blocking=False) as again:
-                assert again.fence > held.fence
+                assert again.fence > first.fence
         insert_expired(m, [f"{key}:old"])
         assert [r.key for r in m.store.rows()] == [f"{key}:old"]
         assert m.store.stats().expired == 1
