@@ -386,7 +386,7 @@ def test_read_only_commands_create_no_sqlite_database(tmp_path: Path) -> None:
 
 def test_global_options_before_or_after_the_command(private: LockManager, db_url: str) -> None:
     table = private.config.table
-    private.acquire("k1", ttl=60)
+    held = private.acquire("k1", ttl=60)  # kept: a dropped handle is released when collected
     for args in (
         ["--url", db_url, "--table", table, "list", "--json"],
         ["list", "--json", "--url", db_url, "--table", table],
@@ -400,3 +400,4 @@ def test_global_options_before_or_after_the_command(private: LockManager, db_url
     done = dblock("-v", "--url", db_url, "--table", table, "stats")
     assert done.returncode == 0, done.stderr
     assert table in done.stdout
+    held.release()
