@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.set_defaults(command=cmd_sweep)
 
+    _add_top(sub, common)
+
     demo = sub.add_parser(
         "demo",
         parents=[common],
@@ -200,6 +202,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     bench.set_defaults(command=cmd_bench)
     return parser
+
+
+def _add_top(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    top = sub.add_parser(
+        "top",
+        parents=[common],
+        help="the lock rows, refreshing in the terminal (needs dblock[top])",
+        description="A live view of the lock table. Keys: a/l/k/f sort by age, lease, key, "
+        "fence; x expired only; / key prefix; r refresh; q quit.",
+    )
+    top.add_argument("--prefix", default="", help="only keys starting with this")
+    top.add_argument(
+        "--sort",
+        default="age",
+        choices=["age", "lease", "key", "fence"],
+        help="initial order (default: age, oldest first)",
+    )
+    top.add_argument("--expired", action="store_true", help="start with expired rows only")
+    top.add_argument(
+        "--interval", type=parse_duration, default=1.0, help="refresh every DURATION (1s)"
+    )
+    top.add_argument("--limit", type=_positive_int, default=200, help="rows read per refresh (200)")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.set_defaults(command=cmd_top)
 
 
 # -- argument types ------------------------------------------------------------
@@ -456,6 +482,25 @@ def _sweep_until_signalled(sweeper: Sweeper) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("rich") is None:  # an optional extra
+        raise DBLockError("dblock top needs rich: pip install 'dblock[top]'")
+    from . import top
+
+    if args.interval <= 0:
+        raise LockArgumentError(f"--interval must be positive, got {args.interval:g}")
+    state = top.TopState(
+        sort=top.Sort.named(args.sort),
+        prefix=args.prefix,
+        expired_only=args.expired,
+        limit=args.limit,
+    )
+    with _manager(args) as manager:
+        return top.run(manager, state=state, interval=args.interval, once=args.once)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

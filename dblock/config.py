@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
     from .lock import HeldLock
+    from .telemetry import Telemetry
 
 __all__ = [
     "MAX_SECONDS",
@@ -159,6 +160,11 @@ class Config:
     listen_url
         PostgreSQL: a URL straight to the server (bypassing the pooler) for the
         one LISTEN connection per process that wakes waiters.
+    telemetry
+        Metrics and traces through OpenTelemetry's API (see :mod:`dblock.telemetry`):
+        ``None`` (default) reports when ``opentelemetry-api`` is installed,
+        ``False`` never, ``True`` always (an error without the API), or a
+        :class:`~dblock.telemetry.Telemetry` naming providers and how keys appear.
     """
 
     table: str = "dblock_locks"
@@ -177,6 +183,7 @@ class Config:
     on_lost: OnLost | None = None
     pooler: bool = False
     listen_url: str | None = None
+    telemetry: bool | Telemetry | None = None
 
     def __post_init__(self) -> None:
         _check_identifier(self.table, "table")
@@ -206,6 +213,14 @@ class Config:
             raise LockArgumentError(
                 f"listen_url must be a PostgreSQL URL string, got {type(self.listen_url).__name__}"
             )
+        if self.telemetry is not None and not isinstance(self.telemetry, bool):
+            from .telemetry import Telemetry
+
+            if not isinstance(self.telemetry, Telemetry):
+                raise LockArgumentError(
+                    f"telemetry must be True, False, None or a dblock.telemetry.Telemetry, "
+                    f"got {self.telemetry!r}"
+                )
         for name in ("notify", "local_filter", "renew", "pooler"):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)

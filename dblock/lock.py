@@ -59,6 +59,7 @@ from .errors import (
 from .keys import db_text
 from .registry import CLOSED, Entry, Registry, Waiter, current_owner, owner_name, thread_owner
 from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
+from .telemetry import GRANTED, Recorder, Watch, outcome_of, recorder_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -336,6 +337,8 @@ class Locker:
         self._closing = False
         self._client_id = ""
         self._set_client_id()
+        self.telemetry: Recorder | None = recorder_for(config.telemetry, config.table)
+        self.renewer.telemetry = self.telemetry
 
     def _set_client_id(self) -> None:
         self._client_id = self.config.client_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -390,10 +393,12 @@ class Locker:
                         entry.depth += 1  # re-entrant: no SQL
                         return held
                 if not blocking:
+                    if self.telemetry is not None:
+                        self.telemetry.refused_locally()
                     raise LockBusy(key, level=1)  # no SQL
         return self._acquire(key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts)
 
-    def _acquire(  # noqa: PLR0912 - one function, so one `except` owns the clean-up
+    def _acquire(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns the clean-up
         self,
         key: str,
         me: object,
@@ -412,6 +417,7 @@ class Locker:
         held: HeldLock | None = None
         token: str | None = None
         owner: str | None = None
+        watch = None if self.telemetry is None else self.telemetry.watch(key)
         try:
             if not self._local:
                 entry = Entry(key, me)
@@ -427,6 +433,8 @@ class Locker:
                     entry = got
                 else:
                     waiter = got
+                    if watch is not None:
+                        watch.waiting(1)
                     grant = self._wait_turn(key, waiter, timeout)
                     if grant is CLOSED:
                         waiter = None
@@ -447,6 +455,7 @@ class Locker:
                     opts=opts,
                     owner=owner or self.owner_label(),
                     token=token,
+                    watch=watch,
                 )
                 entry.held = held._ref
                 entry.handoffs = 0
@@ -454,8 +463,12 @@ class Locker:
                 held._ref.tracked = True
             if self._closing:
                 raise ManagerClosed(f"the LockManager was closed while acquiring {key!r}")
+            if watch is not None:
+                watch.done(GRANTED, held.fence)
             return held
-        except BaseException:
+        except BaseException as exc:
+            if watch is not None:
+                watch.done(*outcome_of(exc))
             if waiter is not None:
                 self._withdraw(waiter)
             elif held is not None:
@@ -540,6 +553,7 @@ class Locker:
         opts: LockOptions,
         owner: str,
         token: str | None,
+        watch: Watch | None = None,
     ) -> HeldLock:
         store = self.store
         key = entry.key
@@ -579,6 +593,8 @@ class Locker:
                     limit = min(limit, max(result.expires_in, 0.0) + _EXPIRY_MARGIN)
                 if wait is None:
                     _refuse_on_event_loop(key)
+                    if watch is not None:
+                        watch.waiting(2)
                     wait = store.waiter(key, sent_at)
                 wait.sleep(limit)
         finally:
@@ -624,7 +640,7 @@ class Locker:
 
     # -- release -----------------------------------------------------------
 
-    def release(self, held: HeldLock, *, force: bool = False) -> bool:
+    def release(self, held: HeldLock, *, force: bool = False) -> bool:  # noqa: PLR0912
         if held._released:
             if held._revoked and held._lost is not None:
                 raise LockLost(held.key, held._lost)
@@ -640,6 +656,8 @@ class Locker:
             raise LockLost(held.key, held._lost or "dblock released it meanwhile")
         held._released = True
         entry.held = None
+        if self.telemetry is not None:
+            self.telemetry.released(_monotonic() - held._acquired_mono)
         waiter = None
         if entry.handoffs < self._handoff_limit and held._lost is None:
             waiter = self.registry.pop_waiter(entry)
@@ -800,6 +818,8 @@ class Locker:
         )
         entry.held = successor._ref
         entry.handoffs += 1
+        if self.telemetry is not None:
+            self.telemetry.handoff()
         self.renewer.track(successor)
         successor._ref.tracked = True
         waiter.wake(successor)

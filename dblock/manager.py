@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
     from .sweeper import Sweeper
+    from .telemetry import Recorder
 
 __all__ = ["LockManager", "LockRequest"]
 
@@ -182,6 +183,11 @@ class LockManager:
     @property
     def names(self) -> TableNames:
         return self._store.names
+
+    @property
+    def telemetry(self) -> Recorder | None:
+        """What this manager reports through (OpenTelemetry; ``None``: nothing)."""
+        return self._locker.telemetry
 
     @property
     def store(self) -> Store:

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     import weakref
 
     from .lock import HeldLock
+    from .telemetry import Recorder
 
 __all__ = ["Renewer"]
 
@@ -83,6 +84,8 @@ class Renewer:
         self._idle_tick = idle_tick
         # What to do with a lock whose owner ended: the lock facade releases it.
         self._abandon = abandon
+        # The manager's telemetry recorder, when it reports (set by the lock facade).
+        self.telemetry: Recorder | None = None
         # token -> weak reference to the lock: renewal never keeps it alive.
         self._held: dict[str, weakref.ref[HeldLock]] = {}
         # Work for this thread posted from elsewhere (releasing collected locks).
@@ -242,7 +245,11 @@ class Renewer:
                 held._next_check = now + min(RETRY_MAX, max(held.remaining / 4, 0.01))
                 retry = min(retry, held._next_check)
             log.warning("dblock: renewing %d lock(s) failed, will retry: %s", len(due), exc)
+            if self.telemetry is not None:
+                self.telemetry.renewals(len(due), ok=False)
             return retry
+        if self.telemetry is not None:
+            self.telemetry.renewals(len(leases), ok=True)
         for held in due:
             if self._held.get(held.token) is not held._ref:
                 continue  # released while the statement ran
@@ -271,6 +278,8 @@ class Renewer:
         self.notify_lost(held)
 
     def notify_lost(self, held: HeldLock) -> None:
+        if self.telemetry is not None:
+            self.telemetry.lost()
         callback = held.on_lost
         if callback is not None:
             self.callbacks.submit(f"on_lost callback for {held.key!r}", callback, held)

@@ -226,6 +226,9 @@ class Sweeper:
         return result
 
     def _report(self, reason: SweepReason, rows: list[LockRow]) -> None:
+        telemetry = self.manager.telemetry
+        if telemetry is not None:
+            telemetry.swept(reason.value, len(rows))
         for row in rows:
             if reason is SweepReason.MAX_HOLD:
                 log.warning(

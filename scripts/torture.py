@@ -231,6 +231,7 @@ class Run:
         self.rng = random.Random(args.seed)
         self.keys = [f"hot:{i}" for i in range(args.keys)]
         self.deadline = 0.0
+        self.t0 = 0.0  # time.monotonic() when the workers were started
 
     # setup / teardown
 
@@ -290,7 +291,8 @@ class Run:
 
     def go(self) -> None:
         args = self.args
-        self.deadline = time.monotonic() + args.seconds
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + args.seconds
         for _ in range(args.processes):
             self.spawn()
         time.sleep(min(2.0, args.seconds / 5))  # let them start and contend
@@ -398,6 +400,8 @@ class Section:
     lease_end: float
     t_end: float | None
     outcome: str | None
+    thread: str = ""
+    token: str = ""
 
 
 def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
@@ -405,13 +409,13 @@ def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
     stats: dict[str, int] = defaultdict(int)
     for path in sorted(run_dir.glob("ledger-*.sqlite3")):
         conn = sqlite3.connect(path)
-        for key, fence, pid, t0, lease, lease2, t1, outcome in conn.execute(
-            "SELECT lock_key, fence, pid, t_start, lease_end, lease_end_at_end, t_end, outcome"
-            " FROM sections"
+        for key, fence, pid, t0, lease, lease2, t1, outcome, thread, token in conn.execute(
+            "SELECT lock_key, fence, pid, t_start, lease_end, lease_end_at_end, t_end, outcome,"
+            " thread, token FROM sections"
         ):
             # A lease renewed during the section ends later; the later end counts.
             end_of_lease = max(lease, lease2) if lease2 is not None else lease
-            sections.append(Section(key, fence, pid, t0, end_of_lease, t1, outcome))
+            sections.append(Section(key, fence, pid, t0, end_of_lease, t1, outcome, thread, token))
         names = ("requests", "grants", "busy", "timeouts", "backend_errors", "lost",
                  "release_failed")  # fmt: skip
         for row in conn.execute(f"SELECT {', '.join(names)} FROM stats"):
@@ -421,9 +425,23 @@ def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
     return sections, dict(stats)
 
 
+# How a violation is named in the report.
+REAL = "real overlap"
+STALE_FENCE = "stale overlap, fences the wrong way"
+ORDER_FENCE = "fence decreased between sections inside their leases"
+
+
 def check(
-    sections: list[Section], faults: list[Fault], *, ttl: float, poll_max: float, slack: float
+    sections: list[Section],
+    faults: list[Fault],
+    *,
+    ttl: float,
+    poll_max: float,
+    slack: float,
+    t0: float = 0.0,
 ) -> dict[str, Any]:
+    """The verdicts; ``t0`` (the run's start, ``time.monotonic()``) only makes
+    the times in the violation reports relative to it."""
     killed = {f.pid: f.t for f in faults if f.kind == "kill" and f.pid is not None}
 
     def end(s: Section) -> float:
@@ -437,15 +455,68 @@ def check(
         """End of the part of the section its holder ran within its lease."""
         return min(end(s), s.lease_end)
 
+    def ended_by(s: Section) -> str:
+        if s.t_end is not None:
+            return s.outcome or "unknown"
+        return "kill -9" if s.pid in killed else "never seen ending"
+
+    def describe(s: Section, at: float) -> dict[str, Any]:
+        """One section as a violation report shows it; ``at`` is the moment judged."""
+        return {
+            "fence": s.fence,
+            "pid": s.pid,
+            "thread": s.thread,
+            "token": s.token,
+            "start": round(s.t_start - t0, 4),
+            "end": round(end(s) - t0, 4),
+            "ended_by": ended_by(s),
+            "lease_end": round(s.lease_end - t0, 4),
+            "at": round(at - t0, 4),
+            "state": "valid" if at < valid_until(s) - EPSILON else "stale",
+        }
+
+    margin = 2 * ttl + 1.0  # a restart or cut this long before may have set it up
+
+    def around(*pair: Section) -> list[dict[str, Any]]:
+        lo = min(s.t_start for s in pair) - margin
+        hi = max(end(s) for s in pair) + 0.5
+        return [
+            {
+                "kind": f.kind,
+                "at": round(f.t - t0, 4),
+                "until": None if f.t_end is None else round(f.t_end - t0, 4),
+                "pid": f.pid,
+                "keys": f.keys,
+                "detail": f.detail,
+            }
+            for f in faults
+            if (f.t_end if f.t_end is not None else f.t) >= lo and f.t <= hi
+        ]
+
+    violations: list[dict[str, Any]] = []
+
+    def report(kind: str, key: str, a: Section, b: Section, at: float | None) -> None:
+        """``at``: the moment both are judged (an overlap's start); None: each at its own start."""
+        violations.append(
+            {
+                "kind": kind,
+                "key": key,
+                "sections": [describe(a, at or a.t_start), describe(b, at or b.t_start)],
+                "faults": around(a, b),
+            }
+        )
+
     by_key: dict[str, list[Section]] = defaultdict(list)
     for s in sections:
         by_key[s.key].append(s)
     real = stale = fence_violations = order_violations = 0
-    examples: list[str] = []
     for key, group in by_key.items():
         group.sort(key=lambda s: s.t_start)
         valid = [s for s in group if s.t_start < valid_until(s) - EPSILON]
-        order_violations += sum(1 for x, y in itertools.pairwise(valid) if y.fence <= x.fence)
+        for x, y in itertools.pairwise(valid):
+            if y.fence <= x.fence:
+                order_violations += 1
+                report(ORDER_FENCE, key, x, y, None)
         active: list[tuple[float, int, Section]] = []  # started sections, by end
         for i, b in enumerate(group):
             while active and active[0][0] <= b.t_start:
@@ -456,19 +527,16 @@ def check(
                 b_valid = at < valid_until(b) - EPSILON
                 if a_valid and b_valid:
                     real += 1
-                    if len(examples) < 5:
-                        examples.append(
-                            f"{key}: fence {a.fence} (pid {a.pid}) valid until "
-                            f"{valid_until(a):.4f}; fence {b.fence} (pid {b.pid}) entered at "
-                            f"{b.t_start:.4f}, valid until {valid_until(b):.4f}"
-                        )
+                    report(REAL, key, a, b, at)
                     continue
                 stale += 1
                 # The one still inside its lease took the row over after the
                 # other's lease ended: its fence must be the larger.
                 if (a_valid and a.fence <= b.fence) or (b_valid and b.fence <= a.fence):
                     fence_violations += 1
+                    report(STALE_FENCE, key, a, b, at)
             heapq.heappush(active, (end(b), i, b))
+    violations.sort(key=lambda v: min(s["start"] for s in v["sections"]))
     blocked: list[float] = []
     unresolved = 0
     for f in faults:
@@ -501,7 +569,8 @@ def check(
         "blocked_bound_s": round(bound, 4),
         "blocked_allowed_s": round(bound + slack, 4),
         "outcomes": _outcomes(sections),
-        "examples": examples,
+        "violations": violations[:MAX_REPORTED],
+        "violations_not_reported": max(len(violations) - MAX_REPORTED, 0),
     }
     result["ok"] = (
         real == 0
@@ -511,6 +580,30 @@ def check(
         and longest <= bound + slack
     )
     return result
+
+
+# Violation reports kept per database (a broken lock could make thousands).
+MAX_REPORTED = 100
+
+
+def violation_lines(violation: dict[str, Any]) -> list[str]:
+    """A violation as plain lines: what, then each section, then the faults near it."""
+    lines = [f"{violation['kind'].upper()} on {violation['key']}:"]
+    for label, s in zip(("earlier", "later"), violation["sections"], strict=True):
+        lines.append(
+            f"  {label}: fence {s['fence']}, pid {s['pid']} {s['thread']}, "
+            f"section {s['start']:.4f} s to {s['end']:.4f} s ({s['ended_by']}), "
+            f"lease until {s['lease_end']:.4f} s: {s['state']} at {s['at']:.4f} s"
+        )
+    for f in violation["faults"] or [{"kind": None}]:
+        if f["kind"] is None:
+            lines.append("  no fault nearby")
+            continue
+        until = "" if f["until"] is None else f" to {f['until']:.4f} s"
+        who = "" if f["pid"] is None else f" pid {f['pid']}"
+        keys = f" holding {', '.join(f['keys'])}" if f["keys"] else ""
+        lines.append(f"  fault: {f['kind']} at {f['at']:.4f} s{until}{who}{keys} ({f['detail']})")
+    return lines
 
 
 def _outcomes(sections: list[Section]) -> dict[str, int]:
@@ -546,6 +639,14 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
             f"+ {args.slack:g} s slack) | {outcomes.get('lost', 0)} "
             f"| {outcomes.get('release-failed', 0)} |"
         )
+    for db, r in results.items():
+        if not r["violations"]:
+            continue
+        lines += ["", f"Violations on {db} (times in seconds from the start of its run):", ""]
+        for violation in r["violations"]:
+            lines += ["```", *violation_lines(violation), "```"]
+        if r["violations_not_reported"]:
+            lines.append(f"... and {r['violations_not_reported']} more not reported.")
     return "\n".join(lines)
 
 
@@ -557,8 +658,14 @@ def torture(db: str, args: argparse.Namespace) -> dict[str, Any]:
         run.go()
     finally:
         run.close()
+    # With --keep, what the checker needs besides the ledgers, to look again later.
+    (run_dir / "run.json").write_text(
+        json.dumps({"t0": run.t0, "faults": [dataclasses.asdict(f) for f in run.faults]})
+    )
     sections, stats = read_ledgers(run_dir)
-    result = check(sections, run.faults, ttl=args.ttl, poll_max=args.poll_max, slack=args.slack)
+    result = check(
+        sections, run.faults, ttl=args.ttl, poll_max=args.poll_max, slack=args.slack, t0=run.t0
+    )
     result["worker_stats"] = stats
     result["run_dir"] = str(run_dir)
     if not args.keep:
@@ -593,8 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     for db in args.db or DATABASES:
         print(f"... {db}: {args.seconds:g} s", file=sys.stderr, flush=True)
         results[db] = torture(db, args)
-        for example in results[db]["examples"]:
-            print(f"    REAL OVERLAP {example}", file=sys.stderr)
+        for violation in results[db]["violations"]:
+            print("\n".join("    " + line for line in violation_lines(violation)), file=sys.stderr)
     print(render(results, args))
     ok = all(r["ok"] for r in results.values())
     print("\nOK: no real overlap, fences in order, blocked keys within the lease." if ok

@@ -327,9 +327,16 @@ def test_password_is_masked_in_everything_printed_or_logged(
     assert private.config.table in with_env.stdout  # DBLOCK_URL was used
 
     proc = start_dblock("sweep", "--every", "0.2s", "-v", "--url", url, *table)
-    time.sleep(1.5)
+    # Signal it once it is sweeping (its handler is set by then), not after a guess.
+    assert proc.stderr is not None
+    first: list[str] = []
+    while not any(":***@" in line for line in first):
+        line = proc.stderr.readline()
+        assert line, "".join(first)
+        first.append(line)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
+    err = "".join(first) + err
     assert proc.returncode == 0, err
     assert secret not in out + err
     assert ":***@" in err

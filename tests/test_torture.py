@@ -8,6 +8,7 @@ could not see an overlap would not pass here either.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -116,3 +117,50 @@ def test_checker_measures_blocked_time_after_a_kill() -> None:
     assert result["ok"]
     too_late = _section(t, 2, 11, 12.5, 13.5, 12.6)  # 2 s after the kill: over 1 + 0.1 + 0.5
     assert not _check(t, [dead, too_late], [killed])["ok"]
+
+
+def test_checker_reports_each_violation_with_both_sections_and_the_faults_near_them() -> None:
+    t = _torture()
+    long_before = t.Fault("cut", 1.0, "3 connections cut")
+    restart = t.Fault("restart", 10.5, "crash and start", t_end=11.0)
+    # Both inside their leases, one after the other, the later one with the
+    # smaller fence: the fence went backwards.
+    earlier = _section(t, 7, 10, 12.0, 14.0, 12.01)
+    later = _section(t, 5, 11, 12.05, 14.05, 12.06)
+    result = _check(t, [earlier, later], [long_before, restart])
+    assert result["fence_order_violations"] == 1
+    assert not result["ok"]
+    (violation,) = result["violations"]
+    assert violation["kind"] == t.ORDER_FENCE
+    assert violation["key"] == "k"
+    first, second = violation["sections"]
+    assert (first["fence"], first["pid"], first["start"], first["end"]) == (7, 10, 12.0, 12.01)
+    assert (second["fence"], second["pid"], second["lease_end"]) == (5, 11, 14.05)
+    assert first["state"] == second["state"] == "valid"
+    assert first["ended_by"] == "released"
+    assert [f["kind"] for f in violation["faults"]] == ["restart"]  # the cut is long past
+    lines = t.violation_lines(violation)
+    assert "fence 7, pid 10" in lines[1]
+    assert "fence 5, pid 11" in lines[2]
+    assert "restart at 10.5000 s to 11.0000 s" in lines[3]
+    args = argparse.Namespace(
+        processes=2, threads=1, keys=1, seconds=5.0, ttl=1.0, poll_max=0.1, fault_every=1.6,
+        slack=0.5,
+    )  # fmt: skip
+    markdown = t.render({"mariadb": result}, args)
+    assert "Violations on mariadb" in markdown
+    assert all(line in markdown for line in lines)
+    assert json.loads(json.dumps(result))["violations"][0]["sections"][1]["fence"] == 5
+
+
+def test_checker_reports_a_stale_overlap_with_fences_the_wrong_way() -> None:
+    t = _torture()
+    paused = _section(t, 5, 10, 10.0, 11.0, 12.0)  # ran past its lease (to 11.0)
+    result = _check(t, [paused, _section(t, 4, 11, 11.2, 12.2, 11.3)])
+    # Both started inside their leases, so the fence also decreased between them.
+    assert sorted(v["kind"] for v in result["violations"]) == sorted([t.STALE_FENCE, t.ORDER_FENCE])
+    (violation,) = [v for v in result["violations"] if v["kind"] == t.STALE_FENCE]
+    assert [s["state"] for s in violation["sections"]] == ["stale", "valid"]
+    assert [s["fence"] for s in violation["sections"]] == [5, 4]
+    assert violation["faults"] == []
+    assert t.violation_lines(violation)[-1] == "  no fault nearby"

@@ -11,6 +11,18 @@ its lease has run out (the takeover), then insert again. The fence of a
 taken-over key comes from a fresh INSERT, which is why MySQL has no in-place
 takeover or hand-off: ``AUTO_INCREMENT`` only advances on INSERT.
 
+Why ``INSERT … SELECT`` and not ``INSERT … VALUES``: InnoDB draws an
+``AUTO_INCREMENT`` value *before* it looks for the key in the index. A plain
+``INSERT … VALUES`` draws it under a mutex it lets go at once, so a statement
+held up between the two steps (a thread descheduled on a loaded server) could
+insert a fence drawn earlier than the one another process was granted, and
+released, on the same key in the meantime: the fence went backwards.
+``INSERT … SELECT`` is a "bulk insert" to InnoDB, which (with
+``innodb_autoinc_lock_mode`` 0 or 1, MariaDB's default) holds the table's
+AUTO-INC lock from the draw to the end of the statement, so fences are drawn
+in the order the rows are written. Mode 2 (MySQL 8's default, and Galera's
+requirement) takes no such lock; we warn about it once.
+
 SQLAlchemy's MySQL dialects set CLIENT_FOUND_ROWS, so UPDATE row counts are
 rows *matched*; we only act on INSERT and DELETE counts, which it leaves alone.
 """
@@ -29,7 +41,7 @@ from ..config import Config
 from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Lease, Params, Result, Store
+from .base import Grant, Holder, Lease, Params, Result, Store, log
 
 _NO_SUCH_TABLE = 1146
 _DEADLOCK = (1213, 1205)  # chosen as a deadlock victim, lock wait timeout
@@ -50,8 +62,8 @@ class MySQLStore(Store):
         now = "UTC_TIMESTAMP(6)"
         self._insert_sql = (
             f"INSERT IGNORE INTO {t} (lock_key, owner, token, acquired_at, expires_at) "
-            f"VALUES (%(key)s, %(owner)s, %(token)s, {now}, "
-            f"{now} + INTERVAL %(ttl_us)s MICROSECOND)"
+            f"SELECT %(key)s, %(owner)s, %(token)s, {now}, "
+            f"{now} + INTERVAL %(ttl_us)s MICROSECOND"
         )
         self._insert_returning_sql = self._insert_sql + " RETURNING fence, expires_at, acquired_at"
         self._holder_sql = (
@@ -81,6 +93,18 @@ class MySQLStore(Store):
             self.returning = bool(
                 getattr(dialect, "is_mariadb", False)
                 and (dialect.server_version_info or (0,)) >= (10, 5)
+            )
+            self._check_autoinc_lock_mode()
+
+    def _check_autoinc_lock_mode(self) -> None:
+        (mode,) = self.run("SELECT @@innodb_autoinc_lock_mode", {}, fetch=True).rows[0]
+        if int(mode) >= 2:
+            log.warning(
+                "dblock: innodb_autoinc_lock_mode = %s on %s: InnoDB may hand out fences "
+                "out of order under load, so a fence can be smaller than the one granted "
+                "on the same key just before it; set it to 1 to keep fences growing",
+                mode,
+                self.executor.engine.url.render_as_string(hide_password=True),
             )
 
     def _server_offset(self) -> float:

@@ -5,6 +5,14 @@ takes a free or expired key; when the key is held the same statement reads
 the holder instead, so a waiter learns the holder's lease without a second
 round trip. ON CONFLICT never raises, so contention leaves the server log clean.
 
+The fence is drawn from the sequence under a transaction-scoped advisory
+lock on the key (two-int form: one class per lock table, the key's hash), so
+two acquisitions of one key draw and write their fences one after the other.
+Without it ``nextval`` ran before the conflict check: a statement held up
+there (waiting for another's insert of the key to end, or descheduled) could
+write a fence drawn before the one another process was granted, and
+released, on that key meanwhile, and the fence went backwards.
+
 Release deletes the row where the token is ours and, in the same statement,
 ``pg_notify``-s the key on a channel named after the table. One listener
 connection per process fans those notifications out to its waiting threads.
@@ -18,6 +26,7 @@ import os
 import select
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -35,6 +44,11 @@ log = logging.getLogger("dblock")
 _UNDEFINED_TABLE = "42P01"
 
 
+def _lock_class(table: str) -> int:
+    """The advisory lock class of a lock table: its name's CRC-32 as a signed int4."""
+    return (zlib.crc32(table.encode()) ^ 0x80000000) - 0x80000000
+
+
 @register("postgresql")
 class PostgresStore(Store):
     can_transfer: ClassVar[bool] = True
@@ -45,10 +59,13 @@ class PostgresStore(Store):
         t = self.quoted(self.names.table)
         seq = self.quoted(self.names.sequence).replace("'", "''")
         lease = "now() + make_interval(secs => %(ttl)s)"
+        # Materialised, and the INSERT reads its row: the lock is taken before nextval.
         self._acquire_sql = (
-            f"WITH ins AS ("
+            f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
+            f"{_lock_class(self.names.table)}, hashtext(%(key)s))), "
+            f"ins AS ("
             f"INSERT INTO {t} AS t (lock_key, owner, token, fence, acquired_at, expires_at) "
-            f"VALUES (%(key)s, %(owner)s, %(token)s, nextval('{seq}'), now(), {lease}) "
+            f"SELECT %(key)s, %(owner)s, %(token)s, nextval('{seq}'), now(), {lease} FROM lk "
             f"ON CONFLICT (lock_key) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "

@@ -165,6 +165,13 @@ class PrivateMariaDB(PrivateServer):
     def url(self) -> str:
         return f"mysql+pymysql://root@127.0.0.1:{self.port}/test"
 
+    @property
+    def pid(self) -> int:
+        """The running server's process id."""
+        if self._proc is None or self._proc.poll() is not None:
+            raise RuntimeError("mariadbd is not running")
+        return self._proc.pid
+
     def start(self) -> None:
         server = shutil.which("mariadbd") or "/usr/sbin/mariadbd"
         log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - the server keeps it

@@ -1,23 +1,91 @@
-"""A read-only admin page of the locks held now, with a force-release action."""
+"""A read-only admin page of the locks held now, with a force-release action.
+
+What an operator asks of it: which keys of one kind are held (the key prefix
+filter, from the part of each key before its first ``:``), which rows expired
+without being released (the lease filter: crashed holders the sweeper has not
+reached), and which have been held for long (the age filter and column).
+Ages and leases here use this web server's clock, not the database's: the
+``dblock list`` and ``dblock top`` commands read both from the database.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import timedelta
+from typing import Any, ClassVar
 
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
+from django.utils.html import format_html
 
 from ...errors import DBLockError
 from .. import _admin
 from . import conf, get_manager
 from .models import Lock
 
+#: How many distinct key prefixes the prefix filter offers at most.
+_PREFIXES = 50
+#: How many keys it reads to find them (the table may hold many more).
+_PREFIX_SAMPLE = 5000
+
+
+class LeaseFilter(admin.SimpleListFilter):
+    title = "lease"
+    parameter_name = "lease"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("live", "live"), ("expired", "expired (not released)")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Lock]) -> QuerySet[Lock]:
+        now = timezone.now()
+        if self.value() == "expired":
+            return queryset.filter(expires_at__lte=now)
+        if self.value() == "live":
+            return queryset.filter(expires_at__gt=now)
+        return queryset
+
+
+class AgeFilter(admin.SimpleListFilter):
+    title = "held for"
+    parameter_name = "held"
+    _SPANS: ClassVar[dict[str, tuple[str, timedelta]]] = {
+        "1m": ("over a minute", timedelta(minutes=1)),
+        "10m": ("over 10 minutes", timedelta(minutes=10)),
+        "1h": ("over an hour", timedelta(hours=1)),
+        "1d": ("over a day", timedelta(days=1)),
+    }
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(value, label) for value, (label, _) in self._SPANS.items()]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Lock]) -> QuerySet[Lock]:
+        span = self._SPANS.get(self.value() or "")
+        if span is None:
+            return queryset
+        return queryset.filter(acquired_at__lte=timezone.now() - span[1])
+
+
+class KeyPrefixFilter(admin.SimpleListFilter):
+    """Keys by their namespace: ``user:`` for ``user:42``, ``order:`` for ``order:9001``."""
+
+    title = "key prefix"
+    parameter_name = "prefix"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        keys = model_admin.get_queryset(request).values_list("lock_key", flat=True)
+        prefixes = sorted({key.split(":", 1)[0] + ":" for key in keys[:_PREFIX_SAMPLE]})
+        return [(prefix, prefix) for prefix in prefixes[:_PREFIXES]]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Lock]) -> QuerySet[Lock]:
+        prefix = self.value()
+        return queryset.filter(lock_key__startswith=prefix) if prefix else queryset
+
 
 @admin.register(Lock)
 class LockAdmin(admin.ModelAdmin):
-    list_display = ("lock_key", "owner", "fence", "acquired_at", "expires_at", "lease")
+    list_display = ("lock_key", "owner", "fence", "held_for", "lease", "acquired_at", "expires_at")
+    list_filter = (KeyPrefixFilter, LeaseFilter, AgeFilter)
     search_fields = ("lock_key", "owner")
     readonly_fields = ("lock_key", "owner", "fence", "acquired_at", "expires_at")
     exclude = ("token",)  # what release matches on: not for display
@@ -38,10 +106,19 @@ class LockAdmin(admin.ModelAdmin):
     def has_force_release_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm("dblock.force_release_lock"))
 
-    @admin.display(description="lease left")
+    @admin.display(description="held for", ordering="acquired_at")
+    def held_for(self, obj: Lock) -> str:
+        return _span((timezone.now() - obj.acquired_at).total_seconds())
+
+    @admin.display(description="lease left", ordering="expires_at")
     def lease(self, obj: Lock) -> str:
         left = (obj.expires_at - timezone.now()).total_seconds()  # this server's clock
-        return "ended" if left <= 0 else f"{left:.0f} s"
+        if left <= 0:
+            marked: str = format_html(
+                '<strong style="color:#ba2121">expired {} ago</strong>', _span(-left)
+            )
+            return marked
+        return _span(left)
 
     @admin.action(description="Force-release the selected locks", permissions=["force_release"])
     def force_release(self, request: HttpRequest, queryset: QuerySet[Lock]) -> None:
@@ -60,3 +137,13 @@ class LockAdmin(admin.ModelAdmin):
             "Their holders were not told and run on without mutual exclusion.",
             messages.WARNING,
         )
+
+
+def _span(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"

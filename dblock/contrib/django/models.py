@@ -27,6 +27,18 @@ class LockTimeField(models.DateTimeField):
     def from_db_value(self, value: Any, expression: Any, connection: Any) -> datetime | None:
         return to_utc(value)
 
+    def get_db_prep_value(self, value: Any, connection: Any, prepared: bool = False) -> Any:
+        """A time to compare with (the admin's filters), in the column's own form."""
+        if value is None or not isinstance(value, datetime):
+            return super().get_db_prep_value(value, connection, prepared)
+        aware = to_utc(value)
+        assert aware is not None
+        if connection.vendor == "sqlite":
+            return aware.timestamp()
+        if connection.vendor == "mysql":
+            return aware.replace(tzinfo=None)
+        return aware
+
 
 class Lock(models.Model):
     lock_key = models.CharField("key", max_length=255, primary_key=True)

@@ -81,3 +81,4 @@ DATABASES["default"]["ATOMIC_REQUESTS"] = os.environ.get("EXAMPLE_ATOMIC_REQUEST
 DBLOCK = {
     "TTL": 30,  # seconds a crashed worker can block a user
 }
+STATIC_URL = "static/"

@@ -1,0 +1,23 @@
+# Sourced by scripts/test: the Debian packages the test suite drives as real
+# programs (a terminal for `dblock top`, a browser for the Django admin page,
+# a private pgbouncer in front of PostgreSQL, gdb holding a private MariaDB's
+# server thread at one instruction for the fence-order test).
+# Installed when missing if we can (root with apt-get, as on CI); otherwise
+# the tests that need them fail and name the package.
+_dblock_need=()
+command -v tmux >/dev/null 2>&1 || _dblock_need+=(tmux)
+command -v chromium >/dev/null 2>&1 || _dblock_need+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || _dblock_need+=(chromium-driver)
+command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || _dblock_need+=(pgbouncer)
+command -v gdb >/dev/null 2>&1 || _dblock_need+=(gdb)
+command -v nm >/dev/null 2>&1 || _dblock_need+=(binutils)
+if ((${#_dblock_need[@]})); then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "scripts: installing ${_dblock_need[*]} (Debian packages)" >&2
+        apt-get update -qq >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${_dblock_need[@]}" >&2
+    else
+        echo "scripts: missing ${_dblock_need[*]}: install them (apt-get install ${_dblock_need[*]})" >&2
+    fi
+fi
+unset _dblock_need
