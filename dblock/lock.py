@@ -43,7 +43,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
-from ._store import Grant, Holder, Interrupted, Store
+from ._store import Backoff, Grant, Holder, Interrupted, Store
 from ._store.base import never_sent
 from .config import Config, OnLost, check_ttl
 from .errors import (
@@ -102,6 +102,10 @@ class LockOptions:
 # this many times (waiting 50, 100, 200 ms) before giving up on learning the
 # outcome and leaving the row to be deleted as soon as the database answers.
 _AMBIGUITY_RETRIES = 3
+# A waiting acquire that loses the database retries after 50 ms, doubling up
+# to 1 s, until its own deadline (a failover takes seconds).
+_OUTAGE_INITIAL = 0.05
+_OUTAGE_MAX = 1.0
 # Wake this long after the holder's lease ends, so the takeover finds it expired.
 _EXPIRY_MARGIN = 0.002
 
@@ -542,7 +546,7 @@ class Locker:
             self.renewer.post(_noop)  # the renewal thread cleans orphans on its pass
             raise
 
-    def _acquire_loop(
+    def _acquire_loop(  # noqa: PLR0912 - the wait loop: grant, busy, timeout, outage, close
         self,
         entry: Entry,
         *,
@@ -557,12 +561,17 @@ class Locker:
     ) -> HeldLock:
         store = self.store
         key = entry.key
+        # A token handed over by a hand-off that failed mid-statement: the row
+        # may carry it already. This thread was waiting, so it rides out an
+        # outage too, and if it still fails the row must not outlive it.
+        handed = token
         token = token or _urandom(16).hex()
         deadline = None if timeout is None else start + timeout
         wait = None
         # A wait for a pooled connection ends with this request's timeout too.
         request = store.executor.request
         request.deadline = deadline
+        outage: Backoff | None = None
         try:
             while True:
                 if self._closing:
@@ -572,7 +581,15 @@ class Locker:
                 if store.has_orphans:
                     store.clean_orphans()
                 sent_at = _monotonic()
-                result = self._attempt(key, token, owner, ttl)
+                try:
+                    result = self._attempt(key, token, owner, ttl)
+                except BackendError as exc:
+                    outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
+                    token = self._ride_out(
+                        key, token, exc, deadline, outage, waiting=wait is not None, handed=handed
+                    )
+                    continue
+                outage = None
                 if isinstance(result, Grant):
                     return HeldLock(
                         self,
@@ -601,6 +618,32 @@ class Locker:
             request.deadline = None
             if wait is not None:
                 wait.close()
+
+    def _ride_out(
+        self,
+        key: str,
+        token: str,
+        exc: BackendError,
+        deadline: float | None,
+        outage: Backoff,
+        *,
+        waiting: bool,
+        handed: str | None,
+    ) -> str:
+        """A waiting acquire lost the database (a restart, a failover): wait
+        and try again until its own deadline, then raise what it saw. One
+        that is not waiting yet (its first attempt: a wrong URL, a dead
+        server) raises at once. Returns the token to go on with: a fresh one
+        if the last attempt's outcome stayed unknown (that row is an orphan
+        now, deleted once the database answers, and must not be taken for ours)."""
+        limit = float("inf") if deadline is None else deadline - _monotonic()
+        if limit <= 0 or not (waiting or handed):
+            if handed is not None:
+                self.store.add_orphan(key, handed, released=True)
+            raise exc
+        log.warning("dblock: waiting for %r; the database is unreachable, retrying: %s", key, exc)
+        outage.sleep(limit)
+        return _urandom(16).hex() if self.store.is_orphan(key, token) else token
 
     def _attempt(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
         """One try at the row, settling an ambiguous outcome: if the connection
@@ -669,11 +712,14 @@ class Locker:
             deleted = self.store.release(held.key, held.token)
         except BackendError as exc:
             log.error(
-                "dblock: releasing %r failed; the row stays until its lease ends or the "
-                "sweeper removes it: %s",
+                "dblock: releasing %r failed; the row stays until its lease ends, this "
+                "manager reaches the database again, or the sweeper removes it: %s",
                 held.key,
                 exc,
             )
+            # After a failover the next acquire deletes it at once, instead of
+            # the key staying blocked for the rest of the lease.
+            self.store.add_orphan(held.key, held.token, released=True)
             return False
         except BaseException:
             # Interrupted with the DELETE perhaps not committed.
@@ -790,10 +836,14 @@ class Locker:
         except BackendError as exc:
             # The row may carry the new token or still ours: the waiter tries
             # with the new token, which settles it either way.
+            # If the row still carries our token, the waiter's next attempt
+            # deletes it (once the database answers) rather than wait out the lease.
+            self.store.add_orphan(held.key, held.token, released=True)
             waiter.wake(new_token)
             log.error(
                 "dblock: handing %r to the next thread failed; the row stays until its "
-                "lease ends or the sweeper removes it: %s",
+                "lease ends, this manager reaches the database again, or the sweeper "
+                "removes it: %s",
                 held.key,
                 exc,
             )

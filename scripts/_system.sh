@@ -1,7 +1,8 @@
 # Sourced by scripts/test: the Debian packages the test suite drives as real
 # programs (a terminal for `dblock top`, a browser for the Django admin page,
 # a private pgbouncer in front of PostgreSQL, gdb holding a private MariaDB's
-# server thread at one instruction for the fence-order test).
+# server thread at one instruction for the fence-order test, Galera for the
+# cluster tests).
 # Installed when missing if we can (root with apt-get, as on CI); otherwise
 # the tests that need them fail and name the package.
 _dblock_need=()
@@ -11,6 +12,12 @@ command -v chromedriver >/dev/null 2>&1 || _dblock_need+=(chromium-driver)
 command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || _dblock_need+=(pgbouncer)
 command -v gdb >/dev/null 2>&1 || _dblock_need+=(gdb)
 command -v nm >/dev/null 2>&1 || _dblock_need+=(binutils)
+# The cluster tests (marker `cluster`): a private Galera cluster (its provider,
+# and rsync for state transfers; both come with Debian's mariadb-server) and
+# a PostgreSQL primary + standby (the server binaries, as for the rest).
+[ -e /usr/lib/galera/libgalera_smm.so ] || _dblock_need+=(galera-4)
+command -v rsync >/dev/null 2>&1 || _dblock_need+=(rsync)
+command -v ss >/dev/null 2>&1 || _dblock_need+=(iproute2)
 if ((${#_dblock_need[@]})); then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "scripts: installing ${_dblock_need[*]} (Debian packages)" >&2

@@ -3,11 +3,42 @@
 The code lives in the package (dblock/bench/) so the installed ``dblock``
 command runs exactly the same thing; see ``scripts/bench`` for the one
 command that also sets up the environment.
+
+``--databases ...,galera`` without ``--galera URL,...`` (or
+``$DBLOCK_BENCH_GALERA_URLS``) starts a private 3-node Galera cluster on
+loopback for the run (tests/support/servers.py) and stops it afterwards.
 """
 
+import os
 import sys
+from pathlib import Path
 
 from dblock.cli import main
 
+
+def _wants_private_galera(argv: list[str]) -> bool:
+    databases = ""
+    for i, arg in enumerate(argv):
+        if arg == "--databases" and i + 1 < len(argv):
+            databases = argv[i + 1]
+        elif arg.startswith("--databases="):
+            databases = arg.split("=", 1)[1]
+    given = any(a == "--galera" or a.startswith("--galera=") for a in argv)
+    return (
+        "galera" in databases.split(",")
+        and not given
+        and not os.environ.get("DBLOCK_BENCH_GALERA_URLS")
+    )
+
+
 if __name__ == "__main__":
-    sys.exit(main(["bench", *sys.argv[1:]]))
+    argv = sys.argv[1:]
+    if not _wants_private_galera(argv):
+        sys.exit(main(["bench", *argv]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.support.servers import PrivateGalera
+
+    print("... starting a private 3-node Galera cluster", file=sys.stderr, flush=True)
+    with PrivateGalera(3) as cluster:
+        code = main(["bench", *argv, "--galera", ",".join(cluster.urls)])
+    sys.exit(code)

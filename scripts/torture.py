@@ -29,6 +29,17 @@ Faults, one at a time, every ``--fault-every`` seconds, in a shuffled cycle:
   SIGKILL) and started again on the same port;
 * stall (SQLite): another connection holds the file's write lock for a second.
 
+Two replicated topologies, only when asked for by name:
+
+* ``--db galera``: a 3-node MariaDB Galera cluster; worker n connects to node
+  n mod 3 through that node's proxy. Its faults: ``cut`` closes the
+  connections of one node's proxy; ``node_kill`` is a kill -9 of node 1 or 2
+  and its rejoin (``--wsrep-recover``, then IST).
+* ``--db pg-failover``: a PostgreSQL primary with a synchronous standby;
+  workers use a multi-host URL (both proxies, ``target_session_attrs=
+  read-write``). ``failover`` (once per run) is a kill -9 of the primary and
+  the promotion of the standby; ``cut`` closes every proxied connection.
+
 The checker then reads every ledger and reports:
 
 * critical sections completed, and those cut short by kill -9;
@@ -89,10 +100,14 @@ from dblock import (  # noqa: E402
 
 TABLE = "dblock_torture"
 DATABASES = ("postgresql", "mariadb", "sqlite")
+# Replicated topologies, run only when asked for (--db galera, --db pg-failover).
+CLUSTERS = ("galera", "pg-failover")
 FAULTS = {
     "postgresql": ("kill", "pause", "cut", "restart"),
     "mariadb": ("kill", "pause", "cut", "restart"),
     "sqlite": ("kill", "pause", "stall"),
+    "galera": ("kill", "pause", "cut", "node_kill"),
+    "pg-failover": ("kill", "pause", "cut", "failover"),
 }
 # Float rounding of lease arithmetic (microsecond timestamps): a takeover this
 # close to the previous holder's lease end still counts as after it.
@@ -226,6 +241,10 @@ class Run:
         self.run_dir = run_dir
         self.server: Any = None
         self.proxy: Any = None
+        self.proxies: list[Any] = []
+        self.cluster: Any = None
+        self.worker_urls: list[str] = []
+        self.failed_over = False
         self.workers: list[subprocess.Popen[bytes]] = []
         self.faults: list[Fault] = []
         self.rng = random.Random(args.seed)
@@ -236,7 +255,9 @@ class Run:
     # setup / teardown
 
     def start(self) -> None:
-        if self.db == "sqlite":
+        if self.db in CLUSTERS:
+            self._start_cluster()
+        elif self.db == "sqlite":
             self.url = f"sqlite:///{self.run_dir / 'locks.sqlite3'}"
             self.worker_url = self.url
         else:
@@ -251,6 +272,26 @@ class Run:
             manager.create_schema()
         self.direct = sa.create_engine(self.url, poolclass=sa.pool.NullPool)
 
+    def _start_cluster(self) -> None:
+        from tests.support.proxy import Proxy
+        from tests.support.servers import PrivateGalera, PrivatePostgresPair
+
+        if self.db == "galera":
+            self.cluster = PrivateGalera(3)
+            nodes = self.cluster.nodes
+            self.proxies = [Proxy("127.0.0.1", n.port) for n in nodes]
+            self.worker_urls = [p.url_for(n.url) for p, n in zip(self.proxies, nodes, strict=True)]
+            self.url = nodes[0].url  # node 0 is never killed: the parent reads through it
+        else:
+            self.cluster = PrivatePostgresPair()
+            ports = (self.cluster.primary_port, self.cluster.standby_port)
+            self.proxies = [Proxy("127.0.0.1", port) for port in ports]
+            hosts = "&".join(f"host=127.0.0.1:{p.port}" for p in self.proxies)
+            self.worker_urls = [
+                f"postgresql+psycopg://postgres@/postgres?{hosts}&target_session_attrs=read-write"
+            ]
+            self.url = self.cluster.url
+
     def close(self) -> None:
         for w in self.workers:
             if w.poll() is None:
@@ -260,14 +301,19 @@ class Run:
                 w.wait(30)
         if self.proxy is not None:
             self.proxy.close()
+        for proxy in self.proxies:
+            proxy.close()
         with contextlib.suppress(Exception):
             self.direct.dispose()
         if self.server is not None:
             self.server.close()
+        if self.cluster is not None:
+            self.cluster.close()
 
     def spawn(self) -> None:
+        urls = self.worker_urls or [self.worker_url]
         spec = {
-            "url": self.worker_url,
+            "url": urls[len(self.workers) % len(urls)],
             "run_dir": str(self.run_dir),
             "keys": self.keys,
             "threads": self.args.threads,
@@ -366,9 +412,35 @@ class Run:
         return fault
 
     def _cut(self) -> Fault:
-        before = len(self.proxy._pairs)
-        self.proxy.cut_all()
-        return Fault("cut", time.monotonic(), f"{before} connections cut")
+        if self.db == "galera":  # one node cut off from its clients
+            n = self.rng.randrange(len(self.proxies))
+            proxies, what = [self.proxies[n]], f" of node {n}"
+        else:
+            proxies, what = self.proxies or [self.proxy], ""
+        before = sum(len(p._pairs) for p in proxies)
+        for p in proxies:
+            p.cut_all()
+        return Fault("cut", time.monotonic(), f"{before} connections{what} cut")
+
+    def _node_kill(self) -> Fault:
+        node = self.cluster.nodes[self.rng.choice((1, 2))]
+        node.crash()
+        fault = Fault("node_kill", time.monotonic(), f"kill -9 of node {node.index}, rejoin by IST")
+        self.cluster.wait_size(2)
+        node.start()  # --wsrep-recover, then --wsrep-start-position: IST
+        self.cluster.wait_size(3)
+        fault.t_end = time.monotonic()
+        return fault
+
+    def _failover(self) -> Fault | None:
+        if self.failed_over:  # no standby left to promote
+            return None
+        self.failed_over = True
+        self.cluster.kill_primary()
+        fault = Fault("failover", time.monotonic(), "kill -9 of the primary, standby promoted")
+        self.cluster.promote()
+        fault.t_end = time.monotonic()
+        return fault
 
     def _restart(self) -> Fault:
         fault = Fault("restart", time.monotonic(), "crash and start of the private instance")
@@ -678,7 +750,12 @@ def torture(db: str, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--db", action="append", choices=DATABASES)
+    parser.add_argument(
+        "--db",
+        action="append",
+        choices=DATABASES + CLUSTERS,
+        help="postgresql, mariadb, sqlite (the default: all three), galera, pg-failover",
+    )
     parser.add_argument("--seconds", type=float, default=60.0, help="per database (60)")
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--threads", type=int, default=4)

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from dblock import LockManager
 from tests.support.counting import StatementCounter
 from tests.support.db import DEFAULT_URLS, reachable
+from tests.support.servers import PrivateGalera, PrivatePostgresPair
 
 DATABASES = ("sqlite", "postgresql", "mariadb")
 
@@ -106,6 +107,31 @@ def make_manager(db_url: str) -> Iterator[object]:
     yield make
     for m in made:
         m.close()
+
+
+@pytest.fixture(scope="session")
+def galera() -> Iterator[PrivateGalera]:
+    """A private 3-node Galera cluster for the whole session, with the lock
+    table created (through node 0; Galera replicates DDL). Started on first
+    use (~15 s), stopped at the end. A test that stops a node starts it again."""
+    cluster = PrivateGalera(3)
+    try:
+        with LockManager(cluster.nodes[0].url) as m:
+            m.create_schema()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="session")
+def pg_pair() -> Iterator[PrivatePostgresPair]:
+    """A private PostgreSQL primary with a synchronous standby, for the
+    session. A test that fails over calls ``pg_pair.reset()`` to rebuild it."""
+    pair = PrivatePostgresPair()
+    try:
+        yield pair
+    finally:
+        pair.close()
 
 
 @pytest.fixture

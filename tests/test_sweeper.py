@@ -198,9 +198,11 @@ def proxy(db_url: str) -> Iterator[Proxy]:
 def test_release_that_cannot_reach_the_database_is_swept_later(
     db_url: str, private: LockManager, proxy: Proxy, keys: object
 ) -> None:
-    """The release's DELETE fails (database unreachable at that moment): the
-    caller goes on, the row stays until its lease ends, the sweeper removes
-    it then, and nothing else is lost."""
+    """The release's DELETE fails (database unreachable at that moment) and
+    the application never reaches the database again (it stops): the caller
+    went on, the row stays until its lease ends, the sweeper removes it then,
+    and nothing else is lost. (A manager that does reach the database again
+    deletes such a row itself: tests/test_pg_failover.py.)"""
     table = private.config.table
     stranded_key, other_key = keys(2)  # type: ignore[operator]
     app = LockManager(proxy.url_for(db_url), table=table, renew=False)
@@ -211,6 +213,7 @@ def test_release_that_cannot_reach_the_database_is_swept_later(
         proxy.refuse(True)
         assert held.release() is False  # logged, local lock freed
         assert len(app._locker.registry) == 0
+        app.close()  # still unreachable: the row is stranded
         proxy.refuse(False)
 
         sweeper = Sweeper(private, grace=0.5, lock_ttl=5)
@@ -225,7 +228,10 @@ def test_release_that_cannot_reach_the_database_is_swept_later(
         # Nothing else lost: the other holder still holds and releases normally,
         # the application locks the key again with a greater fence.
         assert other.release() is True
-        with app.lock(stranded_key, blocking=False) as again:
+        with (
+            LockManager(proxy.url_for(db_url), table=table, renew=False) as restarted,
+            restarted.lock(stranded_key, blocking=False) as again,
+        ):
             assert again.fence > held.fence
     finally:
         app.close()

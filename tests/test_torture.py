@@ -164,3 +164,32 @@ def test_checker_reports_a_stale_overlap_with_fences_the_wrong_way() -> None:
     assert [s["fence"] for s in violation["sections"]] == [5, 4]
     assert violation["faults"] == []
     assert t.violation_lines(violation)[-1] == "  no fault nearby"
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("topology", ["galera", "pg-failover"])
+def test_torture_run_on_a_cluster(topology: str, tmp_path: Path) -> None:
+    """The same run on a 3-node Galera cluster (kill -9 of a node and its
+    rejoin by IST, one node's connections cut) and on a PostgreSQL primary
+    whose synchronous standby is promoted after the primary's kill -9."""
+    out = tmp_path / "torture.json"
+    seconds = "30" if topology == "galera" else "20"  # a node's rejoin takes seconds
+    args = [*SHORT, "--seconds", seconds]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--db", topology, *args, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())[topology]
+    assert result["overlaps_real"] == 0
+    assert result["fence_violations"] == 0
+    assert result["fence_order_violations"] == 0
+    assert result["sections_completed"] > 100
+    special = "node_kill" if topology == "galera" else "failover"
+    assert {"kill", "cut", special} <= set(result["faults"]), result["faults"]
+    assert result["blocked_after_kill_max_s"] <= result["blocked_allowed_s"]
+    assert "| " + topology + " |" in done.stdout

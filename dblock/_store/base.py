@@ -479,13 +479,20 @@ class Store:
 
     # -- orphans -----------------------------------------------------------
 
-    def add_orphan(self, key: str, token: str) -> None:
-        log.warning(
-            "dblock: acquisition of %r may have committed while the database was "
-            "unreachable; its row will be deleted once the database answers",
-            key,
-        )
+    def add_orphan(self, key: str, token: str, *, released: bool = False) -> None:
+        """Delete the row of ``(key, token)`` once the database answers: an
+        acquisition whose outcome we never learned, or (``released``) a
+        release that could not reach the database."""
+        if not released:
+            log.warning(
+                "dblock: acquisition of %r may have committed while the database was "
+                "unreachable; its row will be deleted once the database answers",
+                key,
+            )
         self._orphans.append((key, token, 0))
+
+    def is_orphan(self, key: str, token: str) -> bool:
+        return any(k == key and t == token for k, t, _ in self._orphans)
 
     @property
     def has_orphans(self) -> bool:
@@ -524,7 +531,7 @@ class Store:
                     self._give_up_orphan(key, exc)
                     continue
                 self._orphans.popleft()
-                log.info("dblock: removed the row of an unconfirmed acquisition of %r", key)
+                log.info("dblock: removed the row of %r left by an unanswered statement", key)
         finally:
             self._orphans_lock.release()
 

@@ -25,6 +25,24 @@ requirement) takes no such lock; we warn about it once.
 
 SQLAlchemy's MySQL dialects set CLIENT_FOUND_ROWS, so UPDATE row counts are
 rows *matched*; we only act on INSERT and DELETE counts, which it leaves alone.
+
+Galera (detected at first use from ``wsrep_on``). Every node accepts writes;
+a race between nodes is settled by certification at commit, and the loser is
+rolled back with error 1213. With the server default
+``wsrep_retry_autocommit=1`` the loser's autocommit statement is silently run
+again after the rows of its rolled-back ``INSERT … RETURNING`` already went to
+the client: both racers would read a grant. So on Galera the INSERT carries
+``SET STATEMENT wsrep_retry_autocommit=0``: the statement's rows then reach
+the client only followed by the OK of its commit, or are followed by 1213,
+which counts as "someone else got it" (we read the holder next). The INSERT
+also carries ``wsrep_sync_wait=4``: it first waits until this node has applied
+every transaction committed anywhere before it started, so the
+``AUTO_INCREMENT`` fence it takes is above every fence already handed out
+(nodes allocate from interleaved series, offset n, increment N; without the
+wait, fences of different keys came out of order across nodes; those of one
+key grew even so, since a node can only win a key once it has applied the
+previous holder's row). The holder read after a lost race waits the same way
+(``wsrep_sync_wait=1``), so it sees the winner's row instead of an empty key.
 """
 
 from __future__ import annotations
@@ -50,6 +68,9 @@ _UTC = timezone.utc
 # How many times one attempt may find the key freed or expired under its feet
 # (deleted between our INSERT and our SELECT) before reporting it busy.
 _RACE_RETRIES = 3
+# Statement prefixes on Galera (see the module docstring).
+_GALERA_INSERT = "SET STATEMENT wsrep_retry_autocommit=0, wsrep_sync_wait=4 FOR "
+_GALERA_READ = "SET STATEMENT wsrep_sync_wait=1 FOR "
 
 
 @register("mysql", "mariadb")
@@ -78,6 +99,7 @@ class MySQLStore(Store):
         self._t = t
         # Capabilities are read from the server on first use, not at import.
         self.returning: bool | None = None
+        self.galera: bool | None = None
         self._offset: float | None = None  # server UTC minus local time.time()
         self._offset_at = 0.0
         self._caps_lock = threading.Lock()
@@ -90,10 +112,16 @@ class MySQLStore(Store):
             # the executor, so an unreachable server is a BackendError.
             self.run("SELECT 1", {})
             dialect = self.engine.dialect
-            self.returning = bool(
-                getattr(dialect, "is_mariadb", False)
-                and (dialect.server_version_info or (0,)) >= (10, 5)
-            )
+            mariadb = bool(getattr(dialect, "is_mariadb", False))
+            # SHOW VARIABLES, not @@wsrep_on: MySQL has no such variable.
+            wsrep = self.run("SHOW VARIABLES LIKE 'wsrep_on'", {}, fetch=True).rows
+            self.galera = mariadb and bool(wsrep) and str(wsrep[0][1]).upper() == "ON"
+            if self.galera:
+                # New strings: run() tells the INSERTs apart by identity.
+                self._insert_sql = _GALERA_INSERT + self._insert_sql
+                self._insert_returning_sql = _GALERA_INSERT + self._insert_returning_sql
+                self._holder_sql = _GALERA_READ + self._holder_sql
+            self.returning = mariadb and (dialect.server_version_info or (0,)) >= (10, 5)
             self._check_autoinc_lock_mode()
 
     def _check_autoinc_lock_mode(self) -> None:
@@ -214,6 +242,11 @@ class MySQLStore(Store):
                 f"DELETE FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
                 f"RETURNING {COLUMNS}, UTC_TIMESTAMP(6)"
             )
+            if self.galera:
+                # As for the INSERT: never report rows of a run that was rolled
+                # back; and first apply what other nodes committed, so rows
+                # written there are seen.
+                sql = "SET STATEMENT wsrep_retry_autocommit=0, wsrep_sync_wait=2 FOR " + sql
             return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
         # MySQL has no DELETE ... RETURNING: read a batch, then delete each row
         # by its token, so a row taken over in between is left alone.
@@ -233,10 +266,11 @@ class MySQLStore(Store):
     def run(
         self, sql: str, params: Params, *, fetch: bool = False, lastrowid: bool = False
     ) -> Result:
-        """Run one statement; InnoDB's deadlock and lock-wait victims are
-        contention, not failure. A victim was rolled back whole (it is its own
-        transaction), so an INSERT IGNORE victim counts as ignored (the caller
-        reads the holder next) and any other statement is simply run again."""
+        """Run one statement; InnoDB's deadlock and lock-wait victims, and
+        Galera's certification losers (also 1213), are contention, not failure.
+        A victim was rolled back whole (it is its own transaction), so an
+        INSERT IGNORE victim counts as ignored (the caller reads the holder
+        next) and any other statement is simply run again."""
         for attempt in range(_DEADLOCK_RETRIES + 1):
             try:
                 return super().run(sql, params, fetch=fetch, lastrowid=lastrowid)

@@ -43,6 +43,8 @@ class HotKeySpec:
     seconds: float
     hold: float
     retry_after: float
+    # A cluster's nodes: worker process n connects to urls[n % len(urls)].
+    urls: tuple[str, ...] = ()
 
     @property
     def mode(self) -> str:
@@ -114,8 +116,18 @@ def _combine(spec: HotKeySpec, parts: list[dict[str, Any]]) -> HotKeyResult:
     )
 
 
+def _node_url(spec: HotKeySpec, start: Start) -> str:
+    """This worker's URL: on a cluster, the workers take the nodes in turn."""
+    if not spec.urls:
+        return spec.url
+    with start.counter.get_lock():
+        n = int(start.counter.value)
+        start.counter.value += 1
+    return spec.urls[n % len(spec.urls)]
+
+
 def _worker(spec: HotKeySpec, key: str, start: Start) -> None:
-    manager = LockManager(spec.url, table=spec.table, **dict(spec.options))
+    manager = LockManager(_node_url(spec, start), table=spec.table, **dict(spec.options))
     tallies = [_Tally() for _ in range(spec.threads)]
     inside = 0
     most_inside = 0

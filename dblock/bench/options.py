@@ -18,9 +18,11 @@ from typing import Any
 from ..config import Config
 from ..errors import LockArgumentError
 
-__all__ = ["DATABASES", "SECTIONS", "BenchOptions", "Variant", "add_arguments"]
+__all__ = ["CLUSTERS", "DATABASES", "SECTIONS", "BenchOptions", "Variant", "add_arguments"]
 
 DATABASES = ("postgresql", "mariadb", "sqlite")
+# Measured only when asked for: a MariaDB Galera cluster, given by its nodes' URLs.
+CLUSTERS = ("galera",)
 SECTIONS = ("uncontended", "level1", "hotkey", "handoff", "memory")
 
 _DEFAULT_URLS = {
@@ -30,6 +32,7 @@ _DEFAULT_URLS = {
     ),
     "mariadb": ("DBLOCK_BENCH_MYSQL_URL", "mysql+pymysql://root@127.0.0.1:3306/test"),
     "redis": ("DBLOCK_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0"),
+    "galera": ("DBLOCK_BENCH_GALERA_URLS", ""),
 }
 
 
@@ -140,13 +143,14 @@ class BenchOptions:
             for db, attr, (env, default) in (
                 ("postgresql", "postgresql", _DEFAULT_URLS["postgresql"]),
                 ("mariadb", "mysql", _DEFAULT_URLS["mariadb"]),
+                ("galera", "galera", _DEFAULT_URLS["galera"]),
             )
         }
         out = Path(args.out)
         urls["sqlite"] = f"sqlite:///{(out / 'bench.sqlite3').resolve()}"
         env, default = _DEFAULT_URLS["redis"]
         given.update(
-            databases=_choices(args.databases, DATABASES, "--databases"),
+            databases=_choices(args.databases, DATABASES, "--databases", DATABASES + CLUSTERS),
             sections=_choices(args.only, SECTIONS, "--only"),
             urls=tuple(urls.items()),
             redis_url=args.redis or os.environ.get(env) or default,
@@ -170,11 +174,19 @@ class BenchOptions:
             raise LockArgumentError("seconds must be > 0 and hold >= 0")
         if self.memory_keys < self.memory_burst:
             raise LockArgumentError("memory-keys must be at least the burst size")
+        if "galera" in self.databases and not dict(self.urls).get("galera"):
+            raise LockArgumentError(
+                "--databases galera needs the nodes: --galera URL,URL,... "
+                "(or $DBLOCK_BENCH_GALERA_URLS; scripts/bench starts a private cluster)"
+            )
 
 
-def _choices(text: str | None, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
+def _choices(
+    text: str | None, default: tuple[str, ...], flag: str, allowed: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    allowed = allowed or default
     if not text:
-        return allowed
+        return default
     chosen = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = [c for c in chosen if c not in allowed]
     if unknown or not chosen:
@@ -193,7 +205,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--mysql", metavar="URL", help="MariaDB/MySQL URL ($DBLOCK_BENCH_MYSQL_URL)")
     where.add_argument("--redis", metavar="URL", help="Redis URL ($DBLOCK_BENCH_REDIS_URL)")
     where.add_argument(
-        "--databases", metavar="LIST", help=f"comma-separated subset of {','.join(DATABASES)}"
+        "--galera",
+        metavar="URL,URL,...",
+        help="a Galera cluster's node URLs, for --databases galera ($DBLOCK_BENCH_GALERA_URLS)",
+    )
+    where.add_argument(
+        "--databases",
+        metavar="LIST",
+        help=f"comma-separated subset of {','.join(DATABASES)} (the default), or galera",
     )
     where.add_argument("--only", metavar="LIST", help=f"sections: {','.join(SECTIONS)}")
     where.add_argument(

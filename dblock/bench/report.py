@@ -143,7 +143,9 @@ def render_markdown(results: Results) -> str:
     lines.append(
         f"Machine: {m.get('cpus')} × {m.get('cpu model')}, {m.get('memory')} RAM, "
         f"{m.get('os')}; Python {m.get('python')}, SQLAlchemy {m.get('sqlalchemy')}; "
-        + ", ".join(f"{db} {m[db]}" for db in ("postgresql", "mariadb", "sqlite") if db in m)
+        + ", ".join(
+            f"{db} {m[db]}" for db in ("postgresql", "mariadb", "galera", "sqlite") if db in m
+        )
         + f". Load average before {m.get('loadavg before')}, after {m.get('loadavg after')}."
         + (f" dblock {m['dblock commit']}." if "dblock commit" in m else "")
     )

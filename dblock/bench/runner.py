@@ -227,6 +227,7 @@ def _hot_specs(options: BenchOptions, benches: dict[str, Bench]) -> list[HotKeyS
             seconds=options.seconds,
             hold=options.hold,
             retry_after=options.retry_after,
+            urls=bench.urls if len(bench.urls) > 1 else (),
         )
         for db, bench in benches.items()
         for blocking in (False, True)
@@ -279,7 +280,7 @@ def describe_machine(options: BenchOptions) -> dict[str, str]:
             info["sqlite"] = sqlite3.sqlite_version
             continue
         try:
-            engine = sa.create_engine(options.url(db), poolclass=sa.pool.NullPool)
+            engine = sa.create_engine(options.url(db).split(",")[0], poolclass=sa.pool.NullPool)
             with engine.connect() as conn:
                 query = "SHOW server_version" if db == "postgresql" else "SELECT VERSION()"
                 info[db] = str(conn.exec_driver_sql(query).scalar())

@@ -100,7 +100,11 @@ class Bench:
 
     def __init__(self, database: str, url: str) -> None:
         self.database = database
-        self.url = url
+        # A cluster is given by its nodes' URLs, comma-separated: the
+        # single-threaded sections use the first, the hot key spreads its
+        # processes over all of them.
+        self.urls = tuple(u.strip() for u in url.split(",") if u.strip())
+        self.url = url = self.urls[0]
         suffix = uuid.uuid4().hex[:8]
         self.table = f"dblock_bench_{suffix}"
         self.plain = f"dblock_bench_{suffix}_plain"
@@ -253,7 +257,12 @@ def _sqlite_driver(bench: Bench, store: Any) -> _Driver:
     )
 
 
-_DRIVERS = {"postgresql": _postgresql_driver, "mariadb": _mariadb_driver, "sqlite": _sqlite_driver}
+_DRIVERS = {
+    "postgresql": _postgresql_driver,
+    "mariadb": _mariadb_driver,
+    "galera": _mariadb_driver,
+    "sqlite": _sqlite_driver,
+}
 
 
 def _raw_contenders(bench: Bench, run: str) -> tuple[Contender, Contender]:

@@ -41,6 +41,7 @@ class Proxy:
         self._pairs: set[tuple[socket.socket, socket.socket]] = set()
         self._closed = False
         self.connections = 0
+        self.accepted = 0  # every connection a client opened, even if not forwarded
         self._thread = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
         self._thread.start()
 
@@ -94,6 +95,7 @@ class Proxy:
                 return
             with self._lock:
                 refusing = self._refusing
+                self.accepted += 1
             if refusing:
                 _close(client)
                 continue

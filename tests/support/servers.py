@@ -30,7 +30,16 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-__all__ = ["PgBouncer", "PrivateMariaDB", "PrivatePostgres", "PrivateServer", "free_port"]
+__all__ = [
+    "GaleraNode",
+    "PgBouncer",
+    "PrivateGalera",
+    "PrivateMariaDB",
+    "PrivatePostgres",
+    "PrivatePostgresPair",
+    "PrivateServer",
+    "free_port",
+]
 
 
 def free_port() -> int:
@@ -310,3 +319,335 @@ pidfile = {self.dir / "pgbouncer.pid"}
                 self._proc.kill()
                 self._proc.wait(30)
         self._proc = None
+
+
+# -- clusters ----------------------------------------------------------------
+
+_GALERA_PROVIDER = "/usr/lib/galera/libgalera_smm.so"
+# As root, the nodes run as ``mysql``: the rsync daemon that receives an SST
+# drops to an unprivileged user, which must be able to write the datadir.
+_GALERA_USER = "mysql" if os.geteuid() == 0 else ""
+
+
+class GaleraNode(PrivateServer):
+    """One ``mariadbd`` of a :class:`PrivateGalera` cluster: its own datadir,
+    SQL port, and the three Galera ports (gcomm, IST, SST) a node on a shared
+    host needs to itself, or joiners collide."""
+
+    name = "galera"
+
+    def __init__(self, cluster: PrivateGalera, index: int, data: Path) -> None:
+        self.cluster = cluster
+        self.index = index
+        self.dir = cluster.dir / f"node{index}"
+        self.dir.mkdir()
+        self.data = data
+        self.port = free_port()
+        self.gcomm_port = free_port()
+        self.ist_port = free_port()
+        self.sst_port = free_port()
+        self.cnf = self.dir / "my.cnf"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mysql+pymysql://root@127.0.0.1:{self.port}/test"
+
+    def write_config(self, peers: list[int]) -> None:
+        cluster_address = ",".join(f"127.0.0.1:{p}" for p in peers)
+        provider_options = (
+            f"gmcast.listen_addr=tcp://127.0.0.1:{self.gcomm_port};"
+            f"ist.recv_addr=127.0.0.1:{self.ist_port};gcache.size=32M;"
+            # A dead node is noticed after 5 s (the default), given up after 7.
+            "evs.suspect_timeout=PT5S;evs.inactive_timeout=PT7S"
+        )
+        self.cnf.write_text(
+            "[mariadbd]\n"
+            f"datadir={self.data}\nport={self.port}\nsocket={self.dir / 'sock'}\n"
+            f"bind-address=127.0.0.1\npid-file={self.dir / 'pid'}\n"
+            + (f"user={_GALERA_USER}\n" if _GALERA_USER else "")
+            + f"log-error={self.dir / 'server.log'}\n"
+            "max-connections=500\ninnodb_buffer_pool_size=64M\n"
+            "binlog_format=ROW\ndefault_storage_engine=InnoDB\ninnodb_autoinc_lock_mode=2\n"
+            "innodb_flush_log_at_trx_commit=2\n"
+            f"wsrep_on=ON\nwsrep_provider={_GALERA_PROVIDER}\n"
+            f"wsrep_cluster_name=dblock\nwsrep_cluster_address=gcomm://{cluster_address}\n"
+            f"wsrep_node_name=node{self.index}\nwsrep_node_address=127.0.0.1\n"
+            f'wsrep_provider_options="{provider_options}"\n'
+            f"wsrep_sst_method=rsync\nwsrep_sst_receive_address=127.0.0.1:{self.sst_port}\n"
+        )
+
+    def _server(self, *extra: str) -> list[str]:
+        server = shutil.which("mariadbd") or "/usr/sbin/mariadbd"
+        # --defaults-file must come first; /etc/mysql/my.cnf is the shared server's.
+        return [server, f"--defaults-file={self.cnf}", *extra]
+
+    def start(self, *, new_cluster: bool = False) -> None:
+        """Start and wait until the node is Synced. After a crash the node
+        first recovers its position, so it rejoins by IST, not a full SST."""
+        extra = ["--wsrep-new-cluster"] if new_cluster else []
+        position = self.recover() if not new_cluster else None
+        if position:
+            extra.append(f"--wsrep-start-position={position}")
+        self._proc = subprocess.Popen(
+            self._server(*extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            self._wait_synced()
+        except BaseException:
+            self.crash()
+            raise
+
+    def recover(self) -> str | None:
+        """The position ``--wsrep-recover`` finds in a crashed node's datadir."""
+        grastate = self.data / "grastate.dat"
+        if not grastate.exists():
+            return None
+        log = self.dir / "recover.log"
+        _run([*self._server(f"--log-error={log}", "--wsrep-recover")])
+        text = log.read_text(errors="replace")
+        found = [ln.split("Recovered position:", 1)[1].strip()
+                 for ln in text.splitlines() if "Recovered position:" in ln]  # fmt: skip
+        log.unlink()
+        return found[-1] if found and not found[-1].endswith(":-1") else None
+
+    def status(self, name: str) -> str | None:
+        import pymysql
+
+        conn = pymysql.connect(host="127.0.0.1", port=self.port, user="root", connect_timeout=2)
+        try:
+            with conn.cursor() as cur:
+                cur.execute("SHOW GLOBAL STATUS LIKE %s", (name,))
+                row = cur.fetchone()
+                return None if row is None else str(row[1])
+        finally:
+            conn.close()
+
+    def _wait_synced(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self._proc is not None
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"galera node {self.index} exited; see {self.dir}/server.log")
+            try:
+                if self.status("wsrep_local_state_comment") == "Synced" and (
+                    self.status("wsrep_ready") == "ON"
+                ):
+                    return
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"galera node {self.index} not Synced within {timeout} s")
+            time.sleep(0.2)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def crash(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGKILL)
+            self._proc.wait(30)
+        self._proc = None
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(30)
+        self._proc = None
+
+
+class PrivateGalera:
+    """A MariaDB Galera cluster of ``size`` private nodes on loopback.
+
+    Node 0 bootstraps the cluster (``--wsrep-new-cluster``); the others join
+    one after the other (two joiners at once make the second wait for a
+    donor). ``nodes[i].url`` is node i's SQL URL, database ``test``.
+    """
+
+    def __init__(self, size: int = 3) -> None:
+        if not Path(_GALERA_PROVIDER).exists():
+            raise RuntimeError(
+                f"Galera is not installed ({_GALERA_PROVIDER}): apt-get install galera-4"
+            )
+        self.dir = Path(tempfile.mkdtemp(prefix="dblock-galera-"))
+        install = shutil.which("mariadb-install-db") or shutil.which("mysql_install_db")
+        if install is None:
+            raise RuntimeError("mariadb-install-db is not installed")
+        seed = self.dir / "seed"
+        _run([install, "--no-defaults", f"--datadir={seed}", "--skip-test-db",
+              "--auth-root-authentication-method=normal", "--user=root"])  # fmt: skip
+        self.nodes: list[GaleraNode] = []
+        try:
+            for i in range(size):
+                data = self.dir / f"data{i}"
+                shutil.copytree(seed, data, symlinks=True)
+                self.nodes.append(GaleraNode(self, i, data))
+            peers = [n.gcomm_port for n in self.nodes]
+            for n in self.nodes:
+                n.write_config(peers)
+            if _GALERA_USER:
+                _run(["chown", "-R", _GALERA_USER, str(self.dir)])
+            self.nodes[0].start(new_cluster=True)
+            for n in self.nodes[1:]:
+                n.start()
+            engine = sa.create_engine(
+                self.nodes[0].url.rsplit("/", 1)[0] + "/", poolclass=sa.pool.NullPool
+            )
+            with engine.connect() as conn:
+                conn.exec_driver_sql("CREATE DATABASE IF NOT EXISTS test")
+            engine.dispose()
+        except BaseException:
+            self.close()
+            raise
+        shutil.rmtree(seed, ignore_errors=True)
+
+    @property
+    def urls(self) -> list[str]:
+        return [n.url for n in self.nodes]
+
+    def wait_size(self, size: int, timeout: float = 60.0) -> None:
+        """Until every running node sees a primary component of ``size`` nodes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if all(
+                    n.status("wsrep_cluster_size") == str(size)
+                    and n.status("wsrep_local_state_comment") == "Synced"
+                    for n in self.nodes
+                    if n.running
+                ):
+                    return
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"galera cluster did not settle at {size} nodes")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        # Joiners first, the bootstrap node last: a clean shutdown of the whole cluster.
+        for n in reversed(self.nodes):
+            with contextlib.suppress(Exception):
+                n.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> PrivateGalera:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PrivatePostgresPair:
+    """A private PostgreSQL primary with one synchronous streaming standby
+    (``synchronous_standby_names = 'FIRST 1 (standby1)'``): a commit returns
+    only once the standby has the WAL, so promotion loses no committed row.
+
+    :attr:`url` names both servers with ``target_session_attrs=read-write``,
+    so a client reaches whichever one is the primary. :meth:`kill_primary`
+    is a SIGKILL of the primary's postmaster; :meth:`promote` makes the
+    standby the primary; :meth:`reset` builds a fresh pair.
+    """
+
+    def __init__(self) -> None:
+        self._as_postgres = os.geteuid() == 0
+        self._build()
+
+    def _build(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="dblock-pgpair-"))
+        if self._as_postgres:
+            shutil.chown(self.dir, "postgres")
+        self.primary_port, self.standby_port = free_port(), free_port()
+        self.primary, self.standby = self.dir / "primary", self.dir / "standby"
+        self._pg(_pg_bin("initdb"), "-D", str(self.primary), "--auth=trust", "-U", "postgres",
+                 "-E", "UTF8", "--no-sync")  # fmt: skip
+        self._conf(self.primary, self.primary_port, "primary",
+                   "synchronous_standby_names = 'FIRST 1 (standby1)'")  # fmt: skip
+        self._ctl(self.primary, "start")
+        self._pg(_pg_bin("pg_basebackup"), "-D", str(self.standby), "-R", "-X", "stream",
+                 "-c", "fast", "-d", f"host=127.0.0.1 port={self.primary_port} user=postgres "
+                 "application_name=standby1")  # fmt: skip
+        # The standby must not inherit the primary's synchronous_standby_names:
+        # promoted, with no standby of its own, every commit would wait forever.
+        self._conf(self.standby, self.standby_port, "standby1", "synchronous_standby_names = ''")
+        self._ctl(self.standby, "start")
+        self.wait_sync()
+
+    def _pg(self, *args: str) -> None:
+        prefix = ["runuser", "-u", "postgres", "--"] if self._as_postgres else []
+        _run([*prefix, *args])
+
+    def _conf(self, data: Path, port: int, name: str, extra: str) -> None:
+        with open(data / "postgresql.conf", "a") as f:
+            f.write(
+                f"\nport = {port}\nlisten_addresses = '127.0.0.1'\n"
+                f"unix_socket_directories = '{self.dir}'\ncluster_name = '{name}'\n"
+                f"wal_level = replica\nmax_connections = 200\nfsync = off\n{extra}\n"
+            )
+
+    def _ctl(self, data: Path, *args: str) -> None:
+        self._pg(_pg_bin("pg_ctl"), "-D", str(data), "-l", str(data.parent / f"{data.name}.log"),
+                 "-w", *args)  # fmt: skip
+
+    def node_url(self, port: int) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+
+    @property
+    def url(self) -> str:
+        return (
+            "postgresql+psycopg://postgres@/postgres"
+            f"?host=127.0.0.1:{self.primary_port}&host=127.0.0.1:{self.standby_port}"
+            "&target_session_attrs=read-write"
+        )
+
+    def wait_sync(self, timeout: float = 60.0) -> None:
+        """Until the primary reports the standby as its synchronous standby."""
+        engine = sa.create_engine(self.node_url(self.primary_port), poolclass=sa.pool.NullPool)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                with engine.connect() as conn:
+                    state = conn.exec_driver_sql(
+                        "SELECT sync_state FROM pg_stat_replication "
+                        "WHERE application_name = 'standby1'"
+                    ).scalar()
+                if state == "sync":
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the standby is not synchronous ({state})")
+                time.sleep(0.1)
+        finally:
+            engine.dispose()
+
+    def kill_primary(self) -> None:
+        """SIGKILL the primary's postmaster (its backends notice and exit)."""
+        pid = int((self.primary / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        # Wait for the port to close, so no client still reaches it.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.primary_port), timeout=0.5).close()
+            except OSError:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("the killed primary still accepts connections")
+
+    def promote(self) -> None:
+        self._pg(_pg_bin("pg_ctl"), "-D", str(self.standby), "-w", "promote")
+
+    def reset(self) -> None:
+        """Throw the pair away and build a fresh one (new ports)."""
+        self.close()
+        self._build()
+
+    def close(self) -> None:
+        for data in (self.standby, self.primary):
+            if (data / "postmaster.pid").exists():
+                with contextlib.suppress(Exception):
+                    self._pg(_pg_bin("pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(self.dir, ignore_errors=True)
