@@ -15,6 +15,7 @@ does.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,10 @@ __all__ = [
     "DEFAULT_URL",
     "borrow",
     "check_engine_options",
+    "check_url",
     "make_engine",
     "mask",
+    "mask_text",
     "resolve_url",
 ]
 
@@ -38,6 +41,30 @@ DEFAULT_URL = "sqlite:///dblock.sqlite3"
 ENV_URL = "DBLOCK_URL"
 
 _DRIVERS = {"postgresql": "psycopg", "mysql": "pymysql", "mariadb": "pymysql"}
+
+#: The databases dblock speaks, and the DBAPI drivers it speaks them through.
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "postgresql": ("psycopg",),
+    "mysql": ("pymysql",),
+    "mariadb": ("pymysql",),
+    "sqlite": ("pysqlite",),
+}
+_EXTRAS = {"postgresql": "postgresql", "mysql": "mysql", "mariadb": "mysql"}
+
+
+def check_dialect(dialect: str, driver: str) -> None:
+    """Refuse, before any engine is made, a database or driver dblock does not speak."""
+    if dialect not in SUPPORTED:
+        raise LockArgumentError(
+            f"dblock does not support the {dialect!r} database; it supports PostgreSQL "
+            "(postgresql://), MySQL/MariaDB (mysql://, mariadb://) and SQLite (sqlite://)"
+        )
+    drivers = SUPPORTED[dialect]
+    if driver not in drivers:
+        raise LockArgumentError(
+            f"dblock speaks {dialect} through {' or '.join(drivers)}, not {driver!r}; "
+            f"use a URL like {dialect}+{drivers[0]}://..."
+        )
 
 
 def resolve_url(url: str | URL | None) -> URL:
@@ -53,14 +80,40 @@ def resolve_url(url: str | URL | None) -> URL:
     return parsed
 
 
+# Query parameters whose value is a secret: libpq's password/sslpassword,
+# PyMySQL's passwd, ODBC-style pwd, and tokens or keys of any kind.
+_SECRET_PARAM = re.compile(r"pass|pwd|secret|token|credential|api_?key", re.IGNORECASE)
+
+
+def check_url(url: URL) -> None:
+    """Refuse a URL naming a database or driver dblock does not speak."""
+    backend = url.get_backend_name()
+    # Only a known dialect's default driver can be looked up without loading it.
+    check_dialect(backend, url.get_driver_name() if backend in SUPPORTED else "")
+
+
 def mask(url: str | URL) -> str:
-    """The URL with its password replaced by ``***``, for anything printed or logged."""
-    if isinstance(url, URL):
+    """The URL with its password replaced by ``***``, for anything printed or
+    logged: the user-info password and any query parameter that carries one
+    (``?password=``, ``?passwd=``, ``?pwd=``, ``?sslpassword=``, ...)."""
+    if not isinstance(url, URL):
+        try:
+            url = make_url(url)
+        except (ArgumentError, ValueError):
+            return "<unparseable URL>"
+    secret = [name for name in url.query if _SECRET_PARAM.search(name)]
+    if not secret:
         return url.render_as_string(hide_password=True)
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return "<unparseable URL>"
+    url = url.update_query_dict(dict.fromkeys(secret, "***"))
+    return url.render_as_string(hide_password=True).replace("=%2A%2A%2A", "=***")
+
+
+def mask_text(text: str) -> str:
+    """``text`` with every URL in it (``scheme://...``) masked as by :func:`mask`."""
+    return _URL_IN_TEXT.sub(lambda m: mask(m.group(0)), text)
+
+
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]*")
 
 
 # Options that would make dblock's engine something it must not be.
@@ -143,6 +196,7 @@ def make_engine(
         "pool_reset_on_return": None,
     }
     backend = url.get_backend_name()
+    check_url(url)
     if backend == "sqlite":
         database = url.database or ""
         if database in ("", ":memory:") or "mode=memory" in str(url):
@@ -165,7 +219,7 @@ def make_engine(
     try:
         engine = create_engine(url, **kwargs)
     except ImportError as exc:
-        extra = "postgresql" if backend == "postgresql" else "mysql"
+        extra = _EXTRAS.get(backend, backend)
         raise LockArgumentError(
             f"the driver for {mask(url)} is not installed: pip install 'dblock[{extra}]' ({exc})"
         ) from exc

@@ -16,23 +16,25 @@ import argparse
 import getpass
 import json
 import logging
+import os
 import re
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from . import __version__, migrations
-from ._engine import ENV_URL, mask, resolve_url
+from ._engine import ENV_URL, check_url, mask, mask_text, resolve_url
 from ._store.admin import LockRow, LockStats
 from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
 from .errors import DBLockError, LockArgumentError
 from .manager import LockManager
 from .schema import TableNames
-from .sweeper import Sweeper
+from .sweeper import Sweeper, SweeperConfig
 
 __all__ = ["main", "parse_duration"]
 
@@ -47,12 +49,17 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line (and exit code 2), not usage + error."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        # argparse quotes the arguments it refuses, a --url among them.
+        self.exit(2, f"{self.prog}: error: {mask_text(message)} (see {self.prog} --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    bad = _undecodable(args)
+    if bad is not None:
+        print(f"dblock: error: {bad}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -75,18 +82,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
-    common.add_argument(
+def _add_common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """``--url``, ``--table`` and ``-v``: accepted before the command (``dblock
+    --url U list``, as git and alembic do) and after it. After it, they have no
+    default of their own, so they never overwrite a value given before."""
+
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument(
         "--url",
-        default=None,
+        default=default(None),
         help=f"database URL (default: ${ENV_URL}, else sqlite:///dblock.sqlite3)",
     )
-    common.add_argument("--table", default="dblock_locks", help="lock table name")
-    common.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument(
+        "--table", default=default("dblock_locks"), help="lock table name (default: dblock_locks)"
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=default(False), help="log debug messages"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    _add_common(common, defaults=False)
 
     parser = _Parser(prog="dblock", description="Distributed locks in your relational database.")
     parser.add_argument("--version", action="version", version=f"dblock {__version__}")
+    _add_common(parser, defaults=True)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     migrate = sub.add_parser(
@@ -173,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every benchmark side by side in one run; prints Markdown tables and "
         "writes bench.md, bench.json and bench.png (needs: pip install 'dblock[bench]').",
     )
-    bench.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    bench.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages"
+    )
     add_bench_arguments(bench)
     bench.set_defaults(command=cmd_bench)
     return parser
@@ -235,7 +260,36 @@ def _names(args: argparse.Namespace) -> TableNames:
 
 
 def _manager(args: argparse.Namespace) -> LockManager:
-    return LockManager(args.url, table=_names(args).table)
+    """A manager for a command that reads or changes existing rows: it never
+    creates the database (an SQLite file, or its directories)."""
+    table = _names(args).table
+    url = resolve_url(args.url)
+    if url.get_backend_name() == "sqlite":
+        database = url.database or ""
+        if database and not database.startswith("file:") and database != ":memory:":
+            path = Path(database).expanduser()
+            if not path.is_file():
+                raise DBLockError(
+                    f"the SQLite database {mask(url)} does not exist (no file {str(path)!r}); "
+                    "`dblock migrate` creates it"
+                )
+    return LockManager(url, table=table)
+
+
+def _undecodable(args: argparse.Namespace) -> str | None:
+    """Why an argument is unusable, if it is: the shell passed bytes that are
+    not UTF-8 (Python keeps them as lone surrogates, which no database takes)."""
+    for name, value in vars(args).items():
+        if not isinstance(value, str):
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = os.fsencode(value)
+            shown = mask_text(raw.decode("utf-8", "backslashreplace"))
+            what = name.upper() if name == "key" else f"--{name.replace('_', '-')}"
+            return f"{what} is not valid UTF-8 text: '{shown}'"
+    return None
 
 
 # -- commands ------------------------------------------------------------------
@@ -245,6 +299,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     names = _names(args)
     url = resolve_url(args.url)
     if args.sql:
+        check_url(url)
         migrations.upgrade_sql(url, names, sys.stdout)
         return 0
     with LockManager(url, table=names.table, index=names.index) as manager:
@@ -396,6 +451,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     }
     if args.every is not None:
         options["interval"] = args.every
+    SweeperConfig.from_options(None, options)  # bad options fail before any database
     with _manager(args) as manager:
         sweeper = Sweeper(manager, **options)
         if args.once:

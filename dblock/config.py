@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import LockArgumentError
+from .keys import check_text
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -21,12 +22,14 @@ if TYPE_CHECKING:
     from .telemetry import Telemetry
 
 __all__ = [
+    "MAX_SECONDS",
     "Config",
     "apply_options",
     "check_max_hold",
     "check_on_lost",
     "check_timeout",
     "check_ttl",
+    "check_wait",
 ]
 
 OnLost = Callable[["HeldLock"], object]
@@ -37,18 +40,30 @@ C = TypeVar("C", bound="DataclassInstance")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,50}\Z")
 
 
+#: The longest lease, wait or hold dblock accepts, in seconds: a year (366
+#: days). Every database represents ``now() + a year`` (MariaDB's DATETIME
+#: ends in 9999, SQLite's REAL seconds and Python's datetime too), so a bad
+#: value fails here, the same way everywhere, instead of per database in SQL.
+MAX_SECONDS = 366 * 86400.0
+
+
 def check_ttl(value: object, name: str = "ttl") -> float:
-    """A lease length in seconds: a finite number > 0."""
+    """A lease length in seconds: a number > 0 and at most :data:`MAX_SECONDS`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LockArgumentError(f"{name} must be a number of seconds, got {value!r}")
     ttl = float(value)
     if not math.isfinite(ttl) or ttl <= 0:
         raise LockArgumentError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    if ttl > MAX_SECONDS:
+        raise LockArgumentError(
+            f"{name} must be at most {MAX_SECONDS:.0f} seconds (366 days), got {value!r}"
+        )
     return ttl
 
 
 def check_timeout(value: object, name: str = "timeout") -> float | None:
-    """A wait in seconds: None (wait forever) or a finite number >= 0."""
+    """A wait in seconds: None (wait forever) or a number >= 0 and at most
+    :data:`MAX_SECONDS`."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -58,12 +73,29 @@ def check_timeout(value: object, name: str = "timeout") -> float | None:
         raise LockArgumentError(
             f"{name} must be None or a finite number of seconds >= 0, got {value!r}"
         )
+    if timeout > MAX_SECONDS:
+        raise LockArgumentError(
+            f"{name} must be at most {MAX_SECONDS:.0f} seconds (366 days; None waits "
+            f"until granted), got {value!r}"
+        )
     return timeout
 
 
 def check_max_hold(value: object, name: str = "max_hold") -> float | None:
-    """The longest a lock may be held with renewal: None (no limit) or > 0."""
+    """The longest a lock may be held with renewal: None (no limit) or a
+    number > 0 and at most :data:`MAX_SECONDS`."""
     return None if value is None else check_ttl(value, name)
+
+
+def check_wait(blocking: object, timeout: float | None) -> None:
+    """Refuse a fail-fast request given a timeout, as ``threading.Lock`` does.
+    ``timeout`` is what the caller passed explicitly (``None`` if nothing): a
+    manager's default timeout never counts."""
+    if blocking is False and timeout is not None:
+        raise LockArgumentError(
+            f"timeout={timeout!r} cannot be given with blocking=False (a fail-fast "
+            "request never waits); pass one or the other"
+        )
 
 
 def check_on_lost(value: object, name: str = "on_lost") -> OnLost | None:
@@ -200,6 +232,8 @@ class Config:
                 f"client_id must be a non-empty string of at most 200 characters, "
                 f"got {self.client_id!r}"
             )
+        if self.client_id is not None:
+            check_text(self.client_id, "client_id")
 
     @classmethod
     def from_options(cls, base: Config | None, options: Mapping[str, Any]) -> Config:

@@ -19,7 +19,14 @@ import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
-from .config import OnLost, check_max_hold, check_on_lost, check_timeout, check_ttl
+from .config import (
+    OnLost,
+    check_max_hold,
+    check_on_lost,
+    check_timeout,
+    check_ttl,
+    check_wait,
+)
 from .deferral import DeferHook, call_deferring
 from .errors import LockArgumentError, LockNotAcquired
 from .keys import KeyTemplate, check_key
@@ -137,7 +144,7 @@ def _checked_options(
     if not isinstance(blocking, bool):
         raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
     if timeout is not UNSET:
-        check_timeout(timeout)
+        check_wait(blocking, check_timeout(timeout))
     if ttl is not None:
         check_ttl(ttl)
     if renew is not None and not isinstance(renew, bool):

@@ -33,6 +33,7 @@ import sqlalchemy as sa
 
 from ._engine import resolve_url
 from .errors import LockBusy, LockTimeout
+from .lock import UNSET
 from .manager import LockManager
 
 __all__ = ["DemoReport", "run_demo"]
@@ -192,7 +193,9 @@ def _worker(plan: _Plan, go: Any, results: Any) -> None:
             user = rng.randrange(plan.users)
             report.requests += 1
             try:
-                with manager.lock(f"demo:user:{user}", blocking=i % 2 == 0, timeout=5.0):
+                blocking = i % 2 == 0  # half wait (at most 5 s), half fail fast
+                wait = 5.0 if blocking else UNSET
+                with manager.lock(f"demo:user:{user}", blocking=blocking, timeout=wait):
                     report.granted += 1
                     report.violations += _critical_section(ledger, user, plan.hold)
             except LockBusy as exc:

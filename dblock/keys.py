@@ -2,7 +2,9 @@
 
 A key is a non-empty ``str`` of at most 255 characters after Unicode NFC
 normalisation (so ``"café"`` typed two ways is one lock), without NUL (which
-PostgreSQL cannot store). Keys are always sent as bound parameters.
+PostgreSQL cannot store), and valid Unicode text: a lone surrogate (what
+``json.loads('"\\ud800"')`` or a non-UTF-8 command-line byte gives) cannot be
+encoded for any database. Keys are always sent as bound parameters.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from .errors import LockArgumentError
 
-__all__ = ["MAX_KEY_LENGTH", "KeyTemplate", "check_key"]
+__all__ = ["MAX_KEY_LENGTH", "KeyTemplate", "check_key", "check_text", "db_text"]
 
 MAX_KEY_LENGTH = 255
 
@@ -26,8 +28,12 @@ def check_key(key: object) -> str:
         if not isinstance(key, str):
             raise LockArgumentError(f"lock key must be a str, got {type(key).__name__} {key!r}")
         key = str(key)  # a str subclass: store the plain value
-    if not key.isascii() and not unicodedata.is_normalized("NFC", key):
-        key = unicodedata.normalize("NFC", key)
+    if not key.isascii():
+        # Before any SQL: the driver would fail to encode it, after the
+        # statement was begun (and the outcome would look unknown).
+        check_text(key, "lock key")
+        if not unicodedata.is_normalized("NFC", key):
+            key = unicodedata.normalize("NFC", key)
     if not key:
         raise LockArgumentError("lock key must not be empty")
     if len(key) > MAX_KEY_LENGTH:
@@ -38,6 +44,27 @@ def check_key(key: object) -> str:
     if "\x00" in key:
         raise LockArgumentError(f"lock key must not contain NUL characters: {key!r}")
     return key
+
+
+def check_text(text: str, what: str) -> None:
+    """Raise :class:`LockArgumentError` unless ``text`` can be encoded as UTF-8
+    (it can, unless it holds a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise LockArgumentError(
+            f"{what} is not valid Unicode text: {text!r} holds the lone surrogate "
+            f"{text[exc.start]!r} at position {exc.start} (undecodable input, such as "
+            "a non-UTF-8 byte or a broken JSON escape), which no database can store"
+        ) from None
+
+
+def db_text(text: str) -> str:
+    """``text`` with anything a database cannot store (lone surrogates)
+    replaced by ``?``: for labels dblock writes, such as a thread's name."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 class KeyTemplate:

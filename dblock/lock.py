@@ -44,6 +44,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
+from ._store.base import never_sent
 from .config import Config, OnLost, check_ttl
 from .errors import (
     BackendError,
@@ -55,6 +56,7 @@ from .errors import (
     ManagerClosed,
     SchemaMissing,
 )
+from .keys import db_text
 from .registry import (
     CLOSED,
     Entry,
@@ -399,7 +401,9 @@ class Locker:
         else:
             get_name = getattr(me, "get_name", None)
             name = get_name() if get_name is not None else repr(me)
-        return f"{self._client_id}:{name}"[:255]
+        label = f"{self._client_id}:{name}"
+        # A thread name may hold what no database stores (a lone surrogate).
+        return (label if label.isascii() else db_text(label))[:255]
 
     # -- acquire -----------------------------------------------------------
 
@@ -658,46 +662,53 @@ class Locker:
         handed = token
         token = token or _urandom(16).hex()
         deadline = None if timeout is None else start + timeout
+        # A wait for a pooled connection ends with this request's timeout too
+        # (the blocking driver's executor reads it on this thread).
+        request = store.executor.request
+        request.deadline = deadline
         outage: Backoff | None = None
         waiting = False
-        while True:
-            if self._closing:
-                raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
-            if store.has_orphans:
-                yield _CLEAN_OP
-            sent_at = _monotonic()
-            try:
-                result = yield from self._attempt(key, token, owner, ttl)
-            except BackendError as exc:
-                outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
-                token = yield from self._ride_out(
-                    key, token, exc, deadline, outage, waiting=waiting, handed=handed
-                )
-                continue
-            outage = None
-            if isinstance(result, Grant):
-                return HeldLock(
-                    self,
-                    entry,
-                    token=token,
-                    owner=owner,
-                    ttl=ttl,
-                    grant=result,
-                    sent_at=sent_at,
-                    options=opts,
-                )
-            if not blocking:
-                raise LockBusy(key, level=2, holder=result.owner)
-            limit = float("inf") if deadline is None else deadline - _monotonic()
-            if limit <= 0:
-                raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
-            if result.expires_in is not None:
-                limit = min(limit, max(result.expires_in, 0.0) + _EXPIRY_MARGIN)
-            if not waiting:
-                waiting = True
-                if watch is not None:
-                    watch.waiting(2)
-            yield (_WAIT, key, limit, sent_at)
+        try:
+            while True:
+                if self._closing:
+                    raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
+                if store.has_orphans:
+                    yield _CLEAN_OP
+                sent_at = _monotonic()
+                try:
+                    result = yield from self._attempt(key, token, owner, ttl)
+                except BackendError as exc:
+                    outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
+                    token = yield from self._ride_out(
+                        key, token, exc, deadline, outage, waiting=waiting, handed=handed
+                    )
+                    continue
+                outage = None
+                if isinstance(result, Grant):
+                    return HeldLock(
+                        self,
+                        entry,
+                        token=token,
+                        owner=owner,
+                        ttl=ttl,
+                        grant=result,
+                        sent_at=sent_at,
+                        options=opts,
+                    )
+                if not blocking:
+                    raise LockBusy(key, level=2, holder=result.owner)
+                limit = float("inf") if deadline is None else deadline - _monotonic()
+                if limit <= 0:
+                    raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
+                if result.expires_in is not None:
+                    limit = min(limit, max(result.expires_in, 0.0) + _EXPIRY_MARGIN)
+                if not waiting:
+                    waiting = True
+                    if watch is not None:
+                        watch.waiting(2)
+                yield (_WAIT, key, limit, sent_at)
+        finally:
+            request.deadline = None
 
     def _ride_out(
         self,
@@ -744,13 +755,14 @@ class Locker:
                 if not in_doubt:
                     raise  # failed cleanly: nothing was written
                 last = exc
-            except BaseException:
+            except BaseException as exc:
                 # Interrupted (KeyboardInterrupt, a signal handler's exception,
-                # a task's cancellation) with the INSERT possibly committed:
-                # the renewal thread deletes the row at once, without
-                # delaying the interruption here.
-                store.add_orphan(key, token)
-                self.renewer.post(_noop)
+                # a task's cancellation) with the INSERT possibly committed
+                # (unless it was never sent): the renewal thread deletes the
+                # row at once, without delaying the interruption here.
+                if in_doubt or not never_sent(exc):
+                    store.add_orphan(key, token)
+                    self.renewer.post(_noop)
                 raise
             if attempt < _AMBIGUITY_RETRIES:
                 yield (_SLEEP, 0.05 * 2**attempt)

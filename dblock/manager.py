@@ -26,7 +26,15 @@ from sqlalchemy.engine import Engine
 from . import decorators, migrations
 from ._engine import make_engine, mask, resolve_url
 from ._store import Store, open_store
-from .config import Config, OnLost, check_max_hold, check_on_lost, check_timeout, check_ttl
+from .config import (
+    Config,
+    OnLost,
+    check_max_hold,
+    check_on_lost,
+    check_timeout,
+    check_ttl,
+    check_wait,
+)
 from .decorators import KeySpec, OnBusy
 from .deferral import DeferHook, exit_deferring
 from .errors import DBLockError, LockArgumentError, ManagerClosed
@@ -318,10 +326,16 @@ class LockManager:
                 max_hold=defaults.max_hold if max_hold is None else check_max_hold(max_hold),
                 on_lost=defaults.on_lost if on_lost is None else check_on_lost(on_lost),
             )
+        if timeout is UNSET:
+            wait = self.config.timeout
+        else:
+            wait = check_timeout(timeout)
+            if not blocking:
+                check_wait(blocking, wait)
         return (
             check_key(key),
             blocking,
-            self.config.timeout if timeout is UNSET else check_timeout(timeout),
+            wait,
             self.config.ttl if ttl is None else check_ttl(ttl),
             options,
         )

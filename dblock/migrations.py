@@ -9,14 +9,17 @@ database without a checkout. Each lock table keeps its own version table
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from sqlalchemy import URL, MetaData, Table, inspect
+from sqlalchemy import URL, MetaData, Table, event, inspect
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.schema import CreateTable
 
+from ._engine import mask
 from .errors import BackendError
 from .schema import TableNames
 
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
     from alembic.config import Config as AlembicConfig
 
 __all__ = ["current", "downgrade", "head", "script_location", "upgrade", "upgrade_sql"]
+
+log = logging.getLogger("dblock")
 
 
 def script_location() -> Path:
@@ -54,10 +59,14 @@ def _transactional(engine: Engine) -> Iterator[Connection]:
     try:
         with engine.connect() as plain:
             yield plain.execution_options(isolation_level=plain.default_isolation_level)
-    except DBAPIError as exc:
-        detail = str(exc.orig or exc).strip().splitlines()[0]
-        url = engine.url.render_as_string(hide_password=True)
-        raise BackendError(f"migration on {url} failed: {detail}") from exc
+    except SQLAlchemyError as exc:
+        raise _failed(engine, exc) from exc
+
+
+def _failed(engine: Engine, exc: SQLAlchemyError) -> BackendError:
+    cause = exc.orig if isinstance(exc, DBAPIError) else exc
+    detail = str(cause or exc).strip().splitlines()[0]
+    return BackendError(f"migration on {mask(engine.url)} failed: {detail}")
 
 
 def head() -> str:
@@ -81,17 +90,53 @@ def current(engine: Engine, names: TableNames) -> str | None:
 
 
 def upgrade(engine: Engine, names: TableNames, revision: str = "head") -> None:
+    """Migrate to ``revision``. If it fails, nothing it made is left behind:
+    PostgreSQL rolls the DDL back; MySQL/MariaDB (whose DDL commits at once)
+    and SQLite (whose driver commits some of it) get the tables this run
+    created dropped again."""
     from alembic import command
 
+    created: list[str] = []
     try:
         with _transactional(engine) as conn:
+            event.listen(conn, "after_execute", _record_created(created))
             command.upgrade(_config(names, connection=conn), revision)
             conn.commit()
-    except BackendError:
+    except BaseException as exc:
+        if created and engine.dialect.name != "postgresql":
+            _drop_tables(engine, created)
         # Another process may have migrated the same table at the same moment.
-        if revision == "head" and current(engine, names) == head():
+        concurrent = isinstance(exc, BackendError) and revision == "head"
+        if concurrent and current(engine, names) == head():
             return
         raise
+
+
+def _record_created(created: list[str]) -> Callable[..., None]:
+    """An ``after_execute`` listener noting every table a statement created."""
+
+    def record(_conn: Connection, statement: object, *_args: Any) -> None:
+        if isinstance(statement, CreateTable):
+            created.append(statement.element.name)
+
+    return record
+
+
+def _drop_tables(engine: Engine, tables: list[str]) -> None:
+    """Undo a failed migration: drop ``tables`` (newest first) with their
+    indexes and triggers. Never raises: the migration's own error matters."""
+    quote = engine.dialect.identifier_preparer.quote
+    try:
+        with engine.connect() as conn:
+            auto = conn.execution_options(isolation_level="AUTOCOMMIT")
+            for table in reversed(tables):
+                auto.exec_driver_sql(f"DROP TABLE IF EXISTS {quote(table)}")
+    except SQLAlchemyError as exc:
+        log.error(
+            "dblock: a failed migration left %s behind and dropping it failed too: %s",
+            ", ".join(tables),
+            exc,
+        )
 
 
 def downgrade(engine: Engine, names: TableNames, revision: str = "base") -> None:

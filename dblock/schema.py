@@ -24,6 +24,7 @@ seconds so the database can compare and add to them without string formats.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from datetime import datetime, timezone
 from typing import Any
 
@@ -59,15 +60,41 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 
 from .config import Config
 
-__all__ = ["TableNames", "UTCDateTime", "create_statements", "drop_statements", "lock_table"]
+__all__ = [
+    "MAX_IDENTIFIER",
+    "TableNames",
+    "UTCDateTime",
+    "create_statements",
+    "derived_name",
+    "drop_statements",
+    "lock_table",
+]
 
 MYSQL_FAMILY = ("mysql", "mariadb")
 _UTC = timezone.utc
 
 
+#: The longest identifier every supported database takes (PostgreSQL: 63
+#: bytes; MySQL/MariaDB: 64 characters). Derived names are kept within it.
+MAX_IDENTIFIER = 63
+
+
+def derived_name(table: str, suffix: str) -> str:
+    """``<table><suffix>``, or, when that would exceed :data:`MAX_IDENTIFIER`,
+    the table name cut short plus eight hex digits of its SHA-256 and the
+    suffix: deterministic (every process and migration derives the same name)
+    and distinct for distinct tables."""
+    name = f"{table}{suffix}"
+    if len(name) <= MAX_IDENTIFIER:
+        return name
+    digest = hashlib.sha256(table.encode("utf-8")).hexdigest()[:8]
+    return f"{table[: MAX_IDENTIFIER - len(suffix) - 9]}_{digest}{suffix}"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TableNames:
-    """The names of every schema object dblock owns, derived from the table name."""
+    """The names of every schema object dblock owns, derived from the table
+    name (see :func:`derived_name` for names that would be too long)."""
 
     table: str = "dblock_locks"
     index: str | None = None
@@ -78,29 +105,50 @@ class TableNames:
 
     @property
     def expires_index(self) -> str:
-        return self.index or f"{self.table}_expires_at_idx"
+        return self.index or derived_name(self.table, "_expires_at_idx")
 
     @property
     def sequence(self) -> str:
-        return f"{self.table}_fence_seq"
+        return derived_name(self.table, "_fence_seq")
 
     @property
     def fence_key(self) -> str:
-        return f"{self.table}_fence_key"
+        return derived_name(self.table, "_fence_key")
 
     @property
     def fence_table(self) -> str:
-        return f"{self.table}_fence"
+        return derived_name(self.table, "_fence")
+
+    @property
+    def triggers(self) -> tuple[str, str]:
+        """SQLite: the triggers keeping the fence counter current (insert, update)."""
+        return (
+            derived_name(self.table, "_fence_on_insert"),
+            derived_name(self.table, "_fence_on_update"),
+        )
 
     @property
     def version_table(self) -> str:
-        """alembic's version table for this lock table (never the app's ``alembic_version``)."""
-        return f"{self.table}_version"
+        """alembic's version table for this lock table (never the app's ``alembic_version``).
+        alembic names its primary key ``<version_table>_pkc``, so it stays 4 short."""
+        return derived_name(self.table, "_version" + "_pkc")[: -len("_pkc")]
 
     @property
     def channel(self) -> str:
         """The PostgreSQL NOTIFY channel releases are announced on."""
         return self.table
+
+    def all(self) -> tuple[str, ...]:
+        """Every name dblock creates in the database for this table."""
+        return (
+            self.table,
+            self.expires_index,
+            self.sequence,
+            self.fence_key,
+            self.fence_table,
+            *self.triggers,
+            self.version_table,
+        )
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -217,22 +265,27 @@ def drop_statements(names: TableNames, dialect: str) -> list[ExecutableDDLElemen
     index = next(iter(table.indexes))
     out: list[ExecutableDDLElement | TextClause] = []
     if dialect == "sqlite":
-        out += [
-            text(f"DROP TRIGGER IF EXISTS {names.fence_table}_on_insert"),
-            text(f"DROP TRIGGER IF EXISTS {names.fence_table}_on_update"),
-            DropTable(fence_table(names, metadata)),
-        ]
+        quote = _sqlite_quote
+        out += [text(f"DROP TRIGGER IF EXISTS {quote(trigger)}") for trigger in names.triggers]
+        out.append(DropTable(fence_table(names, metadata)))
     out += [DropIndex(index), DropTable(table)]
     if dialect == "postgresql":
         out.append(DropSequence(Sequence(names.sequence)))
     return out
 
 
+def _sqlite_quote(name: str) -> str:
+    """Always quoted: a table may be called ``order`` or ``select``."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 def _sqlite_fence_ddl(names: TableNames) -> list[Executable]:
-    t, f = names.table, names.fence_table
+    quote = _sqlite_quote
+    t, f = quote(names.table), quote(names.fence_table)
+    on_insert, on_update = map(quote, names.triggers)
     bump = f"UPDATE {f} SET value = NEW.fence WHERE id = 1 AND value < NEW.fence;"
     return [
         text(f"INSERT INTO {f} (id, value) VALUES (1, 0)"),
-        text(f"CREATE TRIGGER {f}_on_insert AFTER INSERT ON {t} BEGIN {bump} END"),
-        text(f"CREATE TRIGGER {f}_on_update AFTER UPDATE OF fence ON {t} BEGIN {bump} END"),
+        text(f"CREATE TRIGGER {on_insert} AFTER INSERT ON {t} BEGIN {bump} END"),
+        text(f"CREATE TRIGGER {on_update} AFTER UPDATE OF fence ON {t} BEGIN {bump} END"),
     ]

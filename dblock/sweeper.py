@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from ._store.admin import LockRow, SweepReason
-from .config import apply_options, check_ttl
+from .config import MAX_SECONDS, apply_options, check_ttl
 from .errors import DBLockError, LockArgumentError, LockBusy, LockLost
 
 if TYPE_CHECKING:
@@ -81,8 +81,15 @@ class SweeperConfig:
         for name in ("interval", "lock_ttl"):
             object.__setattr__(self, name, check_ttl(getattr(self, name), name))
         grace = self.grace
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 1e9:
-            raise LockArgumentError(f"grace must be a number of seconds >= 0, got {grace!r}")
+        if (
+            isinstance(grace, bool)
+            or not isinstance(grace, (int, float))
+            or not 0 <= grace <= MAX_SECONDS
+        ):
+            raise LockArgumentError(
+                f"grace must be a number of seconds from 0 to {MAX_SECONDS:.0f} (366 days), "
+                f"got {grace!r}"
+            )
         object.__setattr__(self, "grace", float(grace))
         if self.max_hold is not None:
             max_hold = check_ttl(self.max_hold, "max_hold")

@@ -163,9 +163,10 @@ def worker(spec: dict[str, Any]) -> None:
             key = rng.choice(keys)
             counts["requests"] += 1
             try:
-                held = manager.acquire(
-                    key, blocking=rng.random() < 0.7, timeout=rng.uniform(0.2, 2.0)
-                )
+                if rng.random() < 0.7:
+                    held = manager.acquire(key, timeout=rng.uniform(0.2, 2.0))
+                else:
+                    held = manager.acquire(key, blocking=False)
             except (LockBusy, LockTimeout) as exc:
                 counts["busy" if isinstance(exc, LockBusy) else "timeouts"] += 1
                 time.sleep(rng.uniform(0.001, 0.01))

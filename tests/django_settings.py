@@ -14,3 +14,5 @@ if str(EXAMPLE) not in sys.path:
 from exampleproject.settings import *  # noqa: E402, F403
 
 DATABASES["default"]["TEST"] = {"NAME": f"test_dblock_{uuid.uuid4().hex[:12]}"}  # noqa: F405
+# The live-server tests ask for the admin CSS: a 404, not a server error.
+STATIC_ROOT = str(EXAMPLE / "static")

@@ -340,3 +340,71 @@ def test_password_is_masked_in_everything_printed_or_logged(
     assert proc.returncode == 0, err
     assert secret not in out + err
     assert ":***@" in err
+
+
+# -- hardening (issue 9, item 14) ------------------------------------------------------
+
+
+def test_a_non_utf8_key_is_a_clear_error(private: LockManager, db_url: str) -> None:
+    undecodable = os.fsdecode(b"user:\xff")  # what Python makes of $'user:\xff'
+    for args in (
+        ["release", undecodable, "--force", "--yes"],
+        ["list", "--prefix", undecodable],
+    ):
+        done = dblock(*args, *_on(private, db_url))
+        assert done.returncode == 2, done.stderr
+        line = _one_line_error(done)
+        assert "not valid UTF-8" in line
+        assert "user:\\xff" in line
+
+
+@pytest.mark.parametrize("command", [["list"], ["migrate"], ["migrate", "--sql"]])
+def test_an_unsupported_database_is_named_with_the_supported_ones(
+    tmp_path: Path, command: list[str]
+) -> None:
+    done = dblock(*command, "--url", "oracle://scott:tiger@db/x?password=tiger", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    line = _one_line_error(done)
+    assert "does not support the 'oracle' database" in line
+    assert "PostgreSQL" in line
+    assert "MariaDB" in line
+    assert "SQLite" in line
+    assert "pip install" not in line
+    assert "tiger" not in done.stdout + done.stderr
+    assert done.stdout == ""
+
+
+def test_read_only_commands_create_no_sqlite_database(tmp_path: Path) -> None:
+    missing = tmp_path / "missing" / "dir" / "x.db"
+    for args in (
+        ["list"],
+        ["list", "--json"],
+        ["stats"],
+        ["release", "k", "--force", "--yes"],
+        ["sweep", "--once"],
+    ):
+        done = dblock(*args, "--url", f"sqlite:///{missing}", cwd=tmp_path)
+        assert done.returncode == 1, (args, done.stderr)
+        line = _one_line_error(done)
+        assert "does not exist" in line
+        assert "dblock migrate" in line
+        assert list(tmp_path.iterdir()) == []  # no directory, no file
+
+
+def test_global_options_before_or_after_the_command(private: LockManager, db_url: str) -> None:
+    table = private.config.table
+    held = private.acquire("k1", ttl=60)  # kept: a dropped handle is released when collected
+    for args in (
+        ["--url", db_url, "--table", table, "list", "--json"],
+        ["list", "--json", "--url", db_url, "--table", table],
+        ["--url", db_url, "list", "--json", "--table", table],
+        ["--url", "sqlite:////nonexistent/x.db", "--table", "nope", "list", "--json", "--url",
+         db_url, "--table", table],  # after the command wins
+    ):  # fmt: skip
+        done = dblock(*args)
+        assert done.returncode == 0, (args, done.stderr)
+        assert [row["key"] for row in json.loads(done.stdout)] == ["k1"]
+    done = dblock("-v", "--url", db_url, "--table", table, "stats")
+    assert done.returncode == 0, done.stderr
+    assert table in done.stdout
+    held.release()

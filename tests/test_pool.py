@@ -1,14 +1,35 @@
-"""dblock's own pool: however small, lock statements queue for its
-connections and never starve on them (the sizing rule in the README's Flask
-and Django sections)."""
+"""dblock's pool: however small, lock statements queue for its connections
+and never starve on them (the sizing rule in the README's Flask and Django
+sections). And a pool that is used up (issue 9, item 11), say a borrowed
+engine the application holds every connection of: acquire says so with a
+``BackendError`` naming the pool, within the request's own timeout, without
+the "may have committed" warning (nothing was sent); release logs and
+returns False, like any other unreachable database."""
 
 from __future__ import annotations
 
+import logging
+import signal
 import threading
+import time
+import traceback
+from collections.abc import Iterator
+from types import FrameType
 
 import pytest
+import sqlalchemy as sa
 
-from dblock import LockManager
+from dblock import BackendError, LockManager
+from tests.conftest import row_of
+
+POOL_TIMEOUT = 30.0
+
+
+@pytest.fixture
+def small_engine(db_url: str) -> Iterator[sa.Engine]:
+    engine = sa.create_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=POOL_TIMEOUT)
+    yield engine
+    engine.dispose()
 
 
 @pytest.mark.parametrize("pool_size", [1, 2])
@@ -40,3 +61,128 @@ def test_threads_share_a_pool_without_overflow(db_url: str, keys: object, pool_s
             t.join(120)
         assert manager.engine.pool.checkedout() <= pool_size  # type: ignore[attr-defined]
     assert errors == []
+
+
+def _no_commit_warning(caplog: pytest.LogCaptureFixture) -> None:
+    assert not [r for r in caplog.records if "may have committed" in r.getMessage()]
+
+
+def test_exhausted_pool_fails_within_the_request_timeout(
+    small_engine: sa.Engine, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with LockManager(small_engine, renew=False) as m:
+        with small_engine.connect():  # the application holds the pool's only connection
+            started = time.monotonic()
+            with (
+                caplog.at_level(logging.DEBUG, logger="dblock"),
+                pytest.raises(BackendError) as info,
+            ):
+                m.acquire(key, timeout=0.3)
+            # The request's 0.3 s bounds the wait, not the pool's 30 s.
+            assert time.monotonic() - started < POOL_TIMEOUT / 2
+        message = str(info.value)
+        assert "pool" in message
+        assert "exhausted" in message
+        assert "pool_size 1" in message
+        assert "max_overflow 0" in message
+        assert "pool_timeout 30 s" in message
+        assert "nothing was sent" in message
+        _no_commit_warning(caplog)
+        assert not m.store.has_orphans
+        assert len(m._locker.registry) == 0
+        # Once a connection is free again, the key is there to take.
+        with m.lock(key, blocking=False):
+            assert row_of(m, key) is not None
+
+
+def test_pool_timeout_shorter_than_the_request_keeps_waiting_for_a_connection(
+    db_url: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiting request outlasts the pool's timeout: it waits for a
+    connection until its own timeout, then says the pool is exhausted."""
+    engine = sa.create_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=0.05)
+    try:
+        with LockManager(engine, renew=False) as m:
+            with (
+                engine.connect(),
+                caplog.at_level(logging.DEBUG, logger="dblock"),
+                pytest.raises(BackendError, match="exhausted"),
+            ):
+                m.acquire(key, timeout=0.3)
+            _no_commit_warning(caplog)
+            assert not m.store.has_orphans
+    finally:
+        engine.dispose()
+
+
+def test_fail_fast_and_release_on_an_exhausted_pool(
+    db_url: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = sa.create_engine(db_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    try:
+        with LockManager(engine, renew=False) as m:
+            held = m.acquire(key)
+            with engine.connect(), caplog.at_level(logging.DEBUG, logger="dblock"):
+                # No timeout of its own: the pool's timeout bounds it.
+                with pytest.raises(BackendError, match=r"pool_timeout 0\.2 s"):
+                    m.acquire(key + ":other", blocking=False)
+                assert held.release() is False  # logged, never raised
+            _no_commit_warning(caplog)
+            assert any(
+                r.levelno == logging.ERROR and repr(key) in r.getMessage() for r in caplog.records
+            )
+            assert len(m._locker.registry) == 0
+            # The row is left to its lease, as for any unreachable database.
+            assert row_of(m, key) is not None
+            m.store.release(key, held.token)
+    finally:
+        engine.dispose()
+
+
+class _Stop(Exception):
+    """What a signal handler raises (a timeout, say) in the middle of an acquire."""
+
+
+@pytest.mark.parametrize("timeout", [5.0, None], ids=["own-timeout", "pool-timeout"])
+def test_interrupted_while_waiting_for_the_pool_leaves_nothing(
+    small_engine: sa.Engine, key: str, caplog: pytest.LogCaptureFixture, timeout: float | None
+) -> None:
+    """A signal handler's exception while the request waits for a pooled
+    connection: no statement was sent, so there is nothing that "may have
+    committed": no warning, no orphan, nothing in the registry."""
+    in_pool_wait = threading.Event()
+    done = threading.Event()
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        names = {f.name for f in traceback.extract_stack(frame)}
+        if "_attempt" in names and names & {"_wait_for_pool", "_do_get"}:
+            in_pool_wait.set()
+            raise _Stop
+
+    def interrupt() -> None:
+        main = threading.main_thread().ident
+        assert main is not None
+        while not done.is_set():
+            signal.pthread_kill(main, signal.SIGUSR1)
+            done.wait(0.02)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    sender = threading.Thread(target=interrupt)
+    try:
+        with LockManager(small_engine, renew=False) as m:
+            with small_engine.connect(), caplog.at_level(logging.DEBUG, logger="dblock"):
+                sender.start()
+                try:
+                    with pytest.raises(_Stop):
+                        m.acquire(key, timeout=timeout)
+                finally:
+                    done.set()
+                    sender.join()
+            assert in_pool_wait.is_set()
+            _no_commit_warning(caplog)
+            assert not m.store.has_orphans
+            assert len(m._locker.registry) == 0
+            with m.lock(key, blocking=False):
+                pass
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 from sqlalchemy.engine import Engine
 
+from .._engine import check_dialect
 from ..config import Config
-from ..errors import LockArgumentError
 from .base import Backoff, Grant, Holder, Interrupted, Lease, Store, Wait
 
 __all__ = [
@@ -30,12 +30,12 @@ __all__ = [
 ]
 
 _STORES: dict[str, type[Store]] = {}
-# dialect name -> (module that registers it, the DBAPI drivers it speaks)
-_MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "postgresql": ("postgresql", ("psycopg",)),
-    "mysql": ("mysql", ("pymysql",)),
-    "mariadb": ("mysql", ("pymysql",)),
-    "sqlite": ("sqlite", ("pysqlite",)),
+# dialect name -> the module that registers it (the drivers: _engine.SUPPORTED)
+_MODULES: dict[str, str] = {
+    "postgresql": "postgresql",
+    "mysql": "mysql",
+    "mariadb": "mysql",
+    "sqlite": "sqlite",
 }
 
 
@@ -50,16 +50,6 @@ def register(*dialects: str) -> Callable[[type[Store]], type[Store]]:
 
 def open_store(engine: Engine, *, config: Config, owns_engine: bool) -> Store:
     dialect, driver = engine.dialect.name, engine.dialect.driver
-    if dialect not in _MODULES:
-        raise LockArgumentError(
-            f"dblock does not support the {dialect!r} dialect; "
-            "use PostgreSQL, MySQL/MariaDB or SQLite"
-        )
-    module, drivers = _MODULES[dialect]
-    if driver not in drivers:
-        raise LockArgumentError(
-            f"dblock speaks {dialect} through {' or '.join(drivers)}, not {driver!r}; "
-            f"use a URL like {dialect}+{drivers[0]}://..."
-        )
-    importlib.import_module(f"{__name__}.{module}")
+    check_dialect(dialect, driver)
+    importlib.import_module(f"{__name__}.{_MODULES[dialect]}")
     return _STORES[dialect](engine, config=config, owns_engine=owns_engine)

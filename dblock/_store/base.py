@@ -32,6 +32,7 @@ from sqlalchemy import Table
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
+from .._engine import mask
 from ..config import Config
 from ..errors import BackendError, SchemaMissing
 from ..schema import TableNames, lock_table
@@ -44,10 +45,13 @@ __all__ = [
     "Holder",
     "Interrupted",
     "Lease",
+    "PoolExhausted",
     "Statement",
     "Steps",
     "Store",
+    "Unreachable",
     "Wait",
+    "never_sent",
 ]
 
 log = logging.getLogger("dblock")
@@ -91,6 +95,16 @@ class Interrupted(BackendError):
     have been committed."""
 
 
+class Unreachable(BackendError):
+    """No statement was sent: the database could not be reached (or no
+    connection could be had). Nothing was written; trying again may work."""
+
+
+class PoolExhausted(Unreachable):
+    """Every connection of the engine's pool is checked out, and none came
+    free in time. Nothing was sent."""
+
+
 @dataclasses.dataclass(slots=True)
 class Result:
     rows: Sequence[tuple[Any, ...]]
@@ -112,6 +126,9 @@ Steps = Generator[Statement, Result, T]
 # A connection idle in the executor's stack longer than this goes back to
 # SQLAlchemy's pool, so the pool's recycling and pre-ping settings still apply.
 IDLE_SECONDS = 30.0
+
+# Answers with an error the DELETE of an orphan may get before it is dropped.
+ORPHAN_ATTEMPTS = 3
 
 # Locks renewed per statement: well under every driver's parameter limit.
 RENEW_CHUNK = 500
@@ -141,6 +158,7 @@ class Executor:
         "_owns",
         "_table",
         "_url",
+        "request",
     )
 
     def __init__(
@@ -158,7 +176,7 @@ class Executor:
         self._dbapi_error: type[Exception] = engine.dialect.loaded_dbapi.Error
         self._is_missing_table = is_missing_table
         self._table = table
-        self._url = engine.url.render_as_string(hide_password=True)
+        self._url = mask(engine.url)
         self._direct = engine.dialect.driver in _DIRECT_DRIVERS
         self._idle: list[tuple[PoolProxiedConnection, float]] = []
         size = getattr(engine.pool, "size", None)
@@ -167,6 +185,10 @@ class Executor:
         self._bounded: QueuePool | None = None
         if isinstance(pool, QueuePool) and getattr(pool, "_max_overflow", -1) >= 0:
             self._bounded = pool
+        # Per thread: ``deadline``, the time.monotonic() by which the
+        # acquisition under way must end (None: none), so a wait for a pooled
+        # connection ends with the request's own timeout rather than the pool's.
+        self.request = threading.local()
 
     @property
     def engine(self) -> Engine:
@@ -180,7 +202,11 @@ class Executor:
         # goes away we fall back to the observed path, which is always correct.
         if not self._owns or getattr(self._engine, "_has_events", True):
             return self._run_observed(sql, params, fetch, lastrowid)
-        conn = self._checkout()
+        try:
+            conn = self._checkout()
+        except BaseException as exc:  # a signal handler's, say, while waiting for the pool
+            _mark_unsent(exc)
+            raise
         try:
             if self._direct:
                 cursor = conn.dbapi_connection.execute(sql, params)  # type: ignore[union-attr]
@@ -223,12 +249,52 @@ class Executor:
             if _monotonic() - since < IDLE_SECONDS:
                 return conn
             conn.close()  # back to the pool, which recycles or pings it as configured
+        if self._bounded is not None:
+            self._wait_for_pool()
         try:
             return self._engine.raw_connection()
+        except sa_exc.TimeoutError as exc:
+            raise self._exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
             raise self._translate(exc.orig or exc, sent=False) from exc
         except self._dbapi_error as exc:  # SQLAlchemy 2.1 lets connect errors through
             raise self._translate(exc, sent=False) from exc
+
+    def _wait_for_pool(self) -> None:
+        """If every pooled connection is checked out and this thread has a
+        deadline, wait for one to come free (polling) until that deadline:
+        the pool's own wait knows only the pool's timeout. A connection freed
+        and taken by another thread between the check and the checkout still
+        leaves us in the pool's wait, bounded by its timeout."""
+        deadline: float | None = getattr(self.request, "deadline", None)
+        if deadline is None:
+            return
+        step = 0.001
+        while self._pool_exhausted():
+            left = deadline - _monotonic()
+            if left <= 0:
+                raise self._exhausted(None)
+            time.sleep(min(step, left))
+            step = min(step * 2, 0.05)
+
+    def _exhausted(self, exc: BaseException | None) -> PoolExhausted:
+        pool = self._engine.pool
+        if isinstance(pool, QueuePool):
+            what = (
+                f"pool_size {pool.size()}, max_overflow {getattr(pool, '_max_overflow', '?')}, "
+                f"pool_timeout {pool.timeout():g} s"
+            )
+        else:
+            what = type(pool).__name__
+        why = (
+            "no connection came free within the pool's timeout"
+            if exc is not None
+            else "no connection came free before the request's timeout"
+        )
+        return PoolExhausted(
+            f"the connection pool of {self._url} is exhausted ({what}; all checked out): "
+            f"{why}; nothing was sent to the database"
+        )
 
     def _checkin(self, conn: PoolProxiedConnection) -> None:
         if len(self._idle) < self._max_idle and not self._pool_exhausted():
@@ -266,17 +332,25 @@ class Executor:
     def _run_observed(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
         sent = False
         try:
+            if self._bounded is not None:
+                self._wait_for_pool()
             with self._engine.connect() as conn:
                 sent = True
                 result = conn.exec_driver_sql(sql, dict(params))
                 rows = [tuple(r) for r in result.fetchall()] if fetch else []
                 return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
+        except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
+            raise self._exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
             raise self._translate(
                 exc.orig or exc, sent=sent, interrupted=exc.connection_invalidated
             ) from exc
         except self._dbapi_error as exc:
             raise self._translate(exc, sent=sent) from exc
+        except BaseException as exc:
+            if not sent:
+                _mark_unsent(exc)
+            raise
 
     def _translate(
         self, exc: BaseException, *, sent: bool, interrupted: bool = False
@@ -285,10 +359,25 @@ class Executor:
             return SchemaMissing(self._table, self._url)
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not sent:
-            return BackendError(f"cannot connect to {self._url}: {detail}")
+            return Unreachable(f"cannot connect to {self._url}: {detail}")
         if interrupted:
             return Interrupted(f"connection to {self._url} lost during a statement: {detail}")
         return BackendError(f"statement failed on {self._url}: {detail}")
+
+
+_UNSENT = "_dblock_unsent"
+
+
+def _mark_unsent(exc: BaseException) -> None:
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(exc, _UNSENT, True)
+
+
+def never_sent(exc: BaseException) -> bool:
+    """True if ``exc`` (any exception, say a signal handler's) interrupted a
+    statement before it reached the database: nothing it would have written
+    can have been committed."""
+    return getattr(exc, _UNSENT, False) is True
 
 
 class Wait:
@@ -355,7 +444,7 @@ class Store:
         self.quoted = engine.dialect.identifier_preparer.quote
         # (key, token) pairs whose acquisition may have committed although the
         # caller was told it failed; deleted as soon as the database answers.
-        self._orphans: deque[tuple[str, str]] = deque()
+        self._orphans: deque[tuple[str, str, int]] = deque()
         self._orphans_lock = threading.Lock()
 
     # -- the contract ------------------------------------------------------
@@ -451,30 +540,62 @@ class Store:
                 "unreachable; its row will be deleted once the database answers",
                 key,
             )
-        self._orphans.append((key, token))
+        self._orphans.append((key, token, 0))
 
     def is_orphan(self, key: str, token: str) -> bool:
-        return (key, token) in self._orphans
+        return any(k == key and t == token for k, t, _ in self._orphans)
 
     @property
     def has_orphans(self) -> bool:
         return bool(self._orphans)
 
     def clean_orphans(self) -> None:
-        """Delete rows left by acquisitions whose outcome we never learned."""
+        """Delete rows left by acquisitions whose outcome we never learned.
+
+        While the database does not answer, every orphan waits for it. An
+        orphan whose DELETE the database answers with an error is tried again
+        later, after the others, and dropped (with an ERROR line) after
+        :data:`ORPHAN_ATTEMPTS` such answers; one whose DELETE cannot even be
+        sent (say, a value the driver cannot encode) is dropped at once. Either
+        way its row, if it exists, is left to its lease and the sweeper, and
+        no orphan ever holds up the others or the caller."""
         if not self._orphans or not self._orphans_lock.acquire(blocking=False):
             return
         try:
-            while self._orphans:
-                key, token = self._orphans[0]
+            for _ in range(len(self._orphans)):
+                key, token, failures = self._orphans[0]
                 try:
                     self.release(key, token)
-                except BackendError:
+                except (Unreachable, Interrupted):
                     return  # still unreachable; try again next time
+                except SchemaMissing:
+                    pass  # no table, so no row to delete
+                except BackendError as exc:
+                    self._orphans.popleft()
+                    if failures + 1 < ORPHAN_ATTEMPTS:
+                        self._orphans.append((key, token, failures + 1))
+                    else:
+                        self._give_up_orphan(key, exc)
+                    continue
+                except Exception as exc:
+                    self._orphans.popleft()
+                    self._give_up_orphan(key, exc)
+                    continue
                 self._orphans.popleft()
                 log.info("dblock: removed the row of %r left by an unanswered statement", key)
         finally:
             self._orphans_lock.release()
+
+    @staticmethod
+    def _give_up_orphan(key: str, exc: BaseException) -> None:
+        log.error(
+            "dblock: cannot delete the row of an unconfirmed acquisition of %r (%s: %s); "
+            "giving up: the row, if it was written, stays until its lease ends or the "
+            "sweeper removes it",
+            key,
+            type(exc).__name__,
+            exc,
+        )
 
     # -- helpers for the dialects -----------------------------------------
 

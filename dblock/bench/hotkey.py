@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 from ..errors import BackendError, LockBusy, LockTimeout
+from ..lock import UNSET
 from ..manager import LockManager
 from .counting import count_statements
 from .procs import Start, run_together
@@ -132,6 +133,7 @@ def _worker(spec: HotKeySpec, key: str, start: Start) -> None:
     most_inside = 0
     inside_lock = threading.Lock()
     lock, blocking, hold, retry = manager.lock, spec.blocking, spec.hold, spec.retry_after
+    wait = 60.0 if blocking else UNSET  # a fail-fast request takes no timeout
 
     def run(tally: _Tally, deadline: float) -> None:
         nonlocal inside, most_inside
@@ -139,7 +141,7 @@ def _worker(spec: HotKeySpec, key: str, start: Start) -> None:
         while _monotonic() < deadline:
             t0 = _monotonic()
             try:
-                with lock(key, blocking=blocking, timeout=60.0):
+                with lock(key, blocking=blocking, timeout=wait):
                     waits.append(_monotonic() - t0)
                     with inside_lock:
                         inside += 1
