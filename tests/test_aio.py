@@ -540,11 +540,10 @@ def test_the_row_names_the_task(alocks: AsyncLockManager, key: str) -> None:
     run(main())
 
 
+@pytest.mark.databases("postgresql")  # LISTEN/NOTIFY is PostgreSQL's
 def test_on_postgresql_a_waiting_task_is_woken_by_notify_not_by_polling(
     db: str, alocks: AsyncLockManager, other: AsyncLockManager, key: str
 ) -> None:
-    if db != "postgresql":
-        pytest.skip("LISTEN/NOTIFY is PostgreSQL's")
 
     async def main() -> None:
         holder = await other.acquire(key, ttl=30)

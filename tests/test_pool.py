@@ -155,7 +155,7 @@ def test_interrupted_while_waiting_for_the_pool_leaves_nothing(
 
     def handler(signum: int, frame: FrameType | None) -> None:
         names = {f.name for f in traceback.extract_stack(frame)}
-        if "_attempt" in names and names & {"_wait_for_pool", "_do_get"}:
+        if "try_acquire" in names and names & {"_wait_for_pool", "_do_get"}:
             in_pool_wait.set()
             raise _Stop
 
