@@ -47,6 +47,7 @@ from .lock import (
     _RELEASE,
     _SETTLE,
     _SLEEP,
+    _STEPS,
     _TRANSFER,
     _TRY,
     _TURN,
@@ -186,15 +187,20 @@ class _Notified:
     with the same safety nets as the blocking side (the caller's cap at the
     holder's expiry, a periodic re-check, polling while not listening)."""
 
-    __slots__ = ("_backoff", "_event", "_key", "_listener", "_recheck")
+    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_recheck")
 
-    def __init__(self, listener: Listener, key: str, since: float, config: Config) -> None:
+    def __init__(
+        self, listener: Listener, key: str, since: float, config: Config, address: str | None = None
+    ) -> None:
         self._listener = listener
         self._key = key
         self._recheck = config.notify_recheck
         self._backoff = _Backoff(config.poll_initial, config.poll_max)
         self._event = _LoopEvent()
         listener.attach(key, since, self._event)
+        self._address = address  # a fair-queue waiter's own wake-ups
+        if address is not None:
+            listener.attach(address, since, self._event)
 
     def prepare(self) -> None:
         self._event.clear()
@@ -207,15 +213,19 @@ class _Notified:
 
     def close(self) -> None:
         self._listener.unsubscribe(self._key, self._event)
+        if self._address is not None:
+            self._listener.unsubscribe(self._address, self._event)
 
 
-def _waiter(store: Store, key: str, since: float) -> _Backoff | _Notified:
+def _waiter(
+    store: Store, key: str, since: float, address: str | None = None
+) -> _Backoff | _Notified:
     config = store.config
     listener = getattr(store, "listener", None)
     found = listener() if listener is not None else None
     if found is None:
         return _Backoff(config.poll_initial, config.poll_max)
-    return _Notified(found, key, since, config)
+    return _Notified(found, key, since, config, address)
 
 
 async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912 - one branch per op
@@ -241,11 +251,15 @@ async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912
                     answer = await store.drive(
                         sync.transfer_steps(op[1], op[2], op[3], op[4], op[5])
                     )
+                elif tag is _STEPS:
+                    if wait is not None:
+                        wait.prepare()
+                    answer = await store.drive(op[1])
                 elif tag is _TURN:
                     answer = await op[1].turn(locker, op[2])
                 elif tag is _WAIT:
                     if wait is None:
-                        wait = _waiter(sync, op[1], op[3])
+                        wait = _waiter(sync, op[1], op[3], *op[4:])
                     await wait.sleep(op[2])
                 elif tag is _SETTLE:
                     await op[1].settle_async()

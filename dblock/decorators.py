@@ -73,6 +73,7 @@ def locked(
     on_lost: OnLost | None = None,
     on_busy: OnBusy = "raise",
     defer: DeferHook | None = None,
+    fair: bool = False,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """A decorator holding the lock(s) named by ``spec`` around each call.
 
@@ -90,6 +91,12 @@ def locked(
         on_lost=on_lost,
         on_busy=on_busy,
     )
+    if fair is not False:
+        if fair is not True:
+            raise LockArgumentError(f"fair must be True or False, got {fair!r}")
+        if not isinstance(spec, str) and not callable(spec):
+            raise LockArgumentError("fair=True takes one key per call, not a list of keys")
+        options["fair"] = True
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
         if isinstance(func, (classmethod, staticmethod)):
@@ -111,6 +118,8 @@ def locked(
             try:
                 if isinstance(keys, str):
                     held = manager.acquire(keys, **options)
+                elif fair:
+                    raise LockArgumentError("fair=True takes one key per call, not several")
                 else:
                     held = manager.acquire_many(keys, **options)
             except LockNotAcquired as exc:

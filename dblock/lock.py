@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
 from ._store.base import never_sent
+from ._store.fair import statements as fair_statements
 from .config import Config, OnLost, check_ttl
 from .errors import (
     BackendError,
@@ -126,14 +127,18 @@ _RELEASE: Final = "release"  # (key, token): delete our row -> bool
 _TRANSFER: Final = "transfer"  # (key, token, new_token, owner, ttl) -> Grant | None
 _TURN: Final = "turn"  # (waiter, timeout): wait in the local queue -> the grant
 _SETTLE: Final = "settle"  # (waiter,): wait until its grant is filled in, whatever happens
-_WAIT: Final = "wait"  # (key, limit, since): wait for a release, at most limit seconds
+_WAIT: Final = "wait"  # (key, limit, since[, address]): wait for a release, at most limit seconds
 _SLEEP: Final = "sleep"  # (seconds,)
 _CLEAN: Final = "clean"  # (): delete the rows of unconfirmed acquisitions
+_STEPS: Final = "steps"  # (steps,): run a store operation (Steps) -> its answer
 _CLEAN_OP: Final = (_CLEAN,)
 T = TypeVar("T")
 #: A lock operation without I/O: yields ops, receives their answers (or has
 #: their exceptions thrown in), returns its result.
 Op = Generator[tuple[Any, ...], Any, T]
+#: The row's acquire loop (``Locker._acquire_loop``, or another kind's): called
+#: with the locker, the entry and the keywords of ``_acquire_loop``.
+Level2 = Callable[..., Op["HeldLock"]]
 
 
 class _Ref(weakref.ref["HeldLock"]):
@@ -177,6 +182,7 @@ class HeldLock:
         "_acquired_mono",
         "_entry",
         "_expires_mono",
+        "_fair",
         "_locker",
         "_lost",
         "_next_check",
@@ -213,6 +219,7 @@ class HeldLock:
         self._owner = entry.owner
         self._released = False
         self._revoked = False  # released by dblock (owner gone, manager closed)
+        self._fair = False  # granted by the fair queue: released to it, never handed on locally
         ref = self._ref = _Ref(self, locker._collected)
         ref.entry = entry
         ref.key = entry.key
@@ -415,6 +422,7 @@ class Locker:
         timeout: float | None,
         ttl: float,
         options: LockOptions | None = None,
+        level2: Level2 | None = None,
     ) -> HeldLock:
         opts = options or self.defaults
         me = current_owner()
@@ -426,7 +434,14 @@ class Locker:
                     return held
         return self.run(
             self.acquire_steps(
-                key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts, waiter_type=Waiter
+                key,
+                me,
+                blocking=blocking,
+                timeout=timeout,
+                ttl=ttl,
+                opts=opts,
+                waiter_type=Waiter,
+                level2=level2,
             )
         )
 
@@ -458,6 +473,7 @@ class Locker:
         ttl: float,
         opts: LockOptions,
         waiter_type: type[Waiter],
+        level2: Level2 | None = None,
     ) -> Op[HeldLock]:
         """Level 1, then level 2, written once for threads and tasks: what to
         wait for and which statement to send are yielded as :data:`Op`
@@ -465,7 +481,8 @@ class Locker:
         driver, whose answers come back here. What this request owns at each
         moment is in ``entry`` (the key at level 1), ``waiter`` (a place in
         its queue) or ``held`` (the row too); the one ``except`` below gives
-        back exactly that."""
+        back exactly that. ``level2`` replaces the row's acquire loop (the
+        fair queue's, :func:`dblock.kinds.fair.queued_loop`)."""
         start = _monotonic()
         entry: Entry | None = None
         waiter: Waiter | None = None
@@ -501,7 +518,8 @@ class Locker:
                         token = grant if isinstance(grant, str) else None
             if held is None:
                 assert entry is not None
-                held = yield from self._acquire_loop(
+                held = yield from (level2 or Locker._acquire_loop)(
+                    self,
                     entry,
                     blocking=blocking,
                     timeout=timeout,
@@ -549,12 +567,16 @@ class Locker:
                         answer = store.release(op[1], op[2])
                     elif tag is _TRANSFER:
                         answer = store.transfer(op[1], op[2], op[3], op[4], op[5])
+                    elif tag is _STEPS:
+                        if wait is not None:
+                            wait.prepare()
+                        answer = store.drive(op[1])
                     elif tag is _TURN:
                         answer = self._wait_turn(op[1], op[2])
                     elif tag is _WAIT:
                         if wait is None:
                             _refuse_on_event_loop(op[1])
-                            wait = store.waiter(op[1], op[3])
+                            wait = store.waiter(op[1], op[3], *op[4:])
                         wait.sleep(op[2])
                         answer = None
                     elif tag is _SETTLE:
@@ -798,14 +820,20 @@ class Locker:
         if self.telemetry is not None:
             self.telemetry.released(_monotonic() - held._acquired_mono)
         waiter = None
-        if entry.handoffs < self._handoff_limit and held._lost is None:
+        if entry.handoffs < self._handoff_limit and held._lost is None and not held._fair:
             waiter = self.registry.pop_waiter(entry)
         if waiter is not None:
             return (yield from self._hand_off(entry, held, waiter))
         try:
             # A lost lock's row is deleted too if it is still ours (renewal
             # may have failed only because the database was unreachable).
-            deleted = yield (_RELEASE, held.key, held.token)
+            if held._fair:  # wakes the next waiter of the queue, and only it
+                deleted = yield (
+                    _STEPS,
+                    fair_statements(self.store).leave_steps(held.key, held.token),
+                )
+            else:
+                deleted = yield (_RELEASE, held.key, held.token)
         except BackendError as exc:
             log.error(
                 "dblock: releasing %r failed; the row stays until its lease ends, this "

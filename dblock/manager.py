@@ -39,7 +39,8 @@ from .decorators import KeySpec, OnBusy
 from .deferral import DeferHook, exit_deferring
 from .errors import DBLockError, LockArgumentError, ManagerClosed
 from .keys import check_key
-from .lock import UNSET, HeldLock, Locker, LockOptions, Unset
+from .kinds.fair import queued_loop
+from .lock import UNSET, HeldLock, Level2, Locker, LockOptions, Unset
 from .multi import HeldLocks, acquire_many, order_keys
 from .schema import TableNames
 
@@ -209,6 +210,7 @@ class LockManager:
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
         until: object = None,
+        fair: bool = False,
     ) -> LockRequest[HeldLock]:
         """A context manager holding ``key`` for the ``with`` block.
 
@@ -222,6 +224,9 @@ class LockManager:
         ``until=session`` (a SQLAlchemy ``Session`` or ``scoped_session``)
         holds the lock past the block until that session's open transaction
         ends, so the lock covers the commit (see :mod:`dblock.sessions`).
+        ``fair=True`` queues the request in the key's fair queue: waiters
+        across processes are granted in the order they arrived (see
+        :mod:`dblock.kinds.fair`).
         """
         defer = _until_hook(until)
         key, blocking, wait, lease, opts = self._check(
@@ -235,7 +240,13 @@ class LockManager:
         )
         return LockRequest(
             partial(
-                self._locker.acquire, key, blocking=blocking, timeout=wait, ttl=lease, options=opts
+                self._locker.acquire,
+                key,
+                blocking=blocking,
+                timeout=wait,
+                ttl=lease,
+                options=opts,
+                level2=_level2(fair),
             ),
             defer,
         )
@@ -250,6 +261,7 @@ class LockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        fair: bool = False,
     ) -> HeldLock:
         """Like :meth:`lock` without ``with``: returns the held lock; call its
         ``release()`` (or use it as a context manager) when done."""
@@ -262,7 +274,9 @@ class LockManager:
             max_hold=max_hold,
             on_lost=on_lost,
         )
-        return self._locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease, options=opts)
+        return self._locker.acquire(
+            key, blocking=blocking, timeout=wait, ttl=lease, options=opts, level2=_level2(fair)
+        )
 
     def locked(
         self,
@@ -276,6 +290,7 @@ class LockManager:
         on_lost: OnLost | None = None,
         on_busy: OnBusy = "raise",
         until: object = None,
+        fair: bool = False,
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Decorate a function (or method) so each call holds the lock named by
         ``template``: a format string over the call's arguments
@@ -286,7 +301,7 @@ class LockManager:
         ``on_busy`` decides: ``"raise"`` (default), or a handler called as
         ``handler(error, *args, **kwargs)`` whose result is returned
         (``dblock.returns(value)`` returns a fixed value). The other options
-        are those of :meth:`lock` (``until=session`` included)."""
+        are those of :meth:`lock` (``until=session`` and ``fair`` included)."""
         return decorators.locked(
             lambda: self,
             template,
@@ -298,6 +313,7 @@ class LockManager:
             on_lost=on_lost,
             on_busy=on_busy,
             defer=_until_hook(until),
+            fair=fair,
         )
 
     def _check(
@@ -472,6 +488,16 @@ class LockManager:
         return acquire_many(
             self._locker, order_keys(keys), blocking=blocking, timeout=wait, ttl=lease, options=opts
         )
+
+
+def _level2(fair: object) -> Level2 | None:
+    """The acquire loop of the row for a request: the fair queue's, or the
+    exclusive lock's (None)."""
+    if fair is False:
+        return None
+    if fair is not True:
+        raise LockArgumentError(f"fair must be True or False, got {fair!r}")
+    return queued_loop
 
 
 def _until_hook(until: object) -> DeferHook | None:

@@ -507,9 +507,10 @@ class Store:
     def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
         raise NotImplementedError
 
-    def waiter(self, key: str, since: float) -> Wait:
+    def waiter(self, key: str, since: float, address: str | None = None) -> Wait:
         """How to wait for ``key`` after an attempt that started at ``since``
-        (``time.monotonic()``) found it held."""
+        (``time.monotonic()``) found it held; a fair-queue waiter is also
+        woken by wake-ups sent to its ``address``."""
         return Backoff(self.config.poll_initial, self.config.poll_max)
 
     def is_missing_table(self, exc: BaseException) -> bool:

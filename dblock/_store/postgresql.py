@@ -136,11 +136,11 @@ class PostgresStore(Store):
             for token, expires_at, now in rows
         }
 
-    def waiter(self, key: str, since: float) -> Wait:
+    def waiter(self, key: str, since: float, address: str | None = None) -> Wait:
         listener = self.listener()
         if listener is None:
             return super().waiter(key, since)
-        return NotifyWait(listener, key, since, self.config)
+        return NotifyWait(listener, key, since, self.config, address)
 
     def listener(self) -> Listener | None:
         """This process's LISTEN connection (made, not yet started, on first
@@ -221,14 +221,20 @@ class NotifyWait(Wait):
     """Wait for a release notification of one key, with two safety nets: the
     caller's cap at the holder's expiry, and a periodic re-check."""
 
-    __slots__ = ("_backoff", "_event", "_key", "_listener", "_recheck")
+    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_recheck")
 
-    def __init__(self, listener: Listener, key: str, since: float, config: Config) -> None:
+    def __init__(
+        self, listener: Listener, key: str, since: float, config: Config, address: str | None = None
+    ) -> None:
         self._listener = listener
         self._key = key
         self._recheck = config.notify_recheck
         self._backoff = Backoff(config.poll_initial, config.poll_max)
         self._event = listener.subscribe(key, since)
+        # A fair-queue waiter: also woken by the notification addressed to it.
+        self._address = address
+        if address is not None:
+            listener.attach(address, since, self._event)
 
     def prepare(self) -> None:
         self._event.clear()
@@ -242,6 +248,8 @@ class NotifyWait(Wait):
 
     def close(self) -> None:
         self._listener.unsubscribe(self._key, self._event)
+        if self._address is not None:
+            self._listener.unsubscribe(self._address, self._event)
 
 
 class Listener:

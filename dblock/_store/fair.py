@@ -1,0 +1,441 @@
+"""The fair queue's statements, one class per dialect (see :mod:`dblock.kinds.fair`).
+
+Rows of one key (schema revision 0002): the head ``slot = ''`` is the holder,
+exactly the exclusive lock's row; each waiter has a queue row ``slot = 'q' +
+ticket`` (20 digits, ``mode = 'queued'``) carrying its own token and lease.
+The ticket is the queue row's ``fence``, drawn from the fence counter, so the
+database decides the arrival order. A queue row whose lease ran out is *dead*:
+ignored by everyone, never revived (its waiter enqueues again), and swept.
+
+A waiter is granted when its queue row is live, no live queue row has a
+smaller ticket, and the head is free (or expired): it takes the head with
+the exclusive lock's own upsert and deletes its queue row. The head and the
+queue row carry the same token, so releasing (``DELETE … WHERE token``)
+removes whatever a request left, and an orphaned token is cleaned up whole.
+
+PostgreSQL does each step in one statement (data-modifying CTEs) and
+addresses its wake-up: a release (or the first waiter giving up) notifies
+``chr(31) || slot`` of the first live waiter, so only that waiter's process
+wakes, and only that waiter; when it sees no waiter, the key itself (like a
+plain release). SQLite and MySQL/MariaDB use a few statements per step and
+their waiters poll.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+from .base import Grant, Holder, Steps
+
+if TYPE_CHECKING:
+    from .base import Store
+
+__all__ = ["DROPPED", "Dropped", "FairSQL", "Queued", "address", "statements"]
+
+_UTC = timezone.utc
+#: Queue rows' slots lie between these (``'q'`` + 20 digits; MySQL's rows are
+#: ``'q~'`` + token for the instant between their INSERT and their renaming).
+_Q = "slot > 'q' AND slot < 'r'"
+#: Prefix of a notification addressed to one waiter (no key starts with it
+#: in practice; if one did, its waiters would only wake once for nothing).
+ADDRESS_MARK = "\x1f"
+
+
+def address(ticket: int) -> str:
+    """The NOTIFY payload that wakes the waiter holding ``ticket``."""
+    return f"{ADDRESS_MARK}q{ticket:020d}"
+
+
+@dataclasses.dataclass(slots=True)
+class Queued:
+    """We wait in the queue with ``ticket``, behind someone (``owner``) whose
+    lease ends in ``expires_in`` seconds (None: unknown; 0: look again now)."""
+
+    ticket: int
+    owner: str | None
+    expires_in: float | None
+
+
+class Dropped:
+    """Our queue row was gone or dead (we were paused past its lease, or it
+    was swept): we have lost our place."""
+
+    __slots__ = ()
+
+
+DROPPED = Dropped()
+
+
+def statements(store: Store) -> FairSQL:
+    """The fair statements of ``store``'s dialect, built once per store."""
+    found: FairSQL | None = getattr(store, "_fair_sql", None)
+    if found is None:
+        dialect = store.engine.dialect.name
+        cls = _POSTGRES if dialect == "postgresql" else _SQLITE if dialect == "sqlite" else _MYSQL
+        found = cls(store)
+        store._fair_sql = found  # type: ignore[attr-defined]
+    return found
+
+
+class FairSQL:
+    """What the fair acquire loop asks the database, written as :data:`Steps`."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.t = store.quoted(store.names.table)
+
+    def enter_steps(
+        self, key: str, token: str, owner: str, ttl: float, *, enqueue: bool
+    ) -> Steps[Grant | Holder | Queued]:
+        """Take the head if nobody holds it and nobody queues; else (if
+        ``enqueue``) join the queue. :class:`Holder` when not enqueued."""
+        raise NotImplementedError
+
+    def turn_steps(
+        self, key: str, token: str, ticket: int, owner: str, ttl: float
+    ) -> Steps[Grant | Queued | Dropped]:
+        """Our turn yet? Take the head if so; else renew our queue row."""
+        raise NotImplementedError
+
+    def leave_steps(self, key: str, token: str) -> Steps[bool]:
+        """Delete every row of ours (the head, the queue row) and wake the
+        next waiter; True if the head was among them (a release)."""
+        raise NotImplementedError
+
+
+class _PostgresFair(FairSQL):
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        from .postgresql import _lock_class
+
+        t = self.t
+        seq = store.quoted(store.names.sequence).replace("'", "''")
+        lease = "now() + make_interval(secs => %(ttl)s)"
+        lk = (
+            f"lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
+            f"{_lock_class(store.names.table)}, hashtext(%(key)s)))"
+        )
+        # The exclusive lock's upsert of the head, from a one-row source.
+        head = (
+            f"head AS (INSERT INTO {t} AS t (lock_key, slot, owner, token, fence, "
+            f"acquired_at, expires_at) "
+            f"SELECT %(key)s, '', %(owner)s, %(token)s, nextval('{seq}'), now(), {lease} "
+            "FROM {source} "
+            f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
+            f"token = excluded.token, fence = excluded.fence, "
+            f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
+            f"WHERE t.expires_at <= now() RETURNING t.fence, t.expires_at)"
+        )
+        live_q = f"lock_key = %(key)s AND {_Q} AND expires_at > now()"
+        self._enter_sql = (
+            f"WITH {lk}, "
+            f"busy AS MATERIALIZED (SELECT EXISTS (SELECT FROM {t} WHERE {live_q}) AS b FROM lk), "
+            + head.format(source="busy WHERE NOT busy.b")
+            + ", "
+            f"tk AS (SELECT nextval('{seq}') AS n FROM lk "
+            f"WHERE %(enqueue)s AND NOT EXISTS (SELECT FROM head)), "
+            f"enq AS (INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, "
+            f"expires_at, mode) "
+            f"SELECT %(key)s, 'q' || lpad(n::text, 20, '0'), %(owner)s, %(token)s, n, now(), "
+            f"{lease}, 'queued' FROM tk RETURNING fence) "
+            f"SELECT 'h', fence, expires_at, now(), NULL FROM head "
+            f"UNION ALL SELECT 'q', fence, NULL, now(), NULL FROM enq "
+            # Who we wait behind: the last live waiter, else the holder.
+            f"UNION ALL (SELECT 'b', NULL, expires_at, now(), owner FROM {t} "
+            f"WHERE lock_key = %(key)s AND (slot = '' OR ({_Q} AND expires_at > now())) "
+            f"AND NOT EXISTS (SELECT FROM head) ORDER BY slot DESC LIMIT 1)"
+        )
+        me = f"lock_key = %(key)s AND {_Q} AND token = %(token)s"
+        self._turn_sql = (
+            f"WITH {lk}, "
+            f"me AS MATERIALIZED (SELECT fence FROM {t}, lk WHERE {me} AND expires_at > now()), "
+            f"ahead AS MATERIALIZED (SELECT owner, expires_at FROM {t} "
+            f"WHERE {live_q} AND fence < %(ticket)s ORDER BY fence DESC LIMIT 1), "
+            + head.format(source="me WHERE NOT EXISTS (SELECT FROM ahead)")
+            + ", "
+            f"gone AS (DELETE FROM {t} WHERE {me} AND EXISTS (SELECT FROM head)), "
+            f"kept AS (UPDATE {t} SET expires_at = {lease} WHERE {me} AND expires_at > now() "
+            f"AND NOT EXISTS (SELECT FROM head) RETURNING fence) "
+            f"SELECT 'h', fence, expires_at, now(), NULL FROM head "
+            f"UNION ALL SELECT 'm', fence, NULL, now(), NULL FROM kept "
+            f"UNION ALL SELECT 'b', NULL, expires_at, now(), owner FROM ahead "
+            f"UNION ALL SELECT 'b', NULL, expires_at, now(), owner FROM {t} "
+            f"WHERE lock_key = %(key)s AND slot = '' AND NOT EXISTS (SELECT FROM ahead) "
+            f"AND NOT EXISTS (SELECT FROM head)"
+        )
+        # Wake the first live waiter if we held the head or were the first
+        # waiter; the key itself when we held the head and saw no waiter.
+        self._leave_sql = (
+            f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
+            f"RETURNING slot, fence), "
+            f"g AS (SELECT min(slot) AS slot, min(fence) AS fence FROM gone), "
+            f"nxt AS (SELECT slot FROM {t} WHERE {live_q} AND token <> %(token)s "
+            f"ORDER BY fence LIMIT 1) "
+            f"SELECT g.slot = '', (SELECT pg_notify(%(channel)s, "
+            f"coalesce(chr(31) || (SELECT slot FROM nxt), %(key)s)) "
+            f"WHERE g.slot = '' OR (EXISTS (SELECT FROM nxt) AND NOT EXISTS ("
+            f"SELECT FROM {t} WHERE {live_q} AND fence < g.fence AND token <> %(token)s))) "
+            f"FROM g WHERE g.slot IS NOT NULL"
+        )
+        self._channel = store.names.channel
+
+    def enter_steps(
+        self, key: str, token: str, owner: str, ttl: float, *, enqueue: bool
+    ) -> Steps[Grant | Holder | Queued]:
+        params = {"key": key, "owner": owner, "token": token, "ttl": ttl, "enqueue": enqueue}
+        rows = (yield self._enter_sql, params, True, False).rows
+        ticket: int | None = None
+        blocker: Holder = Holder(None, None, None)
+        for tag, fence, expires_at, now, who in rows:
+            if tag == "h":
+                return Grant(fence, expires_at, (expires_at - now).total_seconds())
+            if tag == "q":
+                ticket = fence
+            else:
+                blocker = Holder(who, None, (expires_at - now).total_seconds())
+        if ticket is None:
+            return blocker
+        return Queued(ticket, blocker.owner, blocker.expires_in if blocker.owner else 0.0)
+
+    def turn_steps(
+        self, key: str, token: str, ticket: int, owner: str, ttl: float
+    ) -> Steps[Grant | Queued | Dropped]:
+        params = {"key": key, "owner": owner, "token": token, "ttl": ttl, "ticket": ticket}
+        rows = (yield self._turn_sql, params, True, False).rows
+        kept = False
+        blocker: Queued = Queued(ticket, None, 0.0)
+        for tag, fence, expires_at, now, who in rows:
+            if tag == "h":
+                return Grant(fence, expires_at, (expires_at - now).total_seconds())
+            if tag == "m":
+                kept = True
+            else:
+                blocker = Queued(ticket, who, (expires_at - now).total_seconds())
+        return blocker if kept else DROPPED
+
+    def leave_steps(self, key: str, token: str) -> Steps[bool]:
+        params = {"key": key, "token": token, "channel": self._channel}
+        rows = (yield self._leave_sql, params, True, False).rows
+        return bool(rows) and bool(rows[0][0])
+
+
+class _SQLiteFair(FairSQL):
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        from .sqlite import NOW
+
+        t = self.t
+        fence = f"(SELECT value + 1 FROM {store.quoted(store.names.fence_table)} WHERE id = 1)"
+        live_q = f"lock_key = :key AND {_Q} AND expires_at > {NOW}"
+        me = f"lock_key = :key AND {_Q} AND token = :token"
+        head = (
+            f"INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
+            f"SELECT :key, '', :owner, :token, {fence}, {NOW}, {NOW} + :ttl WHERE {{cond}} "
+            f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
+            f"token = excluded.token, fence = excluded.fence, "
+            f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
+            f"WHERE {t}.expires_at <= excluded.acquired_at "
+            f"RETURNING fence, expires_at, acquired_at"
+        )
+        self._head_if_empty_sql = head.format(cond=f"NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q})")
+        self._head_if_first_sql = head.format(
+            cond=f"EXISTS (SELECT 1 FROM {t} WHERE {me} AND expires_at > {NOW}) "
+            f"AND NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q} AND fence < :ticket)"
+        )
+        self._enqueue_sql = (
+            f"INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, expires_at, mode) "
+            f"SELECT :key, 'q' || printf('%020d', n), :owner, :token, n, {NOW}, {NOW} + :ttl, "
+            f"'queued' FROM (SELECT {fence} AS n) RETURNING fence"
+        )
+        self._renew_sql = (
+            f"UPDATE {t} SET expires_at = {NOW} + :ttl WHERE {me} AND expires_at > {NOW}"
+        )
+        self._drop_queued_sql = f"DELETE FROM {t} WHERE {me}"
+        # The last live waiter before ticket (or, without one, the holder).
+        self._blocker_sql = (
+            f"SELECT owner, expires_at - {NOW} FROM {t} WHERE lock_key = :key AND "
+            f"(slot = '' OR ({_Q} AND expires_at > {NOW} AND fence < :ticket)) "
+            f"ORDER BY slot DESC LIMIT 1"
+        )
+        self._leave_sql = f"DELETE FROM {t} WHERE lock_key = :key AND token = :token RETURNING slot"
+
+    def enter_steps(
+        self, key: str, token: str, owner: str, ttl: float, *, enqueue: bool
+    ) -> Steps[Grant | Holder | Queued]:
+        from .sqlite import _grant
+
+        params: dict[str, Any] = {"key": key, "owner": owner, "token": token, "ttl": ttl}
+        rows = (yield self._head_if_empty_sql, params, True, False).rows
+        if rows:
+            return _grant(rows[0])
+        if not enqueue:
+            params["ticket"] = 2**63 - 1
+            found = (yield self._blocker_sql, params, True, False).rows
+            return Holder(found[0][0], None, found[0][1]) if found else Holder(None, None, 0.0)
+        (ticket,) = (yield self._enqueue_sql, params, True, False).rows[0]
+        params["ticket"] = ticket
+        found = (yield self._blocker_sql, params, True, False).rows
+        return Queued(ticket, found[0][0], found[0][1]) if found else Queued(ticket, None, 0.0)
+
+    def turn_steps(
+        self, key: str, token: str, ticket: int, owner: str, ttl: float
+    ) -> Steps[Grant | Queued | Dropped]:
+        from .sqlite import _grant
+
+        params = {"key": key, "owner": owner, "token": token, "ttl": ttl, "ticket": ticket}
+        rows = (yield self._head_if_first_sql, params, True, False).rows
+        if rows:
+            yield self._drop_queued_sql, params, False, False
+            return _grant(rows[0])
+        if not (yield self._renew_sql, params, False, False).rowcount:
+            return DROPPED
+        found = (yield self._blocker_sql, params, True, False).rows
+        return Queued(ticket, found[0][0], found[0][1]) if found else Queued(ticket, None, 0.0)
+
+    def leave_steps(self, key: str, token: str) -> Steps[bool]:
+        rows = (yield self._leave_sql, {"key": key, "token": token}, True, False).rows
+        return any(slot == "" for (slot,) in rows)
+
+
+class _MySQLFair(FairSQL):
+    """InnoDB's ``AUTO_INCREMENT`` is only known after the INSERT, so a queue
+    row is inserted as ``'q~' + token`` and renamed to ``'q' + ticket`` by a
+    second statement; the order is the ``fence`` column either way. The
+    ``INSERT … SELECT`` takes shared locks on the queue rows it reads, so a
+    waiter whose INSERT is not committed yet is waited for, not missed."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        t = self.t
+        now = "UTC_TIMESTAMP(6)"
+        lease = f"{now} + INTERVAL %(ttl_us)s MICROSECOND"
+        live_q = f"lock_key = %(key)s AND {_Q} AND expires_at > {now}"
+        me = f"lock_key = %(key)s AND {_Q} AND token = %(token)s"
+        head = (
+            f"INSERT IGNORE INTO {t} (lock_key, slot, owner, token, acquired_at, expires_at) "
+            f"SELECT %(key)s, '', %(owner)s, %(token)s, {now}, {lease} FROM DUAL WHERE {{cond}}"
+        )
+        self._head_if_empty_sql = head.format(cond=f"NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q})")
+        self._head_if_first_sql = head.format(
+            cond=f"EXISTS (SELECT 1 FROM {t} WHERE {me} AND expires_at > {now}) "
+            f"AND NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q} AND fence < %(ticket)s)"
+        )
+        returning = " RETURNING fence, expires_at, acquired_at"
+        self._returning = {
+            self._head_if_empty_sql: self._head_if_empty_sql + returning,
+            self._head_if_first_sql: self._head_if_first_sql + returning,
+        }
+        self._head_sql = f"SELECT token, fence, expires_at, {now} FROM {t} WHERE lock_key = %(key)s AND slot = ''"
+        self._takeover_sql = (
+            f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "
+            f"AND expires_at <= {now}"
+        )
+        self._enqueue_sql = (
+            f"INSERT INTO {t} (lock_key, slot, owner, token, acquired_at, expires_at, mode) "
+            f"SELECT %(key)s, CONCAT('q~', %(token)s), %(owner)s, %(token)s, {now}, {lease}, "
+            f"'queued'"
+        )
+        self._rename_sql = (
+            f"UPDATE {t} SET slot = CONCAT('q', LPAD(fence, 20, '0')) "
+            f"WHERE lock_key = %(key)s AND slot = CONCAT('q~', %(token)s)"
+        )
+        self._renew_sql = f"UPDATE {t} SET expires_at = {lease} WHERE {me} AND expires_at > {now}"
+        self._drop_queued_sql = f"DELETE FROM {t} WHERE {me}"
+        self._blocker_sql = (
+            f"SELECT owner, TIMESTAMPDIFF(MICROSECOND, {now}, expires_at) FROM {t} "
+            f"WHERE lock_key = %(key)s AND "
+            f"(slot = '' OR ({_Q} AND expires_at > {now} AND fence < %(ticket)s)) "
+            f"ORDER BY slot <> '' DESC, fence DESC LIMIT 1"
+        )
+        self._leave_head_sql = f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s"
+
+    def _head_steps(
+        self, sql: str, params: dict[str, Any], ttl: float
+    ) -> Steps[Grant | Holder | None]:
+        """Try ``sql`` (an INSERT IGNORE of the head); Grant, or the holder
+        (None: the head was free or expired and we may try again now)."""
+        store: Any = self.store  # a MySQLStore: its capabilities and clock offset
+        if store.returning is None:
+            yield from store._capabilities_steps()
+        if store.returning:
+            rows = (yield self._returning[sql], params, True, False).rows
+            if rows:
+                fence, expires_at, now = rows[0]
+                return Grant(
+                    fence, expires_at.replace(tzinfo=_UTC), (expires_at - now).total_seconds()
+                )
+        else:
+            sent = time.time()
+            result = yield sql, params, False, True
+            if result.rowcount == 1:
+                # As the exclusive lock does on MySQL: the lease's end from
+                # the measured clock offset, erring early.
+                offset = yield from store._server_offset_steps()
+                start = datetime.fromtimestamp(sent + offset, _UTC)
+                return Grant(int(result.lastrowid or 0), start + timedelta(seconds=ttl), ttl)
+        rows = (yield self._head_sql, params, True, False).rows
+        if not rows:
+            return None
+        token, _, expires_at, now = rows[0]
+        if expires_at <= now:
+            yield self._takeover_sql, {"key": params["key"], "token": token}, False, False
+            return None
+        return Holder(None, token, (expires_at - now).total_seconds())
+
+    def enter_steps(
+        self, key: str, token: str, owner: str, ttl: float, *, enqueue: bool
+    ) -> Steps[Grant | Holder | Queued]:
+        params: dict[str, Any] = {
+            "key": key,
+            "owner": owner,
+            "token": token,
+            "ttl_us": round(ttl * 1e6),
+        }
+        got = yield from self._head_steps(self._head_if_empty_sql, params, ttl)
+        if isinstance(got, Grant):
+            return got
+        if not enqueue:
+            return got or Holder(None, None, 0.0)
+        ticket = (yield self._enqueue_sql, params, False, True).lastrowid
+        yield self._rename_sql, params, False, False
+        assert ticket
+        return (yield from self._blocker_steps(params, ticket))
+
+    def _blocker_steps(self, params: dict[str, Any], ticket: int) -> Steps[Queued]:
+        params["ticket"] = ticket
+        found = (yield self._blocker_sql, params, True, False).rows
+        if not found:
+            return Queued(ticket, None, 0.0)
+        return Queued(ticket, found[0][0], max(found[0][1] / 1e6, 0.0))
+
+    def turn_steps(
+        self, key: str, token: str, ticket: int, owner: str, ttl: float
+    ) -> Steps[Grant | Queued | Dropped]:
+        params: dict[str, Any] = {
+            "key": key,
+            "owner": owner,
+            "token": token,
+            "ttl_us": round(ttl * 1e6),
+            "ticket": ticket,
+        }
+        got = yield from self._head_steps(self._head_if_first_sql, params, ttl)
+        if isinstance(got, Grant):
+            yield self._drop_queued_sql, params, False, False
+            return got
+        if not (yield self._renew_sql, params, False, False).rowcount:
+            return DROPPED
+        if got is None:
+            return Queued(ticket, None, 0.0)
+        return (yield from self._blocker_steps(params, ticket))
+
+    def leave_steps(self, key: str, token: str) -> Steps[bool]:
+        params = {"key": key, "token": token}
+        return (yield self._leave_head_sql, params, False, False).rowcount > 0
+
+
+_POSTGRES = _PostgresFair
+_SQLITE = _SQLiteFair
+_MYSQL = _MySQLFair

@@ -1,0 +1,1 @@
+"""Kinds of lock beyond the plain exclusive one, one module each."""
