@@ -48,6 +48,7 @@ from ._store.base import never_sent
 from .config import Config, OnLost, check_ttl
 from .errors import (
     BackendError,
+    KindMismatch,
     LockArgumentError,
     LockBusy,
     LockLost,
@@ -694,6 +695,10 @@ class Locker:
                         grant=result,
                         sent_at=sent_at,
                         options=opts,
+                    )
+                if result.kind is not None and result.kind != "exclusive":
+                    raise KindMismatch(
+                        key, requested="exclusive", existing=result.kind, where="in the table"
                     )
                 if not blocking:
                     raise LockBusy(key, level=2, holder=result.owner)
