@@ -49,6 +49,7 @@ from ._store.fair import statements as fair_statements
 from .config import Config, OnLost, check_ttl
 from .errors import (
     BackendError,
+    KindMismatch,
     LockArgumentError,
     LockBusy,
     LockLost,
@@ -716,6 +717,10 @@ class Locker:
                         grant=result,
                         sent_at=sent_at,
                         options=opts,
+                    )
+                if result.kind is not None and result.kind != "exclusive":
+                    raise KindMismatch(
+                        key, requested="exclusive", existing=result.kind, where="in the table"
                     )
                 if not blocking:
                     raise LockBusy(key, level=2, holder=result.owner)

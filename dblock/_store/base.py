@@ -88,6 +88,10 @@ class Holder:
     owner: str | None
     token: str | None
     expires_in: float | None
+    #: The kind of lock the key's head row is (``"exclusive"``, ``"rw"``, …),
+    #: when the statement read it; another kind than requested means the key
+    #: is used as another kind of lock (``KindMismatch``).
+    kind: str | None = None
 
 
 class Interrupted(BackendError):
@@ -640,7 +644,7 @@ class Store:
         bound = f" LIMIT {int(limit)}" if limit is not None else ""
         sql = (
             f"SELECT {COLUMNS}, {self.now_sql} FROM {self.quoted(self.names.table)} "
-            f"{where}ORDER BY acquired_at, lock_key{bound}"
+            f"{where}ORDER BY acquired_at, lock_key, slot{bound}"
         )
         return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
 
