@@ -449,6 +449,9 @@ class Store:
         # (key, token) pairs whose acquisition may have committed although the
         # caller was told it failed; deleted as soon as the database answers.
         self._orphans: deque[tuple[str, str, int]] = deque()
+        # Orphaned tokens of fair-queue requests: every row carrying them
+        # goes (the queue row as well as the head).
+        self._whole: set[str] = set()
         self._orphans_lock = threading.Lock()
 
     # -- the contract ------------------------------------------------------
@@ -531,11 +534,14 @@ class Store:
         self.executor.forget_idle()
         self.engine.dispose(close=False)
         self._orphans.clear()
+        self._whole = set()
         self._orphans_lock = threading.Lock()
 
     # -- orphans -----------------------------------------------------------
 
-    def add_orphan(self, key: str, token: str, *, released: bool = False) -> None:
+    def add_orphan(
+        self, key: str, token: str, *, released: bool = False, whole: bool = False
+    ) -> None:
         """Delete the row of ``(key, token)`` once the database answers: an
         acquisition whose outcome we never learned, or (``released``) a
         release that could not reach the database."""
@@ -545,6 +551,8 @@ class Store:
                 "unreachable; its row will be deleted once the database answers",
                 key,
             )
+        if whole:
+            self._whole.add(token)
         self._orphans.append((key, token, 0))
 
     def is_orphan(self, key: str, token: str) -> bool:
@@ -570,7 +578,12 @@ class Store:
             for _ in range(len(self._orphans)):
                 key, token, failures = self._orphans[0]
                 try:
-                    self.release(key, token)
+                    if token in self._whole:
+                        from .fair import statements
+
+                        self.drive(statements(self).leave_steps(key, token))
+                    else:
+                        self.release(key, token)
                 except (Unreachable, Interrupted):
                     return  # still unreachable; try again next time
                 except SchemaMissing:
@@ -580,13 +593,16 @@ class Store:
                     if failures + 1 < ORPHAN_ATTEMPTS:
                         self._orphans.append((key, token, failures + 1))
                     else:
+                        self._whole.discard(token)
                         self._give_up_orphan(key, exc)
                     continue
                 except Exception as exc:
                     self._orphans.popleft()
+                    self._whole.discard(token)
                     self._give_up_orphan(key, exc)
                     continue
                 self._orphans.popleft()
+                self._whole.discard(token)
                 log.info("dblock: removed the row of %r left by an unanswered statement", key)
         finally:
             self._orphans_lock.release()

@@ -28,6 +28,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
+from ..errors import KindMismatch
 from .base import Grant, Holder, Steps
 
 if TYPE_CHECKING:
@@ -127,7 +128,8 @@ class _PostgresFair(FairSQL):
             f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
-            f"WHERE t.expires_at <= now() RETURNING t.fence, t.expires_at)"
+            f"WHERE t.expires_at <= now() AND t.kind = 'exclusive' "
+            f"RETURNING t.fence, t.expires_at)"
         )
         live_q = f"lock_key = %(key)s AND {_Q} AND expires_at > now()"
         self._enter_sql = (
@@ -141,10 +143,10 @@ class _PostgresFair(FairSQL):
             f"expires_at, mode) "
             f"SELECT %(key)s, 'q' || lpad(n::text, 20, '0'), %(owner)s, %(token)s, n, now(), "
             f"{lease}, 'queued' FROM tk RETURNING fence) "
-            f"SELECT 'h', fence, expires_at, now(), NULL FROM head "
-            f"UNION ALL SELECT 'q', fence, NULL, now(), NULL FROM enq "
+            f"SELECT 'h', fence, expires_at, now(), NULL, NULL FROM head "
+            f"UNION ALL SELECT 'q', fence, NULL, now(), NULL, NULL FROM enq "
             # Who we wait behind: the last live waiter, else the holder.
-            f"UNION ALL (SELECT 'b', NULL, expires_at, now(), owner FROM {t} "
+            f"UNION ALL (SELECT 'b', NULL, expires_at, now(), owner, kind FROM {t} "
             f"WHERE lock_key = %(key)s AND (slot = '' OR ({_Q} AND expires_at > now())) "
             f"AND NOT EXISTS (SELECT FROM head) ORDER BY slot DESC LIMIT 1)"
         )
@@ -159,10 +161,10 @@ class _PostgresFair(FairSQL):
             f"gone AS (DELETE FROM {t} WHERE {me} AND EXISTS (SELECT FROM head)), "
             f"kept AS (UPDATE {t} SET expires_at = {lease} WHERE {me} AND expires_at > now() "
             f"AND NOT EXISTS (SELECT FROM head) RETURNING fence) "
-            f"SELECT 'h', fence, expires_at, now(), NULL FROM head "
-            f"UNION ALL SELECT 'm', fence, NULL, now(), NULL FROM kept "
-            f"UNION ALL SELECT 'b', NULL, expires_at, now(), owner FROM ahead "
-            f"UNION ALL SELECT 'b', NULL, expires_at, now(), owner FROM {t} "
+            f"SELECT 'h', fence, expires_at, now(), NULL, NULL FROM head "
+            f"UNION ALL SELECT 'm', fence, NULL, now(), NULL, NULL FROM kept "
+            f"UNION ALL SELECT 'b', NULL, expires_at, now(), owner, NULL FROM ahead "
+            f"UNION ALL SELECT 'b', NULL, expires_at, now(), owner, kind FROM {t} "
             f"WHERE lock_key = %(key)s AND slot = '' AND NOT EXISTS (SELECT FROM ahead) "
             f"AND NOT EXISTS (SELECT FROM head)"
         )
@@ -189,12 +191,13 @@ class _PostgresFair(FairSQL):
         rows = (yield self._enter_sql, params, True, False).rows
         ticket: int | None = None
         blocker: Holder = Holder(None, None, None)
-        for tag, fence, expires_at, now, who in rows:
+        for tag, fence, expires_at, now, who, kind in rows:
             if tag == "h":
                 return Grant(fence, expires_at, (expires_at - now).total_seconds())
             if tag == "q":
                 ticket = fence
             else:
+                _check_kind(key, kind)
                 blocker = Holder(who, None, (expires_at - now).total_seconds())
         if ticket is None:
             return blocker
@@ -207,12 +210,13 @@ class _PostgresFair(FairSQL):
         rows = (yield self._turn_sql, params, True, False).rows
         kept = False
         blocker: Queued = Queued(ticket, None, 0.0)
-        for tag, fence, expires_at, now, who in rows:
+        for tag, fence, expires_at, now, who, kind in rows:
             if tag == "h":
                 return Grant(fence, expires_at, (expires_at - now).total_seconds())
             if tag == "m":
                 kept = True
             else:
+                _check_kind(key, kind)
                 blocker = Queued(ticket, who, (expires_at - now).total_seconds())
         return blocker if kept else DROPPED
 
@@ -237,7 +241,7 @@ class _SQLiteFair(FairSQL):
             f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
-            f"WHERE {t}.expires_at <= excluded.acquired_at "
+            f"WHERE {t}.expires_at <= excluded.acquired_at AND {t}.kind = 'exclusive' "
             f"RETURNING fence, expires_at, acquired_at"
         )
         self._head_if_empty_sql = head.format(cond=f"NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q})")
@@ -256,7 +260,7 @@ class _SQLiteFair(FairSQL):
         self._drop_queued_sql = f"DELETE FROM {t} WHERE {me}"
         # The last live waiter before ticket (or, without one, the holder).
         self._blocker_sql = (
-            f"SELECT owner, expires_at - {NOW} FROM {t} WHERE lock_key = :key AND "
+            f"SELECT owner, expires_at - {NOW}, kind FROM {t} WHERE lock_key = :key AND "
             f"(slot = '' OR ({_Q} AND expires_at > {NOW} AND fence < :ticket)) "
             f"ORDER BY slot DESC LIMIT 1"
         )
@@ -274,11 +278,17 @@ class _SQLiteFair(FairSQL):
         if not enqueue:
             params["ticket"] = 2**63 - 1
             found = (yield self._blocker_sql, params, True, False).rows
-            return Holder(found[0][0], None, found[0][1]) if found else Holder(None, None, 0.0)
+            if not found:
+                return Holder(None, None, 0.0)
+            _check_kind(key, found[0][2])
+            return Holder(found[0][0], None, found[0][1])
         (ticket,) = (yield self._enqueue_sql, params, True, False).rows[0]
         params["ticket"] = ticket
         found = (yield self._blocker_sql, params, True, False).rows
-        return Queued(ticket, found[0][0], found[0][1]) if found else Queued(ticket, None, 0.0)
+        if not found:
+            return Queued(ticket, None, 0.0)
+        _check_kind(key, found[0][2])
+        return Queued(ticket, found[0][0], found[0][1])
 
     def turn_steps(
         self, key: str, token: str, ticket: int, owner: str, ttl: float
@@ -293,7 +303,10 @@ class _SQLiteFair(FairSQL):
         if not (yield self._renew_sql, params, False, False).rowcount:
             return DROPPED
         found = (yield self._blocker_sql, params, True, False).rows
-        return Queued(ticket, found[0][0], found[0][1]) if found else Queued(ticket, None, 0.0)
+        if not found:
+            return Queued(ticket, None, 0.0)
+        _check_kind(key, found[0][2])
+        return Queued(ticket, found[0][0], found[0][1])
 
     def leave_steps(self, key: str, token: str) -> Steps[bool]:
         rows = (yield self._leave_sql, {"key": key, "token": token}, True, False).rows
@@ -328,10 +341,13 @@ class _MySQLFair(FairSQL):
             self._head_if_empty_sql: self._head_if_empty_sql + returning,
             self._head_if_first_sql: self._head_if_first_sql + returning,
         }
-        self._head_sql = f"SELECT token, fence, expires_at, {now} FROM {t} WHERE lock_key = %(key)s AND slot = ''"
+        self._head_sql = (
+            f"SELECT token, fence, expires_at, {now}, kind FROM {t} "
+            f"WHERE lock_key = %(key)s AND slot = ''"
+        )
         self._takeover_sql = (
             f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "
-            f"AND expires_at <= {now}"
+            f"AND expires_at <= {now} AND kind = 'exclusive'"
         )
         self._enqueue_sql = (
             f"INSERT INTO {t} (lock_key, slot, owner, token, acquired_at, expires_at, mode) "
@@ -345,7 +361,7 @@ class _MySQLFair(FairSQL):
         self._renew_sql = f"UPDATE {t} SET expires_at = {lease} WHERE {me} AND expires_at > {now}"
         self._drop_queued_sql = f"DELETE FROM {t} WHERE {me}"
         self._blocker_sql = (
-            f"SELECT owner, TIMESTAMPDIFF(MICROSECOND, {now}, expires_at) FROM {t} "
+            f"SELECT owner, TIMESTAMPDIFF(MICROSECOND, {now}, expires_at), kind FROM {t} "
             f"WHERE lock_key = %(key)s AND "
             f"(slot = '' OR ({_Q} AND expires_at > {now} AND fence < %(ticket)s)) "
             f"ORDER BY slot <> '' DESC, fence DESC LIMIT 1"
@@ -379,7 +395,8 @@ class _MySQLFair(FairSQL):
         rows = (yield self._head_sql, params, True, False).rows
         if not rows:
             return None
-        token, _, expires_at, now = rows[0]
+        token, _, expires_at, now, kind = rows[0]
+        _check_kind(params["key"], kind)
         if expires_at <= now:
             yield self._takeover_sql, {"key": params["key"], "token": token}, False, False
             return None
@@ -409,6 +426,7 @@ class _MySQLFair(FairSQL):
         found = (yield self._blocker_sql, params, True, False).rows
         if not found:
             return Queued(ticket, None, 0.0)
+        _check_kind(params["key"], found[0][2])
         return Queued(ticket, found[0][0], max(found[0][1] / 1e6, 0.0))
 
     def turn_steps(
@@ -434,6 +452,12 @@ class _MySQLFair(FairSQL):
     def leave_steps(self, key: str, token: str) -> Steps[bool]:
         params = {"key": key, "token": token}
         return (yield self._leave_head_sql, params, False, False).rowcount > 0
+
+
+def _check_kind(key: str, kind: str | None) -> None:
+    """A fair request waits for an exclusive head; one of another kind never frees for it."""
+    if kind is not None and kind != "exclusive":
+        raise KindMismatch(key, requested="exclusive (fair)", existing=kind, where="in the table")
 
 
 _POSTGRES = _PostgresFair

@@ -132,7 +132,9 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                     # Rows carrying our token may exist (our queue row, or a
                     # head granted as the connection broke): delete them once
                     # the database answers, and go on with a fresh token.
-                    store.add_orphan(key, token, released=not isinstance(exc, Interrupted))
+                    store.add_orphan(
+                        key, token, released=not isinstance(exc, Interrupted), whole=True
+                    )
                 limit = float("inf") if deadline is None else deadline - _monotonic()
                 if limit <= 0 or not (waiting or handed):
                     raise
@@ -166,7 +168,7 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                 log.warning(
                     "dblock: the queue row of %r ran out while waiting; queueing again", key
                 )
-                store.add_orphan(key, token, released=True)
+                store.add_orphan(key, token, released=True, whole=True)
                 token, ticket = os.urandom(16).hex(), None
                 continue
             assert isinstance(result, (Holder, Queued))
@@ -191,7 +193,7 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
         if in_flight and not never_sent(exc):
             # Cut off mid-statement (an interruption, a cancellation): our
             # rows may or may not exist; the renewal thread deletes them.
-            store.add_orphan(key, token)
+            store.add_orphan(key, token, whole=True)
             locker.renewer.post(_noop)
         elif ticket is not None:
             yield from _withdraw(locker, key, token)
@@ -212,8 +214,8 @@ def _withdraw(locker: Locker, key: str, token: str) -> Op[None]:
             key,
             exc,
         )
-        locker.store.add_orphan(key, token, released=True)
+        locker.store.add_orphan(key, token, released=True, whole=True)
     except BaseException:
-        locker.store.add_orphan(key, token)
+        locker.store.add_orphan(key, token, whole=True)
         locker.renewer.post(_noop)
         raise
