@@ -192,6 +192,7 @@ class HeldLock:
         "_released",
         "_renew_error",
         "_revoked",
+        "_ticket",
         "expires_at",
         "fence",
         "key",
@@ -221,6 +222,7 @@ class HeldLock:
         self._released = False
         self._revoked = False  # released by dblock (owner gone, manager closed)
         self._fair = False  # granted by the fair queue: released to it, never handed on locally
+        self._ticket: int | None = None
         ref = self._ref = _Ref(self, locker._collected)
         ref.entry = entry
         ref.key = entry.key
@@ -247,6 +249,13 @@ class HeldLock:
     @property
     def released(self) -> bool:
         return self._released
+
+    @property
+    def ticket(self) -> int | None:
+        """A fair lock's place in its key's queue when it was granted (the
+        order of arrival, from the fence counter); None if it was granted
+        without queueing, or is not a fair lock."""
+        return self._ticket
 
     @property
     def remaining(self) -> float:

@@ -118,7 +118,7 @@ LEDGER_DDL = (
     " id INTEGER PRIMARY KEY, lock_key TEXT NOT NULL, fence INTEGER NOT NULL,"
     " token TEXT NOT NULL, pid INTEGER NOT NULL, thread TEXT NOT NULL,"
     " t_start REAL NOT NULL, lease_end REAL NOT NULL, wall_start REAL NOT NULL,"
-    " t_end REAL, lease_end_at_end REAL, outcome TEXT)",
+    " t_end REAL, lease_end_at_end REAL, outcome TEXT, ticket INTEGER)",
     "CREATE TABLE IF NOT EXISTS stats ("
     " pid INTEGER, requests INTEGER, grants INTEGER, busy INTEGER, timeouts INTEGER,"
     " backend_errors INTEGER, lost INTEGER, release_failed INTEGER)",
@@ -151,6 +151,7 @@ def worker(spec: dict[str, Any]) -> None:
     )
     keys = spec["keys"]
     deadline = spec["deadline"]
+    fair = bool(spec.get("fair"))
     totals: dict[str, int] = defaultdict(int)
     totals_lock = threading.Lock()
 
@@ -164,9 +165,9 @@ def worker(spec: dict[str, Any]) -> None:
             counts["requests"] += 1
             try:
                 if rng.random() < 0.7:
-                    held = manager.acquire(key, timeout=rng.uniform(0.2, 2.0))
+                    held = manager.acquire(key, timeout=rng.uniform(0.2, 2.0), fair=fair)
                 else:
-                    held = manager.acquire(key, blocking=False)
+                    held = manager.acquire(key, blocking=False, fair=fair)
             except (LockBusy, LockTimeout) as exc:
                 counts["busy" if isinstance(exc, LockBusy) else "timeouts"] += 1
                 time.sleep(rng.uniform(0.001, 0.01))
@@ -179,8 +180,18 @@ def worker(spec: dict[str, Any]) -> None:
             lease_end = t_start + held.remaining
             row = ledger.execute(
                 "INSERT INTO sections (lock_key, fence, token, pid, thread, t_start,"
-                " lease_end, wall_start) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (key, held.fence, held.token, pid, name, t_start, lease_end, time.time()),
+                " lease_end, wall_start, ticket) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    key,
+                    held.fence,
+                    held.token,
+                    pid,
+                    name,
+                    t_start,
+                    lease_end,
+                    time.time(),
+                    held.ticket,
+                ),
             ).lastrowid
             counts["grants"] += 1
             time.sleep(rng.uniform(0.001, 0.02))  # the work
@@ -320,6 +331,7 @@ class Run:
             "ttl": self.args.ttl,
             "poll_max": self.args.poll_max,
             "deadline": self.deadline,
+            "fair": self.args.fair,
         }
         log = open(self.run_dir / f"worker-{len(self.workers)}.log", "ab")  # noqa: SIM115
         self.workers.append(
@@ -474,6 +486,7 @@ class Section:
     outcome: str | None
     thread: str = ""
     token: str = ""
+    ticket: int | None = None  # fair mode: the queue ticket it was granted from
 
 
 def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
@@ -481,13 +494,15 @@ def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
     stats: dict[str, int] = defaultdict(int)
     for path in sorted(run_dir.glob("ledger-*.sqlite3")):
         conn = sqlite3.connect(path)
-        for key, fence, pid, t0, lease, lease2, t1, outcome, thread, token in conn.execute(
+        for key, fence, pid, t0, lease, lease2, t1, outcome, thread, token, ticket in conn.execute(
             "SELECT lock_key, fence, pid, t_start, lease_end, lease_end_at_end, t_end, outcome,"
-            " thread, token FROM sections"
+            " thread, token, ticket FROM sections"
         ):
             # A lease renewed during the section ends later; the later end counts.
             end_of_lease = max(lease, lease2) if lease2 is not None else lease
-            sections.append(Section(key, fence, pid, t0, end_of_lease, t1, outcome, thread, token))
+            sections.append(
+                Section(key, fence, pid, t0, end_of_lease, t1, outcome, thread, token, ticket)
+            )
         names = ("requests", "grants", "busy", "timeouts", "backend_errors", "lost",
                  "release_failed")  # fmt: skip
         for row in conn.execute(f"SELECT {', '.join(names)} FROM stats"):
@@ -501,6 +516,7 @@ def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
 REAL = "real overlap"
 STALE_FENCE = "stale overlap, fences the wrong way"
 ORDER_FENCE = "fence decreased between sections inside their leases"
+ORDER_TICKET = "fair queue: a later ticket granted before an earlier one"
 
 
 def check(
@@ -581,8 +597,17 @@ def check(
     by_key: dict[str, list[Section]] = defaultdict(list)
     for s in sections:
         by_key[s.key].append(s)
-    real = stale = fence_violations = order_violations = 0
+    real = stale = fence_violations = order_violations = ticket_violations = 0
+    queued_grants = 0
     for key, group in by_key.items():
+        # Fair mode: grants (in fence order, which is the order they were
+        # made) that came out of the queue carry growing tickets.
+        fair = sorted((s for s in group if s.ticket is not None), key=lambda s: s.fence)
+        queued_grants += len(fair)
+        for x, y in itertools.pairwise(fair):
+            if y.ticket <= x.ticket:  # type: ignore[operator]
+                ticket_violations += 1
+                report(ORDER_TICKET, key, x, y, None)
         group.sort(key=lambda s: s.t_start)
         valid = [s for s in group if s.t_start < valid_until(s) - EPSILON]
         for x, y in itertools.pairwise(valid):
@@ -634,6 +659,8 @@ def check(
         "sections_past_lease": sum(1 for s in sections if end(s) > s.lease_end + EPSILON),
         "fence_violations": fence_violations,
         "fence_order_violations": order_violations,
+        "queued_grants": queued_grants,
+        "ticket_order_violations": ticket_violations,
         "faults": dict(counts),
         "blocked_after_kill_max_s": round(longest, 4),
         "blocked_after_kill_count": len(blocked),
@@ -648,6 +675,7 @@ def check(
         real == 0
         and fence_violations == 0
         and order_violations == 0
+        and ticket_violations == 0
         and result["sections_completed"] > 0
         and longest <= bound + slack
     )
@@ -695,7 +723,12 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         f"Torture: {args.processes} processes × {args.threads} threads, {args.keys} hot keys, "
         f"{args.seconds:g} s per database, lease {args.ttl:g} s, poll cap {args.poll_max:g} s, "
-        f"a fault every {args.fault_every:g} s.",
+        f"a fault every {args.fault_every:g} s"
+        + (
+            " (fair mode: grants out of the queue in ticket order)."
+            if getattr(args, "fair", False)
+            else "."
+        ),
         "",
         head,
         "|---|---|---|---|---|---|---|---|---|",
@@ -706,7 +739,14 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         lines.append(
             f"| {db} | {r['sections_completed']:,} | {r['sections_killed_inside']} "
             f"| {r['overlaps_real']} / {r['overlaps_stale_fenced']} ({r['sections_past_lease']}) "
-            f"| {r['fence_violations'] + r['fence_order_violations']} | {faults} "
+            f"| {r['fence_violations'] + r['fence_order_violations']}"
+            + (
+                f" (ticket order: {r['ticket_order_violations']} in {r['queued_grants']:,} "
+                "queued grants)"
+                if _fair(args)
+                else ""
+            )
+            + f" | {faults} "
             f"| {r['blocked_after_kill_max_s']:.2f} s ({r['blocked_bound_s']:g} s "
             f"+ {args.slack:g} s slack) | {outcomes.get('lost', 0)} "
             f"| {outcomes.get('release-failed', 0)} |"
@@ -720,6 +760,10 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         if r["violations_not_reported"]:
             lines.append(f"... and {r['violations_not_reported']} more not reported.")
     return "\n".join(lines)
+
+
+def _fair(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "fair", False))
 
 
 def torture(db: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -767,6 +811,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    parser.add_argument(
+        "--fair",
+        action="store_true",
+        help="workers ask with fair=True; the checker also wants grants in ticket order",
+    )
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))

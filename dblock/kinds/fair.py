@@ -161,6 +161,7 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                     options=opts,
                 )
                 held._fair = True
+                held._ticket = ticket
                 return held
             if result is DROPPED:
                 # Paused past our queue row's lease (or it was swept): join
