@@ -45,6 +45,8 @@ class HotKeySpec:
     retry_after: float
     # A cluster's nodes: worker process n connects to urls[n % len(urls)].
     urls: tuple[str, ...] = ()
+    # Requests ask with fair=True (the fair queue).
+    fair: bool = False
 
     @property
     def mode(self) -> str:
@@ -141,7 +143,7 @@ def _worker(spec: HotKeySpec, key: str, start: Start) -> None:
         while _monotonic() < deadline:
             t0 = _monotonic()
             try:
-                with lock(key, blocking=blocking, timeout=wait):
+                with lock(key, blocking=blocking, timeout=wait, fair=spec.fair):
                     waits.append(_monotonic() - t0)
                     with inside_lock:
                         inside += 1

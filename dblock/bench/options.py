@@ -23,7 +23,7 @@ __all__ = ["CLUSTERS", "DATABASES", "SECTIONS", "BenchOptions", "Variant", "add_
 DATABASES = ("postgresql", "mariadb", "sqlite")
 # Measured only when asked for: a MariaDB Galera cluster, given by its nodes' URLs.
 CLUSTERS = ("galera",)
-SECTIONS = ("uncontended", "level1", "hotkey", "handoff", "memory")
+SECTIONS = ("uncontended", "level1", "hotkey", "fair", "handoff", "memory")
 
 _DEFAULT_URLS = {
     "postgresql": (

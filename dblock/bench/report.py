@@ -46,6 +46,31 @@ def _verdict(t: Target) -> str:
     return f"{word} ({t.note})" if t.note else word
 
 
+def fair_summary(results: Results) -> dict[str, dict[str, Any]]:
+    """Per database: the fair queue against the default mode over all rounds
+    (grants/s summed over rounds; the tail ratio p99/p50 of the worst round)."""
+    out: dict[str, dict[str, Any]] = {}
+    for db in dict.fromkeys(h.database for h in results.fair):
+        runs = [h for h in results.fair if h.database == db]
+        fair = [h for h in runs if h.label == "fair"]
+        default = [h for h in runs if h.label == "default"]
+        if not fair or not default:
+            continue
+        fair_gps = sum(h.grants for h in fair) / sum(h.seconds for h in fair)
+        default_gps = sum(h.grants for h in default) / sum(h.seconds for h in default)
+        worst = max(fair, key=lambda h: h.wait_p99_ms / h.wait_p50_ms if h.wait_p50_ms else 0)
+        out[db] = {
+            "shape": f"{worst.processes}×{worst.threads}",
+            "fair_gps": fair_gps,
+            "default_gps": default_gps,
+            "share": fair_gps / default_gps if default_gps else math.inf,
+            "p50": worst.wait_p50_ms,
+            "p99": worst.wait_p99_ms,
+            "tail": worst.wait_p99_ms / worst.wait_p50_ms if worst.wait_p50_ms else math.inf,
+        }
+    return out
+
+
 def targets(results: Results) -> list[Target]:
     """The issue's targets on PostgreSQL, judged on this run's numbers."""
     out: list[Target] = []
@@ -106,6 +131,30 @@ def targets(results: Results) -> list[Target]:
                 "" if judged else "the target is for 4×8",
             )
         )
+    fair = fair_summary(results).get("postgresql")
+    if fair is not None:
+        shape, judged = fair["shape"], fair["shape"] == "4×8"
+        note = "" if judged else "the target is for 4×8"
+        out.append(
+            Target(
+                f"fair queue {shape}, waiting: p99 wait vs p50",
+                "≤ 3×",
+                f"{fair['tail']:.2f}× (worst round: p50 {fair['p50']:.1f} ms, "
+                f"p99 {fair['p99']:.1f} ms)",
+                (fair["tail"] <= 3) if judged else None,
+                note,
+            )
+        )
+        out.append(
+            Target(
+                f"fair queue {shape}, waiting: grants/s vs the default mode",
+                "≥ 70 %",
+                f"{fair['share'] * 100:.0f} % ({fair['fair_gps']:,.0f} vs "
+                f"{fair['default_gps']:,.0f}/s)",
+                (fair["share"] >= 0.7) if judged else None,
+                note,
+            )
+        )
     for h in results.handoff:
         if h.database == "postgresql" and h.label == "LISTEN/NOTIFY":
             out.append(
@@ -134,6 +183,55 @@ def targets(results: Results) -> list[Target]:
                 )
             )
     return out
+
+
+def _fair_lines(results: Results) -> list[str]:
+    """The fair queue's table: each round, default mode then fair mode."""
+    if not results.fair:
+        return []
+    f0 = results.fair[0]
+    lines = [
+        f"**Fair queue**: the hot key again, {f0.processes} processes × {f0.threads} "
+        "threads waiting, the default mode and `fair=True` in turn (same run, same "
+        "shape). p99/p50 is the spread of the waits; the last column is the fair "
+        "mode's grants/s against the default mode's of the same round.",
+        "",
+    ]
+    rows: list[tuple[str, ...]] = []
+    last_default: dict[str, Any] = {}
+    for h in results.fair:
+        share = ""
+        if h.label == "default":
+            last_default[h.database] = h
+        elif h.database in last_default and last_default[h.database].grants_per_s:
+            share = f"{h.grants_per_s / last_default[h.database].grants_per_s * 100:.0f} %"
+        rows.append(
+            (
+                h.database,
+                h.label,
+                _f(h.grants_per_s),
+                _f(h.statements_per_grant, 2),
+                _f(h.wait_p50_ms, 1),
+                _f(h.wait_p99_ms, 1),
+                _f(h.wait_p99_ms / h.wait_p50_ms, 2) if h.wait_p50_ms else "–",
+                share,
+            )
+        )
+    lines += _table(
+        [
+            "database",
+            "mode",
+            "grants/s",
+            "SQL/grant",
+            "wait p50 ms",
+            "wait p99 ms",
+            "p99/p50",
+            "grants/s vs default",
+        ],
+        rows,
+    )
+    lines.append("")
+    return lines
 
 
 def render_markdown(results: Results) -> str:
@@ -255,6 +353,7 @@ def render_markdown(results: Results) -> str:
             ),
         )
         lines.append("")
+    lines += _fair_lines(results)
     if results.handoff:
         lines += [
             "**Hand-off across processes**: from `release()` in one process to `acquire()` "

@@ -52,6 +52,8 @@ class Results:
     unavailable: list[Unavailable] = dataclasses.field(default_factory=list)
     level1: list[Level1Result] = dataclasses.field(default_factory=list)
     hotkey: list[HotKeyResult] = dataclasses.field(default_factory=list)
+    # The fair queue beside the default mode, same shape, waiting, in turn.
+    fair: list[HotKeyResult] = dataclasses.field(default_factory=list)
     handoff: list[HandoffResult] = dataclasses.field(default_factory=list)
     memory: list[MemoryResult] = dataclasses.field(default_factory=list)
 
@@ -98,6 +100,8 @@ def _plan(options: BenchOptions) -> float:
         total += 2.0
     if "hotkey" in options.sections:
         total += dbs * 2 * (2 + variants) * (options.seconds + 2)
+    if "fair" in options.sections:
+        total += dbs * 2 * _FAIR_ROUNDS * (options.seconds + 2)
     if "handoff" in options.sections:
         total += (dbs + ("postgresql" in options.databases)) * 3.0
     if "memory" in options.sections:
@@ -175,6 +179,37 @@ def _hotkey(
         progress.advance(spec.seconds + 2)
 
 
+# Default and fair mode alternate this many times per database (A B A B):
+# load that drifts during the run touches both alike.
+_FAIR_ROUNDS = 2
+
+
+def _fair(
+    options: BenchOptions, benches: dict[str, Bench], results: Results, progress: _Progress
+) -> None:
+    for db, bench in benches.items():
+        for _ in range(_FAIR_ROUNDS):
+            for fair in (False, True):
+                spec = HotKeySpec(
+                    database=db,
+                    url=bench.url,
+                    table=bench.table,
+                    label="fair" if fair else "default",
+                    options=(),
+                    blocking=True,
+                    processes=options.processes,
+                    threads=options.threads,
+                    seconds=options.seconds,
+                    hold=options.hold,
+                    retry_after=options.retry_after,
+                    urls=bench.urls if len(bench.urls) > 1 else (),
+                    fair=fair,
+                )
+                progress.stage(f"fair queue, {db}, {spec.label}")
+                results.fair.append(run_hot_key(spec))
+                progress.advance(spec.seconds + 2)
+
+
 def _handoff(
     options: BenchOptions, benches: dict[str, Bench], results: Results, progress: _Progress
 ) -> None:
@@ -203,6 +238,7 @@ _SECTIONS: dict[str, Callable[[BenchOptions, dict[str, Bench], Results, _Progres
     "uncontended": _uncontended,
     "level1": _level1,
     "hotkey": _hotkey,
+    "fair": _fair,
     "handoff": _handoff,
     "memory": _memory,
 }
