@@ -844,7 +844,7 @@ class Locker:
             if held._fair:  # wakes the next waiter of the queue, and only it
                 deleted = yield (
                     _STEPS,
-                    fair_statements(self.store).leave_steps(held.key, held.token),
+                    fair_statements(self.store).release_steps(held.key, held.token),
                 )
             else:
                 deleted = yield (_RELEASE, held.key, held.token)

@@ -58,6 +58,9 @@ class Queued:
     ticket: int
     owner: str | None
     expires_in: float | None
+    #: Our own queue row's lease end and seconds left (PostgreSQL, whose
+    #: release hands the head over with that lease): None if not read.
+    lease: Grant | None = None
 
 
 class Dropped:
@@ -106,6 +109,16 @@ class FairSQL:
         next waiter; True if the head was among them (a release)."""
         raise NotImplementedError
 
+    def release_steps(self, key: str, token: str) -> Steps[bool]:
+        """Release the head we hold (True if it was ours): by default as
+        :meth:`leave_steps`."""
+        return (yield from self.leave_steps(key, token))
+
+    def handed(self, address: str) -> int | None:
+        """The fence of a head handed to the waiter at ``address`` by its
+        predecessor's release, if the wake-up said so (PostgreSQL)."""
+        return None
+
 
 class _PostgresFair(FairSQL):
     def __init__(self, store: Store) -> None:
@@ -142,9 +155,9 @@ class _PostgresFair(FairSQL):
             f"enq AS (INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, "
             f"expires_at, mode) "
             f"SELECT %(key)s, 'q' || lpad(n::text, 20, '0'), %(owner)s, %(token)s, n, now(), "
-            f"{lease}, 'queued' FROM tk RETURNING fence) "
+            f"{lease}, 'queued' FROM tk RETURNING fence, expires_at) "
             f"SELECT 'h', fence, expires_at, now(), NULL, NULL FROM head "
-            f"UNION ALL SELECT 'q', fence, NULL, now(), NULL, NULL FROM enq "
+            f"UNION ALL SELECT 'q', fence, expires_at, now(), NULL, NULL FROM enq "
             # Who we wait behind: the last live waiter, else the holder.
             f"UNION ALL (SELECT 'b', NULL, expires_at, now(), owner, kind FROM {t} "
             f"WHERE lock_key = %(key)s AND (slot = '' OR ({_Q} AND expires_at > now())) "
@@ -160,9 +173,13 @@ class _PostgresFair(FairSQL):
             + ", "
             f"gone AS (DELETE FROM {t} WHERE {me} AND EXISTS (SELECT FROM head)), "
             f"kept AS (UPDATE {t} SET expires_at = {lease} WHERE {me} AND expires_at > now() "
-            f"AND NOT EXISTS (SELECT FROM head) RETURNING fence) "
+            f"AND NOT EXISTS (SELECT FROM head) RETURNING fence, expires_at) "
             f"SELECT 'h', fence, expires_at, now(), NULL, NULL FROM head "
-            f"UNION ALL SELECT 'm', fence, NULL, now(), NULL, NULL FROM kept "
+            f"UNION ALL SELECT 'm', fence, expires_at, now(), NULL, NULL FROM kept "
+            # Handed to us by the holder's release (its wake-up was missed).
+            f"UNION ALL SELECT 'o', fence, expires_at, now(), NULL, NULL FROM {t} "
+            f"WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "
+            f"AND NOT EXISTS (SELECT FROM head) "
             f"UNION ALL SELECT 'b', NULL, expires_at, now(), owner, NULL FROM ahead "
             f"UNION ALL SELECT 'b', NULL, expires_at, now(), owner, kind FROM {t} "
             f"WHERE lock_key = %(key)s AND slot = '' AND NOT EXISTS (SELECT FROM ahead) "
@@ -182,7 +199,41 @@ class _PostgresFair(FairSQL):
             f"SELECT FROM {t} WHERE {live_q} AND fence < g.fence AND token <> %(token)s))) "
             f"FROM g WHERE g.slot IS NOT NULL"
         )
+        # The holder's release hands the head to the first live waiter (its
+        # token, owner and queue lease; a fresh fence) in the same statement,
+        # deletes that waiter's queue row, and tells it the fence in the
+        # wake-up: the next grant costs no statement of its own. The queue
+        # row's DELETE decides: a waiter leaving at that instant keeps it
+        # (the DELETE finds nothing) and the head is released instead.
+        self._release_sql = (
+            f"WITH {lk}, "
+            f"mine AS MATERIALIZED (SELECT FROM {t}, lk WHERE lock_key = %(key)s AND slot = '' "
+            f"AND token = %(token)s), "
+            f"nxt AS MATERIALIZED (SELECT slot, token FROM {t}, mine WHERE {live_q} "
+            f"AND token <> %(token)s ORDER BY fence LIMIT 1), "
+            f"dq AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = (SELECT slot FROM nxt) "
+            f"AND token = (SELECT token FROM nxt) RETURNING slot, token, owner, expires_at), "
+            f"moved AS (UPDATE {t} AS t SET token = dq.token, owner = dq.owner, "
+            f"fence = nextval('{seq}'), acquired_at = now(), expires_at = dq.expires_at "
+            f"FROM dq WHERE t.lock_key = %(key)s AND t.slot = '' AND t.token = %(token)s "
+            f"RETURNING t.fence, dq.slot), "
+            f"gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
+            f"AND NOT EXISTS (SELECT FROM moved) RETURNING slot) "
+            f"SELECT EXISTS (SELECT FROM moved) OR EXISTS (SELECT FROM gone WHERE slot = ''), "
+            f"(SELECT pg_notify(%(channel)s, chr(31) || slot || ' ' || fence) FROM moved), "
+            f"(SELECT pg_notify(%(channel)s, %(key)s) WHERE EXISTS "
+            f"(SELECT FROM gone WHERE slot = ''))"
+        )
         self._channel = store.names.channel
+
+    def release_steps(self, key: str, token: str) -> Steps[bool]:
+        params = {"key": key, "token": token, "channel": self._channel}
+        rows = (yield self._release_sql, params, True, False).rows
+        return bool(rows) and bool(rows[0][0])
+
+    def handed(self, address: str) -> int | None:
+        listener = getattr(self.store, "_listener", None)
+        return None if listener is None else listener.take_handed(address)
 
     def enter_steps(
         self, key: str, token: str, owner: str, ttl: float, *, enqueue: bool
@@ -190,35 +241,41 @@ class _PostgresFair(FairSQL):
         params = {"key": key, "owner": owner, "token": token, "ttl": ttl, "enqueue": enqueue}
         rows = (yield self._enter_sql, params, True, False).rows
         ticket: int | None = None
+        lease: Grant | None = None
         blocker: Holder = Holder(None, None, None)
         for tag, fence, expires_at, now, who, kind in rows:
             if tag == "h":
                 return Grant(fence, expires_at, (expires_at - now).total_seconds())
             if tag == "q":
                 ticket = fence
+                lease = Grant(fence, expires_at, (expires_at - now).total_seconds())
             else:
                 _check_kind(key, kind)
                 blocker = Holder(who, None, (expires_at - now).total_seconds())
         if ticket is None:
             return blocker
-        return Queued(ticket, blocker.owner, blocker.expires_in if blocker.owner else 0.0)
+        wait = blocker.expires_in if blocker.owner else 0.0
+        return Queued(ticket, blocker.owner, wait, lease)
 
     def turn_steps(
         self, key: str, token: str, ticket: int, owner: str, ttl: float
     ) -> Steps[Grant | Queued | Dropped]:
         params = {"key": key, "owner": owner, "token": token, "ttl": ttl, "ticket": ticket}
         rows = (yield self._turn_sql, params, True, False).rows
-        kept = False
+        lease: Grant | None = None
         blocker: Queued = Queued(ticket, None, 0.0)
         for tag, fence, expires_at, now, who, kind in rows:
-            if tag == "h":
+            if tag in ("h", "o"):
                 return Grant(fence, expires_at, (expires_at - now).total_seconds())
             if tag == "m":
-                kept = True
+                lease = Grant(fence, expires_at, (expires_at - now).total_seconds())
             else:
                 _check_kind(key, kind)
                 blocker = Queued(ticket, who, (expires_at - now).total_seconds())
-        return blocker if kept else DROPPED
+        if lease is None:
+            return DROPPED
+        blocker.lease = lease
+        return blocker
 
     def leave_steps(self, key: str, token: str) -> Steps[bool]:
         params = {"key": key, "token": token, "channel": self._channel}

@@ -42,6 +42,9 @@ from .base import Backoff, Grant, Holder, Lease, Steps, Store, Wait
 log = logging.getLogger("dblock")
 
 _UNDEFINED_TABLE = "42P01"
+# A notification payload starting with this addresses one fair-queue waiter
+# (see dblock._store.fair); a space and a fence follow when it is handed the head.
+HANDED_MARK = "\x1f"
 
 
 def _lock_class(table: str) -> int:
@@ -279,6 +282,7 @@ class Listener:
         self._subs: dict[str, set[Settable]] = {}
         self._recent: dict[str, float] = {}
         self._recent_order: deque[tuple[float, str]] = deque()
+        self._handed: dict[str, int] = {}  # fair queue: address -> fence handed to it
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -325,6 +329,12 @@ class Listener:
         with self._lock:
             if self._listening_since > since or self._recent.get(key, -1.0) >= since:
                 event.set()
+
+    def take_handed(self, address: str) -> int | None:
+        """The fence of the head a release handed to the fair-queue waiter
+        at ``address``, if its wake-up said so (once)."""
+        with self._lock:
+            return self._handed.pop(address, None)
 
     def unsubscribe(self, key: str, event: Settable) -> None:
         with self._lock:
@@ -428,6 +438,12 @@ class Listener:
             with self._lock:
                 while (note := pgconn.notifies()) is not None:
                     key = note.extra.decode(encoding)
+                    if key.startswith(HANDED_MARK):
+                        # A fair-queue waiter's address, with the fence of the
+                        # head handed to it: kept until it takes it (or RECENT).
+                        key, _, fence = key.partition(" ")
+                        if fence.isdigit():
+                            self._handed[key] = int(fence)
                     self._remember(key, now)
                     woken.extend(self._subs.get(key, ()))
             for event in woken:
@@ -442,3 +458,4 @@ class Listener:
             seen, old = order.popleft()
             if self._recent.get(old) == seen:
                 del self._recent[old]
+                self._handed.pop(old, None)

@@ -105,6 +105,8 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
     request = store.executor.request
     request.deadline = deadline
     ticket: int | None = None  # our place in the queue, once we have one
+    lease: Grant | None = None  # our queue row's lease, as last renewed (PostgreSQL)
+    lease_sent = 0.0
     outage: Backoff | None = None
     waiting = False
     in_flight = False
@@ -146,7 +148,7 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                 )
                 outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
                 yield (_SLEEP, outage.step(limit))
-                token, ticket, handed = os.urandom(16).hex(), None, None
+                token, ticket, handed, lease = os.urandom(16).hex(), None, None, None
                 continue
             outage = None
             if isinstance(result, Grant):
@@ -170,7 +172,7 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                     "dblock: the queue row of %r ran out while waiting; queueing again", key
                 )
                 store.add_orphan(key, token, released=True, whole=True)
-                token, ticket = os.urandom(16).hex(), None
+                token, ticket, lease = os.urandom(16).hex(), None, None
                 continue
             assert isinstance(result, (Holder, Queued))
             if isinstance(result, Holder):  # not queued: fail-fast, or no time left
@@ -178,6 +180,8 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                     raise LockBusy(key, level=2, holder=result.owner)
                 raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
             ticket = result.ticket
+            if result.lease is not None:
+                lease, lease_sent = result.lease, sent_at
             limit = float("inf") if deadline is None else deadline - _monotonic()
             if limit <= 0:
                 raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
@@ -190,6 +194,23 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                 if watch is not None:
                     watch.waiting(2)
             yield (_WAIT, key, limit, sent_at, address(ticket))
+            fence = sql.handed(address(ticket))
+            if fence is not None and lease is not None:
+                # The holder's release handed us the head with our queue
+                # row's lease, which we renewed last at lease_sent.
+                held = HeldLock(
+                    locker,
+                    entry,
+                    token=token,
+                    owner=owner,
+                    ttl=ttl,
+                    grant=Grant(fence, lease.expires_at, lease.expires_in),
+                    sent_at=lease_sent,
+                    options=opts,
+                )
+                held._fair = True
+                held._ticket = ticket
+                return held
     except BaseException as exc:
         if in_flight and not never_sent(exc):
             # Cut off mid-statement (an interruption, a cancellation): our
