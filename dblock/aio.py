@@ -235,6 +235,7 @@ async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912
     sync = store.store
     locker = manager._locker
     wait: _Backoff | _Notified | None = None
+    waiting_for: tuple[Any, ...] = ()
     try:
         op = next(steps)
         while True:
@@ -258,8 +259,11 @@ async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912
                 elif tag is _TURN:
                     answer = await op[1].turn(locker, op[2])
                 elif tag is _WAIT:
-                    if wait is None:
+                    if wait is None or op[4:] != waiting_for:
+                        if wait is not None:
+                            wait.close()
                         wait = _waiter(sync, op[1], op[3], *op[4:])
+                        waiting_for = op[4:]
                     await wait.sleep(op[2])
                 elif tag is _SETTLE:
                     await op[1].settle_async()

@@ -564,6 +564,7 @@ class Locker:
         """Carry out ``steps`` on this thread, blocking."""
         store = self.store
         wait: Wait | None = None
+        waiting_for: tuple[Any, ...] = ()
         try:
             op = next(steps)
             while True:
@@ -584,9 +585,13 @@ class Locker:
                     elif tag is _TURN:
                         answer = self._wait_turn(op[1], op[2])
                     elif tag is _WAIT:
-                        if wait is None:
+                        if wait is None or op[4:] != waiting_for:
+                            # (A fair-queue waiter that joined again has a new address.)
+                            if wait is not None:
+                                wait.close()
                             _refuse_on_event_loop(op[1])
                             wait = store.waiter(op[1], op[3], *op[4:])
+                            waiting_for = op[4:]
                         wait.sleep(op[2])
                         answer = None
                     elif tag is _SETTLE:

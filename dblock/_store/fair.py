@@ -224,6 +224,10 @@ class _PostgresFair(FairSQL):
             f"(SELECT pg_notify(%(channel)s, %(key)s) WHERE EXISTS "
             f"(SELECT FROM gone WHERE slot = ''))"
         )
+        self._mine_sql = (
+            f"SELECT fence, expires_at, now() FROM {t} "
+            f"WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s"
+        )
         self._channel = store.names.channel
 
     def release_steps(self, key: str, token: str) -> Steps[bool]:
@@ -273,7 +277,13 @@ class _PostgresFair(FairSQL):
                 _check_kind(key, kind)
                 blocker = Queued(ticket, who, (expires_at - now).total_seconds())
         if lease is None:
-            return DROPPED
+            # Our row went while this statement ran: perhaps a release handed
+            # us the head (its commit came after our snapshot). Look again.
+            found = (yield self._mine_sql, params, True, False).rows
+            if not found:
+                return DROPPED
+            fence, expires_at, now = found[0]
+            return Grant(fence, expires_at, (expires_at - now).total_seconds())
         blocker.lease = lease
         return blocker
 
