@@ -71,6 +71,8 @@ class Grant:
     # statement, so the caller can turn it into a local deadline without
     # trusting the client clock.
     expires_in: float
+    #: Which row of the key we hold (``''``: the head row; ``p3``: a semaphore permit).
+    slot: str = ""
 
 
 @dataclasses.dataclass(slots=True)

@@ -4,6 +4,9 @@ Acquire is one statement: ``INSERT … ON CONFLICT DO UPDATE … WHERE expired``
 takes a free or expired key; when the key is held the same statement reads
 the holder instead, so a waiter learns the holder's lease without a second
 round trip. ON CONFLICT never raises, so contention leaves the server log clean.
+The lock is the key's head row (``slot = ''``); the INSERT is skipped while
+the key has rows of another kind (semaphore permits, rw rows), and the read
+then returns one of those, so the caller raises ``KindMismatch``.
 
 The fence is drawn from the sequence under a transaction-scoped advisory
 lock on the key (two-int form: one class per lock table, the key's hash), so
@@ -66,6 +69,7 @@ class PostgresStore(Store):
             f"ins AS ("
             f"INSERT INTO {t} AS t (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
             f"SELECT %(key)s, '', %(owner)s, %(token)s, nextval('{seq}'), now(), {lease} FROM lk "
+            f"WHERE NOT EXISTS (SELECT FROM {t} WHERE lock_key = %(key)s AND kind <> 'exclusive') "
             f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
@@ -73,8 +77,9 @@ class PostgresStore(Store):
             f"RETURNING t.token, t.owner, t.fence, t.expires_at, t.kind) "
             f"SELECT token, owner, fence, expires_at, now(), kind FROM ins "
             f"UNION ALL "
-            f"SELECT token, owner, fence, expires_at, now(), kind FROM {t} "
-            f"WHERE lock_key = %(key)s AND slot = '' AND NOT EXISTS (SELECT FROM ins)"
+            f"(SELECT token, owner, fence, expires_at, now(), kind FROM {t} "
+            f"WHERE lock_key = %(key)s AND NOT EXISTS (SELECT FROM ins) "
+            f"ORDER BY kind = 'exclusive', slot LIMIT 1)"
         )
         self._release_sql = (
             f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' "
