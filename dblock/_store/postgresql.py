@@ -198,6 +198,16 @@ class PostgresStore(Store):
 
     now_sql: ClassVar[str] = "now()"
 
+    def release_row(self, key: str, slot: str, token: str) -> bool:
+        t = self.quoted(self.names.table)
+        sql = (
+            f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s "
+            f"AND token = %(token)s RETURNING lock_key) "
+            f"SELECT pg_notify(%(channel)s, lock_key) FROM gone"
+        )
+        params = {"key": key, "slot": slot, "token": token, "channel": self._channel}
+        return bool(self.run(sql, params, fetch=True).rows)
+
     def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
         # SKIP LOCKED: a row being taken over or handed on right now is left
         # for the next batch instead of making the sweeper wait on it. The

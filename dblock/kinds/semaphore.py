@@ -83,7 +83,7 @@ class HeldPermit(HeldLock):
 
     def __init__(self, locker: Locker, entry: Any, *, grant: Grant, **kwargs: Any) -> None:
         super().__init__(locker, entry, grant=grant, **kwargs)
-        self.key = real_key(entry.key)
+        self.key = self._ref.key = real_key(entry.key)
         self.slot = grant.slot
         self.permits: int = getattr(locker.store, "permits_of", dict[str, int]()).get(self.key, 0)
 
