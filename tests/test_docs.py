@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import uuid
@@ -322,3 +323,46 @@ def test_django_commands_run(tmp_path: Path) -> None:
             conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
         admin.dispose()
     assert ran == ["createdb", "migrate", "dblock_list", "dblock_sweep", "dblock_release"]
+
+
+def build_site(root: Path) -> subprocess.CompletedProcess[str]:
+    """``scripts/docs`` (what scripts/test runs) on the tree at ``root``."""
+    return subprocess.run(
+        ["bash", str(root / "scripts" / "docs")],
+        env={**os.environ, "DBLOCK_DOCS_PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_the_site_builds_in_strict_mode() -> None:
+    result = build_site(ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("page", "text", "complaint"),
+    [
+        pytest.param("leases.md", "[gone](nowhere.md)", "nowhere.md", id="link"),
+        pytest.param("leases.md", "[gone](internals.md#nowhere)", "#nowhere", id="anchor"),
+        pytest.param("README.md", "[gone](docs/nowhere.md)", "nowhere.md", id="readme-link"),
+        pytest.param("orphan.md", "# Not in the nav", "orphan.md", id="page-not-in-nav"),
+    ],
+)
+def test_a_broken_site_fails_the_build(
+    page: str, text: str, complaint: str, tmp_path: Path
+) -> None:
+    """Strict mode is on where scripts/test builds the site (`--quiet`, say,
+    would silence the warnings it counts)."""
+    for name in ("README.md", "mkdocs.yml", "scripts/docs", "scripts/mkdocs_hooks.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    target = tmp_path / page if page == "README.md" else tmp_path / "docs" / page
+    with target.open("a") as f:
+        f.write(f"\n{text}\n")
+    result = build_site(tmp_path)
+    assert result.returncode != 0
+    assert complaint in result.stdout + result.stderr
