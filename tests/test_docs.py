@@ -24,8 +24,9 @@ read for fenced code blocks. The line right before a fence may carry a tag:
 A Python block without a tag fails, and so does a tag that is not followed
 by a fence or names something this file does not know.
 
-Beside the blocks: the SQL shown is what an acquire and a release put on the
-wire on each database, and the site builds in strict mode (``scripts/docs``,
+Beside the blocks: every `dblock ...` command shown parses, the SQL shown is
+what an acquire and a release put on the wire on each database, and the site
+builds in strict mode (``scripts/docs``,
 which scripts/test runs), where a broken link or anchor fails.
 """
 
@@ -387,3 +388,40 @@ def test_the_statements_shown_are_the_ones_sent(manager: LockManager, db: str, k
         store_statement(dialect, acquire),
         store_statement(dialect, "release"),
     ]
+
+
+def command_lines() -> list[tuple[str, list[str]]]:
+    """Every `dblock ...` command the pages show, as `dblock` arguments: lines
+    of shell blocks starting with `dblock`, `.venv/bin/dblock` or
+    `scripts/bench` (which is `dblock bench`), and `$ dblock ...` prompts in
+    any block."""
+    found = []
+    for b in BLOCKS:
+        for n, line in enumerate(b.code.splitlines(), start=b.line + 1):
+            text = line.strip()
+            if text.startswith("$ "):
+                text = text[2:]
+            elif b.lang not in ("sh", "bash", "shell", "console"):
+                continue
+            words = shlex.split(text, comments=True)
+            if not words:
+                continue
+            if words[0] in ("dblock", ".venv/bin/dblock"):
+                found.append((f"{b.page.relative_to(ROOT)}:{n}", words[1:]))
+            elif words[0] == "scripts/bench":
+                found.append((f"{b.page.relative_to(ROOT)}:{n}", ["bench", *words[1:]]))
+    return found
+
+
+@pytest.mark.parametrize(("where", "argv"), [pytest.param(w, a, id=w) for w, a in command_lines()])
+def test_documented_commands_parse(where: str, argv: list[str]) -> None:
+    """The commands and options the pages show are the ones `dblock` takes
+    (parsed, not run: they name servers of the reader's)."""
+    from dblock.cli import build_parser
+
+    code: object = 0
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help exits 0; a mistake exits 2
+        code = exc.code
+    assert code == 0, f"{where}: dblock {shlex.join(argv)} is refused"
