@@ -14,9 +14,10 @@ and the store, and hands out locks::
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from functools import partial
+from functools import partial, wraps
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
@@ -47,10 +48,11 @@ from .schema import TableNames
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from .kinds.semaphore import HeldPermit, Semaphores  # noqa: F401 - HeldPermit: a string below
     from .sweeper import Sweeper
     from .telemetry import Recorder
 
-__all__ = ["LockManager", "LockRequest"]
+__all__ = ["LockManager", "LockRequest", "SemaphoreRequest"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -119,6 +121,27 @@ class LockRequest(Generic[H]):
             exit_deferring(held, self._defer, None, exc_type)  # type: ignore[arg-type]
 
 
+class SemaphoreRequest(LockRequest["HeldPermit"]):
+    """What ``LockManager.semaphore()`` returns: a context manager yielding a
+    :class:`~dblock.kinds.semaphore.HeldPermit`, and a decorator holding a
+    permit for each call of the function."""
+
+    __slots__ = ()
+
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        acquire = self._acquire
+
+        @wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            with LockRequest(acquire):
+                return func(*args, **kwargs)
+
+        return wrapper
+
+
+_kinds_lock = threading.Lock()
+
+
 class LockManager:
     """Distributed locks on a relational database, filtered per process.
 
@@ -162,6 +185,7 @@ class LockManager:
                 engine.dispose()
             raise
         self._locker = Locker(self._store, self.config)
+        self._semaphores: Semaphores | None = None
         self._closed = False
         self._sweeper: Sweeper | None = None
         _managers.add(self)
@@ -278,6 +302,66 @@ class LockManager:
             key, blocking=blocking, timeout=wait, ttl=lease, options=opts, level2=_level2(fair)
         )
 
+    def semaphore(
+        self,
+        key: str,
+        *,
+        permits: int,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> SemaphoreRequest:
+        """A permit of the semaphore ``key``: at most ``permits`` holders at
+        once across every process. Each permit is its own row with its own
+        lease, token and fence (strictly growing per key); N is fixed per key
+        (a request with another N while the key is in use raises
+        :class:`~dblock.KindMismatch`, as does a key used as an exclusive
+        lock). The options are those of :meth:`lock`; use it in ``with``
+        (yielding a :class:`~dblock.kinds.semaphore.HeldPermit`) or as a
+        decorator. Not re-entrant: each request takes another permit."""
+        from .kinds.semaphore import MAX_PERMITS
+
+        if (
+            isinstance(permits, bool)
+            or not isinstance(permits, int)
+            or not (1 <= permits <= MAX_PERMITS)
+        ):
+            raise LockArgumentError(
+                f"permits must be an int from 1 to {MAX_PERMITS}, got {permits!r}"
+            )
+        key, blocking, wait, lease, opts = self._check(
+            key,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return SemaphoreRequest(
+            partial(
+                self._semaphores_().acquire,
+                key,
+                permits,
+                blocking=blocking,
+                timeout=wait,
+                ttl=lease,
+                options=opts,
+            )
+        )
+
+    def _semaphores_(self) -> Semaphores:
+        if self._semaphores is None:
+            from .kinds.semaphore import Semaphores
+
+            with _kinds_lock:
+                if self._semaphores is None:
+                    self._semaphores = Semaphores(self._store, self.config, self._locker)
+        return self._semaphores
+
     def locked(
         self,
         template: KeySpec,
@@ -386,6 +470,8 @@ class LockManager:
             self._sweeper.stop()  # before: its last run may still take its own lock
         self._closed = True
         _managers.discard(self)
+        if self._semaphores is not None:
+            self._semaphores.close(float("inf") if wait is None else wait)
         self._locker.close(float("inf") if wait is None else wait)
         self._store.close()
 
@@ -418,6 +504,8 @@ class LockManager:
         return sweeper
 
     def _after_fork(self) -> None:
+        if self._semaphores is not None:
+            self._semaphores.after_fork()
         self._locker.after_fork()
         self._store.after_fork()
 
