@@ -319,8 +319,8 @@ class PermitStore(Store):
         # Renewal matches (key, token), whatever the slot: the base store's statement.
         return self.base.renew([(real_key(k), t, ttl) for k, t, ttl in locks])
 
-    def waiter(self, key: str, since: float) -> Wait:
-        return self.base.waiter(real_key(key), since)
+    def waiter(self, key: str, since: float, address: str | None = None) -> Wait:
+        return self.base.waiter(real_key(key), since, address)
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return self.base.is_missing_table(exc)
