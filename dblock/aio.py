@@ -54,12 +54,13 @@ from .lock import (
     _WAIT,
     UNSET,
     HeldLock,
+    Level2,
     Locker,
     Op,
     Unset,
     _noop,
 )
-from .manager import LockManager
+from .manager import LockManager, _level2
 from .multi import order_keys
 from .registry import Entry, Waiter, current_owner
 
@@ -468,9 +469,11 @@ class AsyncLockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        fair: bool = False,
     ) -> AsyncLockRequest:
         """``async with alocks.lock(key) as held:`` — the options of
-        :meth:`dblock.LockManager.lock`, checked now, before any SQL."""
+        :meth:`dblock.LockManager.lock` (``fair`` included), checked now,
+        before any SQL."""
         checked = self.sync._check(
             key,
             blocking=blocking,
@@ -480,7 +483,8 @@ class AsyncLockManager:
             max_hold=max_hold,
             on_lost=on_lost,
         )
-        return AsyncLockRequest(lambda: self._acquire(*checked))
+        level2 = _level2(fair)
+        return AsyncLockRequest(lambda: self._acquire(*checked, level2=level2))
 
     async def acquire(
         self,
@@ -492,6 +496,7 @@ class AsyncLockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        fair: bool = False,
     ) -> AsyncHeldLock:
         """Like :meth:`lock` without ``async with``: ``await held.release()`` when done."""
         checked = self.sync._check(
@@ -503,10 +508,17 @@ class AsyncLockManager:
             max_hold=max_hold,
             on_lost=on_lost,
         )
-        return await self._acquire(*checked)
+        return await self._acquire(*checked, level2=_level2(fair))
 
     async def _acquire(
-        self, key: str, blocking: bool, timeout: float | None, ttl: float, options: Any
+        self,
+        key: str,
+        blocking: bool,
+        timeout: float | None,
+        ttl: float,
+        options: Any,
+        *,
+        level2: Level2 | None = None,
     ) -> AsyncHeldLock:
         locker = self._locker
         opts = options or locker.defaults
@@ -525,6 +537,7 @@ class AsyncLockManager:
             ttl=ttl,
             opts=opts,
             waiter_type=AsyncWaiter,
+            level2=level2,
         )
         return AsyncHeldLock(self, await _drive(self, steps))
 

@@ -290,3 +290,37 @@ def test_locked_decorator_fair(manager: LockManager, key: str) -> None:
         return _rows(manager, name)
 
     assert work(key) == [("", "exclusive")]
+
+
+def test_async_fair_waits_in_the_queue(db_url: str, key: str) -> None:
+    """AsyncLockManager(fair=True): a task queues behind a thread's hold and
+    is granted on release; a timed-out task leaves no row."""
+    import asyncio
+
+    from dblock import AsyncLockManager
+
+    async def main() -> None:
+        with LockManager(db_url) as m:
+            alocks = AsyncLockManager(db_url)
+            try:
+                held = m.acquire(key, fair=True)
+                with pytest.raises(LockTimeout):
+                    await alocks.acquire(key, fair=True, timeout=0.3)
+                assert _rows(m, key) == [("", "exclusive")]
+
+                async def wait() -> int:
+                    async with alocks.lock(key, fair=True, timeout=BOUND) as got:
+                        return int(got.fence)
+
+                task = asyncio.ensure_future(wait())
+                deadline = time.monotonic() + BOUND
+                while _queued(m, key) != 1:
+                    assert time.monotonic() < deadline, "the task never queued"
+                    await asyncio.sleep(0.02)
+                held.release()  # one statement, on the loop: this test only
+                assert await task > held.fence
+                assert _rows(m, key) == []
+            finally:
+                await alocks.close()
+
+    asyncio.run(main())
