@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
 from ._store.base import never_sent
+from ._store.fair import Seat
 from ._store.fair import statements as fair_statements
 from .config import Config, OnLost, check_ttl
 from .errors import (
@@ -362,14 +363,16 @@ def release_on_exit(
 
 
 class _Ticket:
-    """What a queued thread asks for, so its predecessor can hand it the row."""
+    """What a queued thread asks for, so its predecessor can hand it the row
+    (or, ``seats``: a fair request, take its place in the database's queue)."""
 
-    __slots__ = ("options", "owner", "ttl")
+    __slots__ = ("options", "owner", "seats", "ttl")
 
-    def __init__(self, owner: str, ttl: float, options: LockOptions) -> None:
+    def __init__(self, owner: str, ttl: float, options: LockOptions, *, seats: bool) -> None:
         self.owner = owner
         self.ttl = ttl
         self.options = options
+        self.seats = seats
 
 
 class Locker:
@@ -512,6 +515,7 @@ class Locker:
         waiter: Waiter | None = None
         held: HeldLock | None = None
         token: str | None = None
+        seat: Seat | None = None  # a place in the fair queue taken for us
         owner: str | None = None
         watch = None if self.telemetry is None else self.telemetry.watch(key)
         try:
@@ -522,7 +526,8 @@ class Locker:
                 if entry is None:
                     raise LockBusy(key, level=1)
             else:
-                ticket = _Ticket(self.owner_label(me), ttl, opts)
+                seats = bool(getattr(level2, "seats", False))
+                ticket = _Ticket(self.owner_label(me), ttl, opts, seats=seats)
                 owner = ticket.owner
                 got = self.registry.join(key, me, ticket, waiter_type)
                 if isinstance(got, Entry):
@@ -540,6 +545,7 @@ class Locker:
                     else:
                         entry, waiter = waiter.entry, None
                         token = grant if isinstance(grant, str) else None
+                        seat = grant if isinstance(grant, Seat) else None
             if held is None:
                 assert entry is not None
                 held = yield from (level2 or Locker._acquire_loop)(
@@ -553,6 +559,7 @@ class Locker:
                     owner=owner or self.owner_label(me),
                     token=token,
                     watch=watch,
+                    **({} if seat is None else {"seat": seat}),
                 )
                 entry.held = held._ref
                 entry.handoffs = 0
@@ -658,6 +665,8 @@ class Locker:
         try:
             if isinstance(grant, str):  # a failed hand-off: the row may carry this token
                 yield from self._delete_row(entry.key, grant)
+            elif isinstance(grant, Seat):  # our place in the fair queue: leave it
+                yield from self._leave_queue(entry.key, grant.token)
         finally:
             self._leave(entry)
 
@@ -674,6 +683,18 @@ class Locker:
             yield from self._delete_row(held.key, held.token)
         finally:
             self._leave(entry)
+
+    def _leave_queue(self, key: str, token: str) -> Op[None]:
+        """Best effort, as :meth:`_delete_row`: delete a fair request's rows."""
+        try:
+            yield (_STEPS, fair_statements(self.store).leave_steps(key, token))
+        except BackendError as exc:
+            log.error("dblock: leaving the fair queue of %r failed: %s", key, exc)
+            self.store.add_orphan(key, token, released=True, whole=True)
+        except BaseException:
+            self.store.add_orphan(key, token, whole=True)
+            self.renewer.post(_noop)
+            raise
 
     def _delete_row(self, key: str, token: str) -> Op[None]:
         """Best effort: delete the row if it carries ``token``, and never
@@ -853,7 +874,12 @@ class Locker:
         if self.telemetry is not None:
             self.telemetry.released(_monotonic() - held._acquired_mono)
         waiter = None
-        if entry.handoffs < self._handoff_limit and held._lost is None and not held._fair:
+        if held._fair:
+            if held._lost is None and fair_statements(self.store).seats_on_release:
+                waiter = self.registry.pop_waiter(entry)
+            if waiter is not None:
+                return (yield from self._release_seating(held, waiter))
+        elif entry.handoffs < self._handoff_limit and held._lost is None:
             waiter = self.registry.pop_waiter(entry)
         if waiter is not None:
             return (yield from self._hand_off(entry, held, waiter))
@@ -981,6 +1007,52 @@ class Locker:
             self.renewer.lose(held, "its row was gone or held by another owner at extend()")
             raise LockLost(held.key, held._lost or "its row was gone or held by another owner")
         held._renewed(lease.expires_at, sent_at + lease.expires_in)
+
+    def _release_seating(self, held: HeldLock, waiter: Waiter) -> Op[bool]:
+        """Release a fair lock whose key the next local thread (``waiter``,
+        already given level 1) waits for: one statement hands the row to the
+        queue and, for a fair waiter, takes its place at the queue's tail (a
+        :class:`Seat`); a plain waiter, or one this fails for, acquires by itself."""
+        ticket: _Ticket = waiter.ticket
+        sql = fair_statements(self.store)
+        key, token = held.key, held.token
+        seat_token = _urandom(16).hex() if ticket.seats else None
+        seat: Seat | None = None
+        sent_at = _monotonic()
+        try:
+            if seat_token is None:
+                deleted = yield (_STEPS, sql.release_steps(key, token))
+            else:
+                deleted, lease = yield (
+                    _STEPS,
+                    sql.release_seating_steps(key, token, seat_token, ticket.owner, ticket.ttl),
+                )
+                if lease is not None:
+                    seat = Seat(seat_token, lease.fence, lease, sent_at)
+        except BackendError as exc:
+            log.error(
+                "dblock: releasing %r failed; the row stays until its lease ends, this "
+                "manager reaches the database again, or the sweeper removes it: %s",
+                key,
+                exc,
+            )
+            self.store.add_orphan(key, token, released=True)
+            if seat_token is not None:
+                self.store.add_orphan(key, seat_token, released=True, whole=True)
+            return False
+        except BaseException:
+            self.store.add_orphan(key, token)
+            if seat_token is not None:
+                self.store.add_orphan(key, seat_token, whole=True)
+            self.renewer.post(_noop)
+            raise
+        finally:
+            waiter.wake(seat)  # None: it queues by itself
+        if held._lost is not None:
+            raise LockLost(key, held._lost)
+        if not deleted:
+            raise LockLost(key, "its row was gone or held by another owner at release")
+        return True
 
     def _hand_off(self, entry: Entry, held: HeldLock, waiter: Waiter) -> Op[bool]:
         """Give our row to the next local thread in one statement."""

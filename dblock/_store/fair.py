@@ -34,7 +34,7 @@ from .base import Grant, Holder, Steps
 if TYPE_CHECKING:
     from .base import Store
 
-__all__ = ["DROPPED", "Dropped", "FairSQL", "Queued", "address", "statements"]
+__all__ = ["DROPPED", "Dropped", "FairSQL", "Queued", "Seat", "address", "statements"]
 
 _UTC = timezone.utc
 #: Queue rows' slots lie between these (``'q'`` + 20 digits; MySQL's rows are
@@ -63,6 +63,18 @@ class Queued:
     lease: Grant | None = None
 
 
+@dataclasses.dataclass(slots=True)
+class Seat:
+    """A place in the queue that a release took for the next local thread in
+    the same statement (PostgreSQL): its token, its ticket, its queue row's
+    lease, and when that statement was sent."""
+
+    token: str
+    ticket: int
+    lease: Grant
+    sent_at: float
+
+
 class Dropped:
     """Our queue row was gone or dead (we were paused past its lease, or it
     was swept): we have lost our place."""
@@ -86,6 +98,9 @@ def statements(store: Store) -> FairSQL:
 
 class FairSQL:
     """What the fair acquire loop asks the database, written as :data:`Steps`."""
+
+    #: A release can queue the next local thread in the same statement.
+    seats_on_release = False
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -119,8 +134,17 @@ class FairSQL:
         predecessor's release, if the wake-up said so (PostgreSQL)."""
         return None
 
+    def release_seating_steps(
+        self, key: str, token: str, seat_token: str, owner: str, ttl: float
+    ) -> Steps[tuple[bool, Grant | None]]:
+        """Release the head and queue the next local thread (``seat_token``)
+        at the tail; its queue row's lease (``fence`` = its ticket), or None."""
+        raise NotImplementedError
+
 
 class _PostgresFair(FairSQL):
+    seats_on_release = True
+
     def __init__(self, store: Store) -> None:
         super().__init__(store)
         from .postgresql import _lock_class
@@ -218,11 +242,19 @@ class _PostgresFair(FairSQL):
             f"FROM dq WHERE t.lock_key = %(key)s AND t.slot = '' AND t.token = %(token)s "
             f"RETURNING t.fence, dq.slot), "
             f"gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
-            f"AND NOT EXISTS (SELECT FROM moved) RETURNING slot) "
+            f"AND NOT EXISTS (SELECT FROM moved) RETURNING slot), "
+            # The next thread of this process, queued at the tail (seat).
+            f"tk AS (SELECT nextval('{seq}') AS n FROM lk WHERE %(seat)s), "
+            f"enq AS (INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, "
+            f"expires_at, mode) "
+            f"SELECT %(key)s, 'q' || lpad(n::text, 20, '0'), %(owner2)s, %(token2)s, n, now(), "
+            f"now() + make_interval(secs => %(ttl2)s), 'queued' FROM tk "
+            f"RETURNING fence, expires_at) "
             f"SELECT EXISTS (SELECT FROM moved) OR EXISTS (SELECT FROM gone WHERE slot = ''), "
             f"(SELECT pg_notify(%(channel)s, chr(31) || slot || ' ' || fence) FROM moved), "
             f"(SELECT pg_notify(%(channel)s, %(key)s) WHERE EXISTS "
-            f"(SELECT FROM gone WHERE slot = ''))"
+            f"(SELECT FROM gone WHERE slot = '')), "
+            f"(SELECT fence FROM enq), (SELECT expires_at FROM enq), now()"
         )
         self._mine_sql = (
             f"SELECT fence, expires_at, now() FROM {t} "
@@ -231,9 +263,31 @@ class _PostgresFair(FairSQL):
         self._channel = store.names.channel
 
     def release_steps(self, key: str, token: str) -> Steps[bool]:
-        params = {"key": key, "token": token, "channel": self._channel}
+        released, _ = yield from self._release(key, token, None, "", 1.0)
+        return released
+
+    def release_seating_steps(
+        self, key: str, token: str, seat_token: str, owner: str, ttl: float
+    ) -> Steps[tuple[bool, Grant | None]]:
+        return (yield from self._release(key, token, seat_token, owner, ttl))
+
+    def _release(
+        self, key: str, token: str, seat_token: str | None, owner: str, ttl: float
+    ) -> Steps[tuple[bool, Grant | None]]:
+        params = {
+            "key": key,
+            "token": token,
+            "channel": self._channel,
+            "seat": seat_token is not None,
+            "token2": seat_token or "",
+            "owner2": owner,
+            "ttl2": ttl,
+        }
         rows = (yield self._release_sql, params, True, False).rows
-        return bool(rows) and bool(rows[0][0])
+        released, _, _, ticket, expires_at, now = rows[0]
+        if ticket is None:
+            return bool(released), None
+        return bool(released), Grant(ticket, expires_at, (expires_at - now).total_seconds())
 
     def handed(self, address: str) -> int | None:
         listener = getattr(self.store, "_listener", None)

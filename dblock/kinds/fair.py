@@ -53,7 +53,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .._store.base import Backoff, Grant, Holder, Interrupted, never_sent
-from .._store.fair import DROPPED, Queued, address, statements
+from .._store.fair import DROPPED, Queued, Seat, address, statements
 from ..errors import BackendError, LockBusy, LockTimeout, ManagerClosed
 from ..lock import (
     _CLEAN_OP,
@@ -93,6 +93,7 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
     owner: str,
     token: str | None,
     watch: Watch | None = None,
+    seat: Seat | None = None,
 ) -> Op[HeldLock]:
     """Level 2 of a fair request (``Locker.acquire_steps`` calls it in place
     of the exclusive lock's loop, inside its own clean-up)."""
@@ -107,6 +108,8 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
     ticket: int | None = None  # our place in the queue, once we have one
     lease: Grant | None = None  # our queue row's lease, as last renewed (PostgreSQL)
     lease_sent = 0.0
+    if seat is not None:  # our predecessor's release queued us: no statement yet
+        token, ticket, lease, lease_sent = seat.token, seat.ticket, seat.lease, seat.sent_at
     outage: Backoff | None = None
     waiting = False
     in_flight = False
@@ -119,7 +122,10 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
             sent_at = _monotonic()
             try:
                 in_flight = True
-                if ticket is None:
+                if seat is not None:
+                    result: object = Queued(seat.ticket, None, None, seat.lease)
+                    sent_at, seat = seat.sent_at, None
+                elif ticket is None:
                     enqueue = blocking and (deadline is None or deadline > sent_at)
                     result = yield (
                         _STEPS,
@@ -222,6 +228,10 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
         raise
     finally:
         request.deadline = None
+
+
+# Its waiters may be queued in the database by their predecessor's release.
+queued_loop.seats = True  # type: ignore[attr-defined]
 
 
 def _withdraw(locker: Locker, key: str, token: str) -> Op[None]:
