@@ -14,11 +14,14 @@ queue row carry the same token, so releasing (``DELETE … WHERE token``)
 removes whatever a request left, and an orphaned token is cleaned up whole.
 
 PostgreSQL does each step in one statement (data-modifying CTEs) and
-addresses its wake-up: a release (or the first waiter giving up) notifies
-``chr(31) || slot`` of the first live waiter, so only that waiter's process
-wakes, and only that waiter; when it sees no waiter, the key itself (like a
-plain release). SQLite and MySQL/MariaDB use a few statements per step and
-their waiters poll.
+addresses its wake-ups. A release hands the head to the first live waiter
+(its token, a new fence) and notifies ``chr(31) || slot || ' ' || fence``:
+only that waiter is woken, and it holds the lock without a statement of its
+own; the same statement queues the releasing process's next local thread at
+the tail (a :class:`Seat`). A first waiter giving up notifies the next one
+(``chr(31) || slot``). With no waiter in sight, the key itself is notified
+(like a plain release). SQLite and MySQL/MariaDB use a few statements per
+step and their waiters poll.
 """
 
 from __future__ import annotations

@@ -23,8 +23,11 @@ Level 2 (statements in :mod:`dblock._store.fair`):
    exclusive lock), else adds our queue row, whose ticket comes from the fence
    counter: the database's own order of arrival.
 2. *Wait*: on PostgreSQL for the notification addressed to us (a release
-   names the first live waiter in its payload; the process's one listener
-   wakes only that waiter), elsewhere by polling our position with backoff;
+   hands the head to the first live waiter and names it, with the new fence,
+   in its payload; the process's one listener wakes only that waiter, which
+   then holds the lock without a statement; the same release queues its
+   process's next local thread, which so starts waiting without a statement
+   either), elsewhere by polling our position with backoff;
    always at the latest when the lease of whoever we wait behind (the holder,
    or our predecessor in the queue) runs out, so a crashed holder or waiter
    is skipped after its lease, and after a third of our own lease, to renew
