@@ -324,3 +324,43 @@ def test_async_fair_waits_in_the_queue(db_url: str, key: str) -> None:
                 await alocks.close()
 
     asyncio.run(main())
+
+
+def test_next_local_thread_queued_by_the_release_then_interrupted(db_url: str, key: str) -> None:
+    """A releases while C (another manager) is queued and B (A's manager) waits
+    locally: C gets the key, B joins the queue (on PostgreSQL the release
+    queues B in the same statement). B interrupted there leaves no row."""
+    with LockManager(db_url) as m, LockManager(db_url) as other:
+        got: queue.Queue[object] = queue.Queue()
+        release_c = threading.Event()
+
+        def c() -> None:
+            with other.lock(key, fair=True, timeout=BOUND):
+                got.put("c")
+                release_c.wait(BOUND)
+
+        def b() -> None:
+            try:
+                with m.lock(key, fair=True, timeout=BOUND):
+                    got.put("b")
+            except BaseException as exc:
+                got.put(exc)
+
+        a = m.acquire(key, fair=True)
+        tc = threading.Thread(target=c)
+        tc.start()
+        _until(lambda: _queued(m, key) == 1, "C never queued")
+        tb = threading.Thread(target=b)
+        tb.start()
+        entry = m._locker.registry.get(key)
+        _until(lambda: entry is not None and len(entry.queue) == 1, "B never queued locally")
+        a.release()
+        assert got.get(timeout=BOUND) == "c"
+        _until(lambda: _queued(m, key) == 1, "B never joined the queue")
+        _interrupt(tb)
+        tb.join(BOUND)
+        assert isinstance(got.get(timeout=BOUND), _Interrupt)
+        _until(lambda: _queued(m, key) == 0, "B's queue row stayed")
+        release_c.set()
+        tc.join(BOUND)
+        assert _rows(m, key) == []
