@@ -41,7 +41,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._store.base import Grant, Holder, Lease, Result, Steps, Store, Wait
-from ..errors import BackendError, KindMismatch, LockBusy, LockNotAcquired, LockTimeout
+from ..errors import (
+    BackendError,
+    KindMismatch,
+    LockArgumentError,
+    LockBusy,
+    LockNotAcquired,
+    LockTimeout,
+)
 from ..lock import HeldLock, Locker, LockOptions
 from ..registry import current_owner
 from . import SEMAPHORE, describe
@@ -57,6 +64,13 @@ MAX_PERMITS = 10_000
 _MYSQL_VICTIM = (1213, 1205, 1467)
 _MYSQL_RETRIES = 8
 _SEP = "\x00"  # never in a key: keys.check_key refuses NUL
+
+
+def check_permits(permits: object) -> int:
+    """N, checked before any SQL."""
+    if isinstance(permits, bool) or not isinstance(permits, int) or not 1 <= permits <= MAX_PERMITS:
+        raise LockArgumentError(f"permits must be an int from 1 to {MAX_PERMITS}, got {permits!r}")
+    return permits
 
 
 def local_key(key: str, index: int) -> str:
@@ -322,6 +336,14 @@ class PermitStore(Store):
     def waiter(self, key: str, since: float) -> Wait:
         return self.base.waiter(real_key(key), since)
 
+    def notify_key(self, key: str) -> str:
+        return real_key(key)
+
+    def listener(self) -> Any:
+        """The base store's LISTEN connection (PostgreSQL), for asyncio waiters."""
+        listener = getattr(self.base, "listener", None)
+        return listener() if listener is not None else None
+
     def is_missing_table(self, exc: BaseException) -> bool:
         return self.base.is_missing_table(exc)
 
@@ -399,70 +421,59 @@ class Semaphores:
     ) -> HeldPermit:
         self._size(key, n)
         try:
-            return self._acquire(key, n, blocking=blocking, timeout=timeout, ttl=ttl, opts=options)
-        except KindMismatch as exc:
-            raise KindMismatch(
-                key, requested=describe(SEMAPHORE, n), existing=exc.existing, where="in the table"
-            ) from None
-        except LockTimeout as exc:
-            raise LockTimeout(
-                key, timeout=exc.timeout, level=exc.level, holder=exc.holder
-            ) from None
-        except LockBusy as exc:
-            raise LockBusy(key, level=exc.level, holder=exc.holder) from None
-
-    def _acquire(
-        self,
-        key: str,
-        n: int,
-        *,
-        blocking: bool,
-        timeout: float | None,
-        ttl: float,
-        opts: LockOptions | None,
-    ) -> HeldPermit:
-        locker = self.locker
-        registry = locker.registry
-        me = current_owner()
-        # A local permit key nobody here holds or waits for: through level 1 at once.
-        for i in range(n):
-            sub = local_key(key, i)
-            if registry.get(sub) is None:
-                if blocking:  # (queues behind whoever took it an instant ago)
-                    return self._take(sub, blocking=True, timeout=timeout, ttl=ttl, opts=opts)
+            for sub in self.plan(key, n, blocking=blocking):
                 try:
-                    return self._take(sub, blocking=False, timeout=timeout, ttl=ttl, opts=opts)
-                except LockNotAcquired as exc:
+                    held = self.locker.acquire(
+                        sub, blocking=blocking, timeout=timeout, ttl=ttl, options=options
+                    )
+                except LockBusy as exc:
                     if exc.level == 2:
                         raise
-                    # Another thread claimed it an instant ago: try the next.
-        if not blocking:
+                    continue  # another thread claimed it an instant ago: the next
+                assert isinstance(held, HeldPermit)
+                return held
             raise LockBusy(key, level=1)
-        # All N local permit keys are in use here: queue on one held by someone else.
+        except (LockNotAcquired, KindMismatch) as exc:
+            raise self.renamed(exc, key, n) from None
+
+    def plan(self, key: str, n: int, *, blocking: bool) -> list[str]:
+        """The local permit keys to ask for, in turn, until one is granted.
+
+        A local permit key nobody here holds or waits for passes level 1 at
+        once: fail-fast, each such key in turn (none left: refused, no
+        SQL); waiting, the first (queueing behind whoever took it an instant
+        ago). When all N are in use here, a waiting request queues on one
+        held by another thread (taking turns among them)."""
+        registry = self.locker.registry
+        free = [local_key(key, i) for i in range(n) if registry.get(local_key(key, i)) is None]
+        if not blocking or free:
+            return free[:1] if blocking else free
+        me = current_owner()
         others = [
             i
             for i in range(n)
-            if (e := registry.get(local_key(key, i))) is None or e.owner is not me
+            if (entry := registry.get(local_key(key, i))) is None or entry.owner is not me
         ]
         if not others:
-            raise LockBusy(key, level=1)  # this thread holds all N: waiting would never end
+            return []  # this thread holds all N: waiting would never end
         with self._lock:
             self._turn += 1
-            i = others[self._turn % len(others)]
-        return self._take(local_key(key, i), blocking=True, timeout=timeout, ttl=ttl, opts=opts)
+            return [local_key(key, others[self._turn % len(others)])]
 
-    def _take(
-        self,
-        sub: str,
-        *,
-        blocking: bool,
-        timeout: float | None,
-        ttl: float,
-        opts: LockOptions | None,
-    ) -> HeldPermit:
-        held = self.locker.acquire(sub, blocking=blocking, timeout=timeout, ttl=ttl, options=opts)
-        assert isinstance(held, HeldPermit)
-        return held
+    @staticmethod
+    def renamed(exc: LockNotAcquired | KindMismatch, key: str, n: int) -> Exception:
+        """The locker's error about a local permit key, about ``key`` instead."""
+        if isinstance(exc, KindMismatch):
+            if exc.key == key:
+                return exc
+            return KindMismatch(
+                key, requested=describe(SEMAPHORE, n), existing=exc.existing, where="in the table"
+            )
+        if isinstance(exc, LockTimeout):
+            return LockTimeout(key, timeout=exc.timeout, level=exc.level, holder=exc.holder)
+        if isinstance(exc, LockBusy):
+            return LockBusy(key, level=exc.level, holder=exc.holder)
+        return exc
 
     def close(self, timeout: float) -> None:
         self.locker.close(timeout)
