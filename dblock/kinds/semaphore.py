@@ -8,7 +8,7 @@ exclusive lock's row.
 
 How it reuses the exclusive lock's machinery. A semaphore is run by a
 second :class:`~dblock.lock.Locker` of the manager (made on first use) whose
-keys are *local permit keys*, ``key`` + NUL + ``i`` for ``i < N``: level 1 is
+keys are *local permit keys*, ``key`` NUL ``N`` NUL ``i`` for ``i < N``: level 1 is
 the locker's registry, so one process has at most N requests of a key
 past level 1 at once (each local permit key lets one thread through; the
 others queue on it or, fail-fast, are refused without SQL), and everything
@@ -73,19 +73,22 @@ def check_permits(permits: object) -> int:
     return permits
 
 
-def local_key(key: str, index: int) -> str:
-    return f"{key}{_SEP}{index}"
+def local_key(key: str, n: int, index: int) -> str:
+    """Local permit ``index`` of the ``n``-permit semaphore ``key`` (N is in
+    the name, so the store needs no table of sizes)."""
+    return f"{key}{_SEP}{n}{_SEP}{index}"
 
 
 def real_key(key: str) -> str:
     """The semaphore's key for a local permit key (or a key itself)."""
-    head, sep, _ = key.rpartition(_SEP)
-    return head if sep else key
+    return key.partition(_SEP)[0]
 
 
-def _index(key: str) -> int:
-    _, sep, tail = key.rpartition(_SEP)
-    return int(tail) if sep else 0
+def _size_index(key: str) -> tuple[int, int]:
+    """N and the local index of a local permit key."""
+    _, _, tail = key.partition(_SEP)
+    n, _, index = tail.partition(_SEP)
+    return int(n), int(index)
 
 
 class HeldPermit(HeldLock):
@@ -99,7 +102,7 @@ class HeldPermit(HeldLock):
         super().__init__(locker, entry, grant=grant, **kwargs)
         self.key = self._ref.key = real_key(entry.key)
         self.slot = grant.slot
-        self.permits: int = getattr(locker.store, "permits_of", dict[str, int]()).get(self.key, 0)
+        self.permits = _size_index(entry.key)[0]
 
     def __repr__(self) -> str:
         state = "released" if self._released else f"expires_at={self.expires_at.isoformat()}"
@@ -125,7 +128,7 @@ class PermitStore(Store):
         self._orphans = type(base._orphans)()
         self._orphans_lock = threading.Lock()
         #: key -> N, while some local permit of the key is held or asked for.
-        self.permits_of: dict[str, int] = {}
+        self.permits_of: dict[str, int] = {}  # (only for KindMismatch in this process)
         self.dialect = dialect = base.engine.dialect.name
         t = self.quoted(self.names.table)
         cols = "lock_key, slot, kind, mode, holders, permits, owner, token"
@@ -214,8 +217,8 @@ class PermitStore(Store):
 
     def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
         k = real_key(key)
-        n = self.permits_of[k]
-        slot = f"p{_index(key) % n}"
+        n, index = _size_index(key)
+        slot = f"p{index}"
         for _ in range(n + 2):
             grant = yield from self._insert_steps(k, slot, n, token=token, owner=owner, ttl=ttl)
             if grant is not None:
@@ -377,7 +380,7 @@ class Semaphores:
 
     def _in_use(self, key: str, n: int) -> bool:
         registry = self.locker.registry
-        return any(registry.get(local_key(key, i)) is not None for i in range(n))
+        return any(registry.get(local_key(key, n, i)) is not None for i in range(n))
 
     def _guard_exclusive(self, key: str) -> None:
         n = self.store.permits_of.get(key)
@@ -445,20 +448,22 @@ class Semaphores:
         ago). When all N are in use here, a waiting request queues on one
         held by another thread (taking turns among them)."""
         registry = self.locker.registry
-        free = [local_key(key, i) for i in range(n) if registry.get(local_key(key, i)) is None]
+        free = [
+            local_key(key, n, i) for i in range(n) if registry.get(local_key(key, n, i)) is None
+        ]
         if not blocking or free:
             return free[:1] if blocking else free
         me = current_owner()
         others = [
             i
             for i in range(n)
-            if (entry := registry.get(local_key(key, i))) is None or entry.owner is not me
+            if (entry := registry.get(local_key(key, n, i))) is None or entry.owner is not me
         ]
         if not others:
             return []  # this thread holds all N: waiting would never end
         with self._lock:
             self._turn += 1
-            return [local_key(key, others[self._turn % len(others)])]
+            return [local_key(key, n, others[self._turn % len(others)])]
 
     @staticmethod
     def renamed(exc: LockNotAcquired | KindMismatch, key: str, n: int) -> Exception:
