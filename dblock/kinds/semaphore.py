@@ -208,6 +208,8 @@ class PermitStore(Store):
                 f"SELECT slot, kind, permits, owner, token, fence, expires_at, {now} "
                 f"FROM {t} WHERE lock_key = %(key)s"
             )
+            self._galera = False
+            self._plain = (self._acquire_sql, self._acquire_returning_sql, self._rows_sql)
             self._takeover_sql = (
                 f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s "
                 f"AND token = %(token)s AND expires_at <= {now}"
@@ -257,6 +259,16 @@ class PermitStore(Store):
         if base.returning is None:
             yield from base._capabilities_steps()
         params["ttl_us"] = round(ttl * 1e6)
+        if base.galera and not self._galera:
+            # As the exclusive lock's statements there (see dblock._store.mysql):
+            # never report rows of a run Galera rolled back and ran again.
+            from .._store.mysql import _GALERA_INSERT, _GALERA_READ
+
+            plain_insert, plain_returning, plain_read = self._plain  # idempotent: may race
+            self._acquire_sql = _GALERA_INSERT + plain_insert
+            self._acquire_returning_sql = _GALERA_INSERT + plain_returning
+            self._rows_sql = _GALERA_READ + plain_read
+            self._galera = True
         if base.returning:
             rows = (yield self._acquire_returning_sql, params, True, False).rows
             if not rows:
