@@ -60,7 +60,8 @@ def app_engine(url: str) -> AsyncEngine:
     backend = parsed.get_backend_name()
     driver = ASYNC_DRIVERS.get(backend, "aiosqlite")
     connect_args = {"timeout": 30} if backend == "sqlite" else {}
-    return create_async_engine(parsed.set(drivername=f"{backend}+{driver}"), connect_args=connect_args)
+    async_url = parsed.set(drivername=f"{backend}+{driver}")
+    return create_async_engine(async_url, connect_args=connect_args)
 
 
 def locks_url(url: str) -> str:
@@ -69,9 +70,10 @@ def locks_url(url: str) -> str:
     transactions), where it gets a file of its own beside the app's."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite" or not parsed.database:
-        return url
+        return url  # the app's database has room for dblock's table
     app_file = Path(parsed.database)  # db.sqlite3 -> db.dblock.sqlite3
-    return str(parsed.set(database=str(app_file.with_name(f"{app_file.stem}.dblock{app_file.suffix}"))))
+    lock_file = app_file.with_name(f"{app_file.stem}.dblock{app_file.suffix}")
+    return parsed.set(database=str(lock_file)).render_as_string(hide_password=False)
 
 
 def create_app(url: str | None = None) -> FastAPI:
