@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -450,6 +452,7 @@ class AsyncLockManager:
                 self.sync.close()
             raise
         self._locker: Locker = self.sync._locker
+        _amanagers.add(self)
 
     def __repr__(self) -> str:
         return f"<AsyncLockManager {self.sync.url} table={self.sync.config.table!r}>"
@@ -652,6 +655,7 @@ class AsyncLockManager:
 
     async def close(self, timeout: float = 0.0) -> None:
         """Close the async engine, and the wrapped manager if this one made it."""
+        _amanagers.discard(self)
         await self._astore.close()
         if self._owns:
             await asyncio.to_thread(self.sync.close, timeout)
@@ -666,3 +670,17 @@ class AsyncLockManager:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+# After os.fork() the child's managers (the wrapped LockManager is reset by
+# its own hook) drop their async connections without touching them.
+_amanagers: weakref.WeakSet[AsyncLockManager] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for amanager in list(_amanagers):
+        amanager._astore.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
