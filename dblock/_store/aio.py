@@ -150,13 +150,13 @@ class AsyncStore:
         await self.engine.dispose()
 
     def after_fork(self) -> None:
-        """In a forked child: never reuse the parent's connections."""
+        """In a forked child: never use, close or collect the parent's connections."""
+        _forsaken.append(self.engine.sync_engine.pool)  # see _forsaken
         self.forget()
 
     def forget(self) -> None:
         """Drop every pooled connection without touching it (no I/O, no
-        loop needed): after a fork, whose child must never use its parent's
-        connections, or when the loops they belong to may be gone."""
+        loop needed): when the loops they belong to may be gone."""
         self.engine.sync_engine.dispose(close=False)
 
 
@@ -173,6 +173,12 @@ class AsyncStore:
 # the pool opens a new one. A few attribute reads per checkout.
 
 _pid = os.getpid()
+
+# What a forked child dropped of its parent's, kept referenced until the child
+# exits: collected, a driver's connection would close its transport, and
+# unregistering its socket from the parent's event loop (an epoll instance
+# shared across the fork) would leave the parent's loop deaf to it.
+_forsaken: list[object] = []
 
 
 def _after_fork_in_child() -> None:
@@ -197,6 +203,7 @@ def _check_home(dbapi_connection: Any, record: Any, proxy: Any) -> None:
     pid, loop_ref = home
     if pid != _pid:
         # The parent's: dropped untouched (a close would end its session).
+        _forsaken.append(record.dbapi_connection)
         record.dbapi_connection = proxy.dbapi_connection = None
         raise sa_exc.DisconnectionError("an asyncio connection of the parent process")
     loop = loop_ref()
