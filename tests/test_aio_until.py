@@ -239,6 +239,40 @@ def test_a_deferred_async_lock_outlives_the_task_that_took_it(
     assert "ended without releasing" not in caplog.text
 
 
+def test_a_dropped_trigger_releases_on_the_loop(
+    alocks: AsyncLockManager, other: LockManager, key: str
+) -> None:
+    """A trigger collected uncalled (a rollback dropping an on_commit
+    callback) fires from dblock's worker thread; the release is still sent
+    on the holder's loop."""
+
+    async def main() -> None:
+        held = await alocks.acquire(key)
+        await aexit_deferring(held, lambda d, r: (d.trigger(), r)[1], None, None)
+        await until(lambda: held.released and row_of(other, key) is None)
+
+    asyncio.run(main())
+
+
+def test_a_trigger_fired_after_its_loop_closed_releases_on_a_thread(
+    alocks: AsyncLockManager, other: LockManager, key: str
+) -> None:
+    kept: list[Any] = []
+
+    async def main() -> Any:
+        held = await alocks.acquire(key)
+        await aexit_deferring(held, lambda d, r: kept.append(d.trigger()), None, None)
+        return held
+
+    held = asyncio.run(main())  # the loop is closed now
+    assert held_elsewhere(other, key)
+    kept.pop()()
+    deadline = time.monotonic() + 30
+    while not (held.released and row_of(other, key) is None):
+        assert time.monotonic() < deadline, "never released"
+        time.sleep(0.01)
+
+
 def test_no_trigger_releases_at_exit(alocks: AsyncLockManager, key: str) -> None:
     async def main() -> None:
         held = await alocks.acquire(key)
