@@ -23,7 +23,7 @@ from django.test import AsyncClient, override_settings
 import dblock.contrib.django as dj
 from dblock import AsyncLockManager, LockBusy, LockManager, LockTimeout
 from dblock.contrib.django import conf
-from tests.support import docs, web
+from tests.support import web
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "django_project"
 
@@ -341,14 +341,3 @@ def test_two_uvicorn_servers_let_one_request_per_user_in(accounts: None) -> None
         1: 1000 - per_user,
         2: 1000 - per_user,
     }
-
-
-# -- docs/django-async.md --------------------------------------------------------------
-
-
-@pytest.mark.django_db(transaction=False)
-def test_the_pages_excerpts_are_the_example_files() -> None:
-    excerpts = [(t, c) for t, c in docs.blocks("django-async.md") if t != "runs"]
-    assert [t for t, _ in excerpts] == ["examples/django_project/accounts/async_views.py"]
-    for path, code in excerpts:
-        docs.check_excerpt(path, code)

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from dblock import AsyncLockManager, LockArgumentError
 from dblock.contrib.fastapi import add_busy_handler
-from tests.support import docs, web
+from tests.support import web
 from tests.support.db import private_database
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,29 +187,3 @@ def test_two_uvicorn_servers_let_one_request_per_user_in(private_url: str) -> No
     assert web.ledger_problems(rows) == []
     assert len(rows) == 2 * len(calls)
     assert balances(private_url) == {1: 1000 - per_user, 2: 1000 - per_user}
-
-
-# -- docs/fastapi.md ------------------------------------------------------------------
-
-DOC_BLOCKS = docs.blocks("fastapi.md")
-
-
-def test_the_page_has_its_tested_blocks() -> None:
-    tags = [tag for tag, _ in DOC_BLOCKS]
-    assert tags.count("runs") == 2
-    assert "examples/fastapi_app/app.py" in tags
-
-
-@pytest.mark.parametrize(
-    ("path", "code"), [pytest.param(t, c, id=t) for t, c in DOC_BLOCKS if t != "runs"]
-)
-def test_the_pages_excerpts_are_the_example_files(path: str, code: str) -> None:
-    docs.check_excerpt(path, code)
-
-
-@pytest.mark.parametrize(
-    "code", [pytest.param(c, id=f"block{i}") for i, (t, c) in enumerate(DOC_BLOCKS) if t == "runs"]
-)
-def test_the_pages_examples_run(code: str, tmp_path: Path) -> None:
-    docs.run_block(code, tmp_path)
-    assert (tmp_path / "dblock.sqlite3").exists()
