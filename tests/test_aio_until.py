@@ -373,3 +373,24 @@ def test_a_forked_child_never_uses_its_parents_async_connections(
     finally:
         loop.run_until_complete(alocks._astore.close())
         loop.close()
+
+
+# -- a connection of a closed loop ----------------------------------------------------
+
+
+def test_a_manager_serves_one_asyncio_run_after_another(
+    alocks: AsyncLockManager, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scripts (and Django's async views under WSGI) run each coroutine in an
+    event loop of its own: a pooled connection of a loop that has closed is
+    replaced, not used (aiomysql's would wait on the dead loop)."""
+    caplog.set_level(logging.ERROR)
+
+    async def cycle() -> int:
+        async with alocks.lock(key, timeout=30) as held:
+            await held.extend()
+            return int(held.fence)
+
+    fences = [asyncio.run(asyncio.wait_for(cycle(), 60)) for _ in range(3)]
+    assert fences == sorted(set(fences))
+    assert [r.getMessage() for r in caplog.records] == []

@@ -10,6 +10,7 @@ blocking side, and the dialect's retry rule (MySQL's deadlock victims) applies.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import weakref
 from collections.abc import Mapping
@@ -23,6 +24,8 @@ from ..errors import BackendError, LockArgumentError
 from .base import Params, Result, Steps, Store, T
 
 __all__ = ["ASYNC_DRIVERS", "AsyncStore", "async_url"]
+
+log = logging.getLogger("dblock")
 
 #: dialect -> the asyncio driver dblock speaks it through, and its extra.
 ASYNC_DRIVERS: Mapping[str, tuple[str, str]] = {
@@ -169,8 +172,9 @@ class AsyncStore:
 # that did not survive the fork), or a new loop after ``asyncio.run`` returned
 # (Django's async views served under WSGI get a loop per request). At
 # checkout a parent's connection is dropped *without touching it* (closing it
-# would end the parent's server session), one of a closed loop is closed, and
-# the pool opens a new one. A few attribute reads per checkout.
+# would end the parent's server session), one of a closed loop is closed as
+# well as it can be, and the pool opens a new one. A few attribute reads per
+# checkout.
 
 _pid = os.getpid()
 
@@ -211,6 +215,14 @@ def _check_home(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         # Its own loop, or another loop still running (psycopg and aiosqlite
         # connections serve any loop; a closed one serves none).
         return
-    # Of a closed loop: the pool closes it as best the driver can from this
-    # loop (psycopg and aiosqlite cleanly) and opens a new one.
+    # Of a closed loop: closed here as best the driver can from this loop
+    # (psycopg and aiosqlite cleanly; aiomysql sends its QUIT, then fails to
+    # schedule on the dead loop, and its socket closes when collected), quietly,
+    # and the pool opens a new one.
+    dead = record.dbapi_connection
+    record.dbapi_connection = proxy.dbapi_connection = None
+    try:
+        dead.close()
+    except Exception as exc:
+        log.debug("dblock: closing a connection of a closed event loop: %r", exc)
     raise sa_exc.DisconnectionError("an asyncio connection of a closed event loop")
