@@ -131,6 +131,20 @@ def test_async_views_withdraw_and_answer_409_through_the_async_client(accounts: 
     assert dict(Account.objects.values_list("id", "balance")) == {1: 995, 2: 990}
 
 
+def test_async_views_served_under_wsgi_get_a_loop_per_request(accounts: None) -> None:
+    """Django's sync test client (as a WSGI server) runs each async view in an
+    event loop of its own: the async manager's connections of a loop that
+    closed are replaced, request after request."""
+    from django.test import Client
+
+    client = Client()
+    for balance in (990, 980, 970):
+        r = client.post("/async/users/1/withdraw", {"amount": 10}, content_type="application/json")
+        assert (r.status_code, r.json()) == (200, {"user_id": 1, "balance": balance})
+    assert client.get("/async/users/1/balance").json()["balance"] == 970
+    assert web.ledger_problems(ledger()) == []
+
+
 def test_the_async_decorator_takes_the_sync_ones_options() -> None:
     key = f"svc:{uuid.uuid4().hex}"
 
