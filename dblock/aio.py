@@ -739,6 +739,7 @@ class AsyncLockManager:
         on_lost: OnLost | None = None,
         on_busy: OnBusy = "raise",
         until: object = None,
+        fair: bool = False,
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
         """Decorate an ``async def`` function or method so each call holds
         the lock named by ``template`` (see :meth:`dblock.LockManager.locked`;
@@ -755,6 +756,7 @@ class AsyncLockManager:
             on_lost=on_lost,
             on_busy=on_busy,
             defer=_until_hook(until),
+            fair=fair,
         )
 
     # -- schema and shutdown -----------------------------------------------

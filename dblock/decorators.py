@@ -91,12 +91,7 @@ def locked(
         on_lost=on_lost,
         on_busy=on_busy,
     )
-    if fair is not False:
-        if fair is not True:
-            raise LockArgumentError(f"fair must be True or False, got {fair!r}")
-        if not isinstance(spec, str) and not callable(spec):
-            raise LockArgumentError("fair=True takes one key per call, not a list of keys")
-        options["fair"] = True
+    _fair_option(options, fair, spec)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
         if isinstance(func, (classmethod, staticmethod)):
@@ -137,6 +132,17 @@ def locked(
         return wrapper
 
     return decorate
+
+
+def _fair_option(options: dict[str, Any], fair: object, spec: KeySpec) -> None:
+    """``fair=True`` (the fair queue) takes one key per call."""
+    if fair is False:
+        return
+    if fair is not True:
+        raise LockArgumentError(f"fair must be True or False, got {fair!r}")
+    if not isinstance(spec, str) and not callable(spec):
+        raise LockArgumentError("fair=True takes one key per call, not a list of keys")
+    options["fair"] = True
 
 
 def _checked_options(
@@ -187,6 +193,7 @@ def alocked(
     on_lost: OnLost | None = None,
     on_busy: OnBusy = "raise",
     defer: DeferHook | None = None,
+    fair: bool = False,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
     """:func:`locked` for coroutine functions (``async def``), on an
     :class:`~dblock.AsyncLockManager`; ``on_busy`` may be a coroutine function.
@@ -200,6 +207,7 @@ def alocked(
         on_lost=on_lost,
         on_busy=on_busy,
     )
+    _fair_option(options, fair, spec)
 
     def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
         if isinstance(func, (classmethod, staticmethod)):
@@ -222,6 +230,8 @@ def alocked(
             try:
                 if isinstance(keys, str):
                     held: Any = await manager.acquire(keys, **options)
+                elif fair:
+                    raise LockArgumentError("fair=True takes one key per call, not several")
                 else:
                     held = await manager.acquire_many(keys, **options)
             except LockNotAcquired as exc:

@@ -364,3 +364,25 @@ def test_next_local_thread_queued_by_the_release_then_interrupted(db_url: str, k
         release_c.set()
         tc.join(BOUND)
         assert _rows(m, key) == []
+
+
+def test_async_locked_decorator_fair(db_url: str, key: str) -> None:
+    import asyncio
+
+    from dblock import AsyncLockManager
+
+    async def main() -> list[tuple[str, str]]:
+        alocks = AsyncLockManager(db_url)
+        try:
+
+            @alocks.locked("{name}", fair=True)
+            async def work(name: str) -> list[tuple[str, str]]:
+                return _rows(alocks.sync, name)
+
+            with pytest.raises(LockArgumentError, match="fair"):
+                alocks.locked(["a", "b"], fair=True)
+            return await work(key)
+        finally:
+            await alocks.close()
+
+    assert asyncio.run(main()) == [("", "exclusive")]
