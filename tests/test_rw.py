@@ -1,0 +1,275 @@
+"""The read-write lock on every database, within one process: two managers
+stand for two processes (each has its own level 1, so they meet only in the
+table)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import (
+    HeldLock,
+    KindMismatch,
+    LockBusy,
+    LockLost,
+    LockManager,
+    LockTimeout,
+    UpgradeRefused,
+)
+from dblock.kinds.rw import RwHeld
+
+
+def head(manager: LockManager, key: str) -> Any:
+    table = manager.store.table
+    with manager.engine.connect() as conn:
+        return conn.execute(
+            sa.select(table).where(table.c.lock_key == key, table.c.slot == "")
+        ).first()
+
+
+def rows(manager: LockManager, key: str) -> list[Any]:
+    table = manager.store.table
+    with manager.engine.connect() as conn:
+        return list(conn.execute(sa.select(table).where(table.c.lock_key == key)))
+
+
+def wait_for(condition: Any, what: str, bound: float = 30.0) -> None:
+    deadline = time.monotonic() + bound
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_readers_share_across_managers_and_exclude_writers(
+    make_manager: Any, key: str
+) -> None:
+    a, b, c = make_manager(), make_manager(), make_manager()
+    with a.read_lock(key) as r1, b.read_lock(key) as r2:
+        assert isinstance(r1, HeldLock)
+        assert isinstance(r1, RwHeld)
+        assert r1.mode == r2.mode == "read"
+        assert r2.fence > r1.fence
+        row = head(a, key)
+        assert (row.kind, row.mode, row.holders) == ("rw", "read", 2)
+        with pytest.raises(LockBusy) as info, c.write_lock(key, blocking=False):
+            pass
+        assert info.value.level == 2
+    assert head(a, key) is None
+    with c.write_lock(key, blocking=False) as w:
+        assert w.mode == "write"
+        assert w.fence > r2.fence
+        with pytest.raises(LockBusy), a.read_lock(key, blocking=False):
+            pass
+        with pytest.raises(LockTimeout), b.write_lock(key, timeout=0.2):
+            pass
+    assert rows(a, key) == []
+
+
+def test_local_readers_share_one_database_hold(manager: LockManager, key: str) -> None:
+    inside = threading.Barrier(4, timeout=30)
+    fences: list[int] = []
+
+    def read() -> None:
+        with manager.read_lock(key) as held:
+            fences.append(held.fence)
+            inside.wait()  # all four hold the read lock at once
+            inside.wait()
+
+    pool = [threading.Thread(target=read) for _ in range(3)]
+    for t in pool:
+        t.start()
+    with manager.read_lock(key) as mine:
+        inside.wait()
+        row = head(manager, key)
+        assert row.holders == 1  # one shared hold for the whole process
+        inside.wait()
+    for t in pool:
+        t.join()
+    assert set(fences) == {mine.fence}
+    assert head(manager, key) is None
+
+
+def test_reentrant_per_owner(manager: LockManager, key: str) -> None:
+    with manager.read_lock(key) as r:
+        with manager.read_lock(key) as again:
+            assert again is r
+        assert not r.released
+    assert r.released
+    with manager.write_lock(key) as w:
+        with manager.write_lock(key) as again_w:
+            assert again_w is w
+        assert not w.released
+    assert w.released
+    assert head(manager, key) is None
+
+
+def test_upgrade_is_refused_without_sql(
+    manager: LockManager, key: str, count_statements: Any
+) -> None:
+    with manager.read_lock(key):
+        with count_statements(manager.engine) as counter:
+            with pytest.raises(UpgradeRefused) as info, manager.write_lock(key):
+                pass
+        assert counter.count == 0
+        assert key in str(info.value)
+        assert "read lock" in str(info.value)
+    # Refusal left nothing behind: the write lock is free now.
+    with manager.write_lock(key, blocking=False):
+        pass
+
+
+def test_writer_reads_its_key_and_downgrades(make_manager: Any, key: str) -> None:
+    a, b, c = make_manager(), make_manager(), make_manager()
+    w = a.write_lock(key).__enter__()
+    r = a.read_lock(key).__enter__()  # a writer may read its own key
+    assert r.fence == w.fence
+    with pytest.raises(LockBusy), b.read_lock(key, blocking=False):
+        pass
+    w.release()  # the downgrade: still reading, and other readers may join now
+    row = head(a, key)
+    assert (row.mode, row.holders) == ("read", 1)
+    with b.read_lock(key, blocking=False) as other:
+        assert other.fence > r.fence
+        with pytest.raises(LockBusy), c.write_lock(key, blocking=False):
+            pass
+    assert not r.lost
+    r.release()
+    assert head(a, key) is None
+    with b.write_lock(key, blocking=False):
+        pass
+
+
+def test_waiting_writer_holds_new_readers_back(make_manager: Any, key: str) -> None:
+    a, b, c = make_manager(), make_manager(), make_manager()
+    r = a.read_lock(key).__enter__()
+    got: list[RwHeld] = []
+
+    def write() -> None:
+        with b.write_lock(key, timeout=60) as w:
+            got.append(w)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    # Once the writer's intent row is there, new readers wait behind it.
+    wait_for(lambda: any(row.mode == "waiting" for row in rows(a, key)), "the intent row")
+    with pytest.raises(LockBusy), c.read_lock(key, blocking=False):
+        pass
+    r.release()
+    writer.join(60)
+    assert got and got[0].fence > r.fence
+    assert rows(a, key) == []  # the intent row went with the grant
+
+
+def test_local_writer_holds_local_readers_back(manager: LockManager, key: str) -> None:
+    r = manager.read_lock(key).__enter__()
+    events: list[str] = []
+    queued = threading.Event()
+
+    def write() -> None:
+        queued.set()
+        with manager.write_lock(key, timeout=60):
+            events.append("write")
+
+    def read() -> None:
+        with manager.read_lock(key, timeout=60):
+            events.append("read")
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    queued.wait(30)
+    wait_for(lambda: manager._rw is not None and manager._rw._entries[key].queue, "the writer")
+    reader = threading.Thread(target=read)
+    reader.start()
+    wait_for(lambda: len(manager._rw._entries[key].queue) == 2, "the reader")  # type: ignore[union-attr]
+    r.release()
+    writer.join(60)
+    reader.join(60)
+    assert events == ["write", "read"]
+
+
+def test_lease_loss_is_reported(make_manager: Any, key: str) -> None:
+    a, b = make_manager(renew=False), make_manager()
+    lost: list[HeldLock] = []
+    r = a.read_lock(key, ttl=0.5, on_lost=lost.append).__enter__()
+    with b.write_lock(key, timeout=30) as w:  # granted once the reader's lease ran out
+        assert w.fence > r.fence
+    wait_for(lambda: r.lost, "the reader to learn it lost the lock")
+    with pytest.raises(LockLost):
+        r.release()
+    wait_for(lambda: lost == [r], "on_lost")
+    w2 = a.write_lock(key, ttl=0.5).__enter__()
+    with b.read_lock(key, timeout=30):
+        pass
+    with pytest.raises(LockLost):
+        w2.release()
+
+
+def test_renewal_keeps_a_read_lock(make_manager: Any, key: str) -> None:
+    a, b = make_manager(), make_manager()
+    with a.read_lock(key, ttl=0.6) as r:
+        first = r.expires_at
+        wait_for(lambda: r.expires_at > first, "a renewal")
+        with pytest.raises(LockBusy), b.write_lock(key, blocking=False):
+            pass
+        r.extend(5)
+        assert head(a, key).expires_at >= r.expires_at.replace(microsecond=0)
+    assert not r.lost
+
+
+def test_kind_mismatch(make_manager: Any, key: str) -> None:
+    a, b = make_manager(), make_manager()
+    with a.lock(key):
+        with pytest.raises(KindMismatch) as info, b.read_lock(key, blocking=False):
+            pass
+        assert info.value.requested == "rw"
+    with a.read_lock(key):
+        with pytest.raises(KindMismatch), b.lock(key, blocking=False):
+            pass
+
+
+def test_decorator(manager: LockManager, key: str) -> None:
+    seen: list[Any] = []
+
+    @manager.read_lock(key)
+    def read(x: int) -> int:
+        seen.append(head(manager, key).mode)
+        return x + 1
+
+    @manager.write_lock(key)
+    def write() -> None:
+        seen.append(head(manager, key).mode)
+
+    assert read(1) == 2
+    write()
+    assert seen == ["read", "write"]
+
+
+def test_uncontended_cycle_is_one_statement_each_way(
+    manager: LockManager, key: str, count_statements: Any
+) -> None:
+    with manager.read_lock(key):  # the first use reads the server's capabilities
+        pass
+    with count_statements(manager.engine) as counter:
+        held = manager.read_lock(key).__enter__()
+        assert counter.count == 1
+        held.release()
+        assert counter.count == 2
+        held = manager.write_lock(key).__enter__()
+        held.release()
+        assert counter.count == 4
+
+
+def test_fences_grow_with_every_grant(make_manager: Any, key: str) -> None:
+    a, b = make_manager(), make_manager()
+    fences = []
+    for _ in range(3):
+        with a.read_lock(key) as r1, b.read_lock(key) as r2:
+            fences += [r1.fence, r2.fence]
+        with b.write_lock(key) as w:
+            fences.append(w.fence)
+    assert fences == sorted(fences)
+    assert len(set(fences)) == len(fences)
