@@ -159,10 +159,15 @@ def hold_rw(url: str, key: str, mode: str, ttl: float, report: Any) -> None:
         time.sleep(60)
 
 
-def read_then_report(url: str, key: str, hold: float, report: Any) -> None:
-    """Hold the read lock ``hold`` seconds; report when in and when out."""
+def read_then_report(url: str, key: str, hold: float, report: Any, ledger_path: str) -> None:
+    """Hold the read lock until the other reader is in too (bounded by
+    ``hold`` seconds after that), reporting the fence once in."""
+    ledger = Ledger(ledger_path)
     with LockManager(url) as manager, manager.read_lock(key, timeout=60) as held:
+        ledger.enter("read", f"pid {os.getpid()}", held.fence)
         report.put(("in", os.getpid(), held.fence))
+        deadline = time.monotonic() + 120
+        while ledger.read()["max_readers"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         time.sleep(hold)
-        report.put(("out", os.getpid(), held.fence))
-
+        ledger.leave("read")
