@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/torture.py                 # PostgreSQL, MariaDB, SQLite; 60 s each
     .venv/bin/python scripts/torture.py --db sqlite --seconds 20 --json out.json
+    .venv/bin/python scripts/torture.py --kind rw       # the read-write lock instead
 
 Run from the repository root. Every database is a PRIVATE instance this
 script starts itself in a temporary directory on a free port (PostgreSQL via
@@ -59,6 +60,14 @@ The checker then reads every ledger and reports:
   the kill to the next section on that key. It must stay within the lease
   plus one poll interval (``--ttl`` + ``--poll-max``), plus ``--slack`` for
   scheduling on a loaded machine.
+
+With ``--kind rw`` the workers take each key's read lock, or (a
+``--write-share`` of the time) its write lock. Sections record their mode;
+two read sections may overlap (that is the point), any overlap with a write
+section is judged as above. Fences: a write section's must be above every
+earlier section's of its key, a read section's above every earlier write
+section's (readers of one read phase are granted in some order, and readers
+of one process share their process's grant, and so its fence).
 
 Exit code 0 when every check passed.
 """
@@ -118,7 +127,7 @@ LEDGER_DDL = (
     " id INTEGER PRIMARY KEY, lock_key TEXT NOT NULL, fence INTEGER NOT NULL,"
     " token TEXT NOT NULL, pid INTEGER NOT NULL, thread TEXT NOT NULL,"
     " t_start REAL NOT NULL, lease_end REAL NOT NULL, wall_start REAL NOT NULL,"
-    " t_end REAL, lease_end_at_end REAL, outcome TEXT)",
+    " t_end REAL, lease_end_at_end REAL, outcome TEXT, mode TEXT NOT NULL DEFAULT 'exclusive')",
     "CREATE TABLE IF NOT EXISTS stats ("
     " pid INTEGER, requests INTEGER, grants INTEGER, busy INTEGER, timeouts INTEGER,"
     " backend_errors INTEGER, lost INTEGER, release_failed INTEGER)",
@@ -151,6 +160,8 @@ def worker(spec: dict[str, Any]) -> None:
     )
     keys = spec["keys"]
     deadline = spec["deadline"]
+    rw = spec.get("kind") == "rw"
+    write_share = spec.get("write_share", 0.3)
     totals: dict[str, int] = defaultdict(int)
     totals_lock = threading.Lock()
 
@@ -162,8 +173,17 @@ def worker(spec: dict[str, Any]) -> None:
         while time.monotonic() < deadline:
             key = rng.choice(keys)
             counts["requests"] += 1
+            mode = "exclusive"
+            if rw:
+                mode = "write" if rng.random() < write_share else "read"
             try:
-                if rng.random() < 0.7:
+                if rw:
+                    request = manager.write_lock if mode == "write" else manager.read_lock
+                    if rng.random() < 0.7:
+                        held = request(key, timeout=rng.uniform(0.2, 2.0)).__enter__()
+                    else:
+                        held = request(key, blocking=False).__enter__()
+                elif rng.random() < 0.7:
                     held = manager.acquire(key, timeout=rng.uniform(0.2, 2.0))
                 else:
                     held = manager.acquire(key, blocking=False)
@@ -179,8 +199,8 @@ def worker(spec: dict[str, Any]) -> None:
             lease_end = t_start + held.remaining
             row = ledger.execute(
                 "INSERT INTO sections (lock_key, fence, token, pid, thread, t_start,"
-                " lease_end, wall_start) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (key, held.fence, held.token, pid, name, t_start, lease_end, time.time()),
+                " lease_end, wall_start, mode) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (key, held.fence, held.token, pid, name, t_start, lease_end, time.time(), mode),
             ).lastrowid
             counts["grants"] += 1
             time.sleep(rng.uniform(0.001, 0.02))  # the work
@@ -317,6 +337,8 @@ class Run:
             "run_dir": str(self.run_dir),
             "keys": self.keys,
             "threads": self.args.threads,
+            "kind": self.args.kind,
+            "write_share": self.args.write_share,
             "ttl": self.args.ttl,
             "poll_max": self.args.poll_max,
             "deadline": self.deadline,
@@ -474,6 +496,7 @@ class Section:
     outcome: str | None
     thread: str = ""
     token: str = ""
+    mode: str = "exclusive"
 
 
 def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
@@ -481,13 +504,15 @@ def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
     stats: dict[str, int] = defaultdict(int)
     for path in sorted(run_dir.glob("ledger-*.sqlite3")):
         conn = sqlite3.connect(path)
-        for key, fence, pid, t0, lease, lease2, t1, outcome, thread, token in conn.execute(
+        for key, fence, pid, t0, lease, lease2, t1, outcome, thread, token, mode in conn.execute(
             "SELECT lock_key, fence, pid, t_start, lease_end, lease_end_at_end, t_end, outcome,"
-            " thread, token FROM sections"
+            " thread, token, mode FROM sections"
         ):
             # A lease renewed during the section ends later; the later end counts.
             end_of_lease = max(lease, lease2) if lease2 is not None else lease
-            sections.append(Section(key, fence, pid, t0, end_of_lease, t1, outcome, thread, token))
+            sections.append(
+                Section(key, fence, pid, t0, end_of_lease, t1, outcome, thread, token, mode)
+            )
         names = ("requests", "grants", "busy", "timeouts", "backend_errors", "lost",
                  "release_failed")  # fmt: skip
         for row in conn.execute(f"SELECT {', '.join(names)} FROM stats"):
@@ -585,7 +610,21 @@ def check(
     for key, group in by_key.items():
         group.sort(key=lambda s: s.t_start)
         valid = [s for s in group if s.t_start < valid_until(s) - EPSILON]
-        for x, y in itertools.pairwise(valid):
+        if any(s.mode != "exclusive" for s in group):
+            # Read-write: a write's fence is above every earlier section's, a
+            # read's above every earlier write's (see the module docstring).
+            top: Section | None = None
+            top_write: Section | None = None
+            for y in valid:
+                x = top_write if y.mode == "read" else top
+                if x is not None and y.fence <= x.fence:
+                    order_violations += 1
+                    report(ORDER_FENCE, key, x, y, None)
+                if top is None or y.fence > top.fence:
+                    top = y
+                if y.mode != "read" and (top_write is None or y.fence > top_write.fence):
+                    top_write = y
+        for x, y in itertools.pairwise(valid if group[0].mode == "exclusive" else ()):
             if y.fence <= x.fence:
                 order_violations += 1
                 report(ORDER_FENCE, key, x, y, None)
@@ -595,6 +634,8 @@ def check(
                 heapq.heappop(active)
             at = b.t_start  # the overlap begins here; validity only ends after it
             for _, _, a in active:
+                if a.mode == b.mode == "read":
+                    continue  # readers share the lock
                 a_valid = at < valid_until(a) - EPSILON
                 b_valid = at < valid_until(b) - EPSILON
                 if a_valid and b_valid:
@@ -693,7 +734,8 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         "| locks lost | releases failed |"
     )
     lines = [
-        f"Torture: {args.processes} processes × {args.threads} threads, {args.keys} hot keys, "
+        f"Torture ({getattr(args, 'kind', 'exclusive')} lock): {args.processes} processes × "
+        f"{args.threads} threads, {args.keys} hot keys, "
         f"{args.seconds:g} s per database, lease {args.ttl:g} s, poll cap {args.poll_max:g} s, "
         f"a fault every {args.fault_every:g} s.",
         "",
@@ -767,6 +809,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    parser.add_argument(
+        "--kind", choices=("exclusive", "rw"), default="exclusive", help="which lock (exclusive)"
+    )
+    parser.add_argument(
+        "--write-share", type=float, default=0.3, help="rw: share of write requests (0.3)"
+    )
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
