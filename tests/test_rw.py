@@ -44,9 +44,7 @@ def wait_for(condition: Any, what: str, bound: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_readers_share_across_managers_and_exclude_writers(
-    make_manager: Any, key: str
-) -> None:
+def test_readers_share_across_managers_and_exclude_writers(make_manager: Any, key: str) -> None:
     a, b, c = make_manager(), make_manager(), make_manager()
     with a.read_lock(key) as r1, b.read_lock(key) as r2:
         assert isinstance(r1, HeldLock)
@@ -110,10 +108,9 @@ def test_reentrant_per_owner(manager: LockManager, key: str) -> None:
 def test_upgrade_is_refused_without_sql(
     manager: LockManager, key: str, count_statements: Any
 ) -> None:
-    with manager.read_lock(key):
-        with count_statements(manager.engine) as counter:
-            with pytest.raises(UpgradeRefused) as info, manager.write_lock(key):
-                pass
+    with manager.read_lock(key), count_statements(manager.engine) as counter:
+        with pytest.raises(UpgradeRefused) as info, manager.write_lock(key):
+            pass
         assert counter.count == 0
         assert key in str(info.value)
         assert "read lock" in str(info.value)
@@ -160,7 +157,8 @@ def test_waiting_writer_holds_new_readers_back(make_manager: Any, key: str) -> N
         pass
     r.release()
     writer.join(60)
-    assert got and got[0].fence > r.fence
+    assert got
+    assert got[0].fence > r.fence
     assert rows(a, key) == []  # the intent row went with the grant
 
 
@@ -226,9 +224,8 @@ def test_kind_mismatch(make_manager: Any, key: str) -> None:
         with pytest.raises(KindMismatch) as info, b.read_lock(key, blocking=False):
             pass
         assert info.value.requested == "rw"
-    with a.read_lock(key):
-        with pytest.raises(KindMismatch), b.lock(key, blocking=False):
-            pass
+    with a.read_lock(key), pytest.raises(KindMismatch), b.lock(key, blocking=False):
+        pass
 
 
 def test_decorator(manager: LockManager, key: str) -> None:

@@ -37,9 +37,7 @@ def _join(workers: list[Any], bound: float = 300) -> None:
     assert [w.exitcode for w in workers] == [0] * len(workers)
 
 
-def test_hammering_processes_never_overlap_a_writer(
-    db_url: str, key: str, tmp_path: Path
-) -> None:
+def test_hammering_processes_never_overlap_a_writer(db_url: str, key: str, tmp_path: Path) -> None:
     """4 processes x 3 threads take the read or write lock of one key at
     random (a third writes): no writer ever overlaps anyone, readers do
     overlap each other, and fences grow."""
@@ -47,9 +45,7 @@ def test_hammering_processes_never_overlap_a_writer(
     ledger.reset()
     go = ctx.Event()
     workers = [
-        ctx.Process(
-            target=rw_procs.hammer, args=(db_url, key, ledger.path, 3, 25, 0.3, go)
-        )
+        ctx.Process(target=rw_procs.hammer, args=(db_url, key, ledger.path, 3, 25, 0.3, go))
         for _ in range(4)
     ]
     for w in workers:
@@ -64,9 +60,7 @@ def test_hammering_processes_never_overlap_a_writer(
     assert (state["readers"], state["writers"]) == (0, 0)
 
 
-def test_writer_is_not_starved_by_looping_readers(
-    db_url: str, key: str, tmp_path: Path
-) -> None:
+def test_writer_is_not_starved_by_looping_readers(db_url: str, key: str, tmp_path: Path) -> None:
     """8 reader processes take the read lock in a loop, each hold overlapping
     the others'; a writer asking meanwhile gets in, while they still loop."""
     ledger = Ledger(str(tmp_path / "ledger.json"))
@@ -102,9 +96,7 @@ def test_writer_is_not_starved_by_looping_readers(
 
 
 @pytest.mark.parametrize("mode", ["read", "write"])
-def test_killed_holder_is_taken_over_after_its_lease(
-    db_url: str, key: str, mode: str
-) -> None:
+def test_killed_holder_is_taken_over_after_its_lease(db_url: str, key: str, mode: str) -> None:
     """kill -9 of a process holding the read (or write) lock: a writer (or
     reader) of another process gets the key once the dead holder's lease ends."""
     report = ctx.Queue()
@@ -132,9 +124,7 @@ def test_readers_of_processes_overlap_and_writer_waits(
     ledger.reset()
     report = ctx.Queue()
     readers = [
-        ctx.Process(
-            target=rw_procs.read_then_report, args=(db_url, key, 1.0, report, ledger.path)
-        )
+        ctx.Process(target=rw_procs.read_then_report, args=(db_url, key, 1.0, report, ledger.path))
         for _ in range(2)
     ]
     for r in readers:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .runner import Results
+from .uncontended import READ_LOCK
 
 __all__ = ["Target", "render_markdown", "targets", "write_chart"]
 
@@ -61,6 +62,18 @@ def targets(results: Results) -> list[Target]:
                 f"{_f(pg.cpu_ratio, 2)}× client CPU",
                 ratio <= 1.10,
                 "" if ratio <= 1.10 else f"missed by {(ratio / 1.10 - 1) * 100:.1f}%",
+            )
+        )
+    read = cycle.get(("postgresql", READ_LOCK))
+    if pg is not None and read is not None and not pg.error and not read.error:
+        ratio = read.wall_us[1] / pg.wall_us[1]
+        out.append(
+            Target(
+                "uncontended read_lock cycle vs the exclusive lock's (same run)",
+                "≤ 1.20×",
+                f"{ratio:.3f}× wall ({read.wall_us[1]:,.0f} vs {pg.wall_us[1]:,.0f} µs)",
+                ratio <= 1.20,
+                "" if ratio <= 1.20 else f"missed by {(ratio / 1.20 - 1) * 100:.1f}%",
             )
         )
     for l1 in results.level1:

@@ -39,6 +39,7 @@ from .options import BenchOptions
 from .stats import percentile, spread
 
 __all__ = [
+    "READ_LOCK",
     "Contender",
     "CycleResult",
     "Level1Result",
@@ -145,6 +146,7 @@ def make_contenders(
         return Contender(db, name, cycle, manager.close, "dblock")
 
     made.append(dblock_contender("dblock", LockManager(bench.url, table=bench.table)))
+    made.append(_read_lock_contender(db, run, LockManager(bench.url, table=bench.table)))
     for variant in options.variants:
         manager = LockManager(bench.url, table=bench.table, **variant.manager_options())
         made.append(dblock_contender(f"dblock {variant.name}", manager))
@@ -157,6 +159,21 @@ def make_contenders(
             name = build.__doc__ or build.__name__
             missing.append(Unavailable(db, name.strip(), _reason(exc)))
     return made, missing
+
+
+#: The read-write lock's shared side, measured beside the exclusive lock.
+READ_LOCK = "dblock read_lock"
+
+
+def _read_lock_contender(db: str, run: str, manager: LockManager) -> Contender:
+    prefix = f"bench:{run}:read:"
+    read_lock = manager.read_lock
+
+    def cycle(i: int) -> None:
+        with read_lock(prefix + str(i)):
+            pass
+
+    return Contender(db, READ_LOCK, cycle, manager.close, "dblock")
 
 
 def _reason(exc: BaseException) -> str:

@@ -277,45 +277,53 @@ class RwLocker:
     ) -> RwHeld:
         opts = options or self.defaults
         me = current_owner()
-        start = _monotonic()
-        deadline = None if timeout is None else start + timeout
-        request = _Request(mode, me)
+        deadline = None if timeout is None else _monotonic() + timeout
         with self._mutex:
             if self._closing:
                 raise ManagerClosed("this LockManager is closed")
             entry = self._entries.get(key)
             if entry is None:
+                # Nobody here holds or wants the key: straight to the database.
+                if self._locker.registry.get(key) is not None:
+                    raise KindMismatch(
+                        key, requested="rw", existing="exclusive", where="in this process"
+                    )
                 entry = self._entries[key] = _Entry(key)
-            mine = self._reenter(entry, me, mode, ttl, opts)
-            if mine is not None:
-                return mine
-            entry.queue.append(request)
-            try:
-                lead = self._wait_turn(entry, request, blocking, deadline, timeout)
-            except BaseException:
-                if request in entry.queue:
-                    entry.queue.remove(request)
-                self._changed.notify_all()
-                self._forget(entry)
-                raise
-            if not lead:  # shared the read hold of this process
-                assert entry.hold is not None
-                return self._new_holder(entry, me, entry.hold, READ, ttl, opts)
+            else:
+                mine = self._reenter(entry, me, mode, ttl, opts)
+                if mine is not None:
+                    return mine
+                request = _Request(mode, me)
+                entry.queue.append(request)
+                try:
+                    lead = self._wait_turn(entry, request, blocking, deadline, timeout)
+                except BaseException:
+                    if request in entry.queue:
+                        entry.queue.remove(request)
+                    self._changed.notify_all()
+                    self._forget(entry)
+                    raise
+                if not lead:  # shared the read hold of this process
+                    assert entry.hold is not None
+                    label = self._locker.owner_label(me)
+                    return self._new_holder(entry, me, entry.hold, READ, label, ttl, opts)
             entry.busy = True
         # Level 2: this request alone talks to the database for this key.
+        label = self._locker.owner_label(me)
         hold: _Hold | None = None
         try:
-            hold = self._acquire_row(key, mode, me, blocking, deadline, timeout, ttl)
+            hold = self._acquire_row(key, mode, label, blocking, deadline, timeout, ttl)
         finally:
             with self._mutex:
                 entry.busy = False
                 if hold is not None:
                     entry.hold = hold
                     entry.joins = 0
-                    held = self._new_holder(entry, me, hold, mode, ttl, opts)
+                    held = self._new_holder(entry, me, hold, mode, label, ttl, opts)
                 else:
                     self._forget(entry)
-                self._changed.notify_all()
+                if entry.queue:
+                    self._changed.notify_all()
         return held
 
     def _reenter(
@@ -332,7 +340,8 @@ class RwLocker:
                 return mine
             if writer is not None and writer._owner is me:
                 # A writer reads its own key: no SQL (the write hold covers it).
-                return self._new_holder(entry, me, writer._hold, READ, ttl, opts)
+                label = self._locker.owner_label(me)
+                return self._new_holder(entry, me, writer._hold, READ, label, ttl, opts)
             return None
         if writer is not None and writer._owner is me:
             if writer._lost is not None:
@@ -379,24 +388,29 @@ class RwLocker:
             self._changed.wait(left)
 
     def _turn(self, entry: _Entry, request: _Request) -> bool | None:
+        """True: lead (talk to the database); False: share the read hold; None: wait."""
         if entry.busy or entry.writer is not None:
             return None
         at = entry.queue.index(request)
-        if request.mode == READ:
-            if any(r.mode == WRITE for r in entry.queue[:at]):
-                return None  # a writer queued first: no overtaking
-            hold = entry.hold
-            if hold is None:
-                return True
-            if hold.mode == READ and hold.lost is None and entry.joins < self._join_limit:
-                return False
-            return None
-        if at == 0 and not entry.readers and entry.hold is None:
+        hold = entry.hold
+        if request.mode == WRITE:
+            return True if at == 0 and not entry.readers and hold is None else None
+        if any(r.mode == WRITE for r in entry.queue[:at]):
+            return None  # a writer queued first: no overtaking
+        if hold is None:
             return True
-        return None
+        shareable = hold.mode == READ and hold.lost is None and entry.joins < self._join_limit
+        return False if shareable else None
 
-    def _new_holder(
-        self, entry: _Entry, me: object, hold: _Hold, mode: str, ttl: float, opts: LockOptions
+    def _new_holder(  # noqa: PLR0917 - private, called in three places
+        self,
+        entry: _Entry,
+        me: object,
+        hold: _Hold,
+        mode: str,
+        label: str,
+        ttl: float,
+        opts: LockOptions,
     ) -> RwHeld:
         held = RwHeld(
             self,
@@ -404,7 +418,7 @@ class RwLocker:
             me,
             hold,
             mode=mode,
-            label=self._locker.owner_label(me),
+            label=label,
             ttl=ttl,
             options=opts,
         )
@@ -416,11 +430,11 @@ class RwLocker:
         held._ref.tracked = True
         return held
 
-    def _acquire_row(
+    def _acquire_row(  # noqa: PLR0912, PLR0915, PLR0917 - one loop, so one `finally` owns the clean-up
         self,
         key: str,
         mode: str,
-        me: object,
+        owner: str,
         blocking: bool,
         deadline: float | None,
         timeout: float | None,
@@ -430,7 +444,6 @@ class RwLocker:
         A waiting writer keeps an intent row, so new readers hold back."""
         store, statements = self.store, self.statements
         token = os.urandom(16).hex()
-        owner = self._locker.owner_label(me)
         wait = None
         intent_at: float | None = None
         try:
@@ -524,19 +537,7 @@ class RwLocker:
                 if held._lost is None:
                     held._lost = revoked
                     self.renewer.notify_lost(held)
-            me = held._owner
-            statement = None
-            if held.mode == READ:
-                entry.readers.pop(me, None)
-                if entry.writer is None and not entry.readers:
-                    statement = "release_read"
-            else:
-                entry.writer = None
-                statement = "downgrade" if me in entry.readers else "release_write"
-            if statement is not None:
-                entry.busy = True
-                if statement != "downgrade":
-                    entry.hold = None
+            statement = self._leave(entry, held)
         if statement is None:
             return self._outcome(held, True)
         key, statements, drive = held.key, self.statements, self.store.drive
@@ -566,6 +567,24 @@ class RwLocker:
         if not ok and held._lost is None:
             held._lost = "its row was gone or held by another owner at release"
         return self._outcome(held, True)
+
+    @staticmethod
+    def _leave(entry: _Entry, held: RwHeld) -> str | None:
+        """Under the mutex: take ``held`` out of level 1; the statement its
+        database hold needs now, if any (and the entry is busy until it ran)."""
+        me = held._owner
+        if held.mode == READ:
+            entry.readers.pop(me, None)
+            if entry.writer is not None or entry.readers:
+                return None  # the hold is still someone else's here
+            statement = "release_read"
+        else:
+            entry.writer = None
+            statement = "downgrade" if me in entry.readers else "release_write"
+        entry.busy = True
+        if statement != "downgrade":
+            entry.hold = None
+        return statement
 
     def _finish(self, entry: _Entry, held: RwHeld, hold: _Hold, statement: str, ok: bool) -> None:
         lost_readers: list[RwHeld] = []
