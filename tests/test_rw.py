@@ -270,3 +270,26 @@ def test_fences_grow_with_every_grant(make_manager: Any, key: str) -> None:
             fences.append(w.fence)
     assert fences == sorted(fences)
     assert len(set(fences)) == len(fences)
+
+
+def test_sweeper_deletes_a_dead_read_phase_and_intent(private: LockManager, key: str) -> None:
+    """Rows of a read phase whose holders are gone (lease over) and a waiting
+    writer's intent row are expired rows like any other: swept."""
+    from dblock.sweeper import Sweeper
+
+    r = private.read_lock(key, ttl=0.3).__enter__()  # `private` does not renew
+    statements = private._rw_locker().statements
+    private.store.drive(statements.intent_steps(key, "f" * 32, "a writer", 0.3))
+    wait_for(lambda: r.lost, "the lease to run out")
+    result = Sweeper(private, grace=0).run_once()
+    assert result.expired == 2
+    assert rows(private, key) == []
+    with pytest.raises(LockLost):
+        r.release()
+    listed = {(row.slot, row.kind, row.mode) for row in private.store.rows(prefix=key)}
+    assert listed == set()
+    with private.read_lock(key), private.read_lock(key):
+        listed = {
+            (row.slot, row.kind, row.mode, row.holders) for row in private.store.rows(key=key)
+        }
+        assert listed == {("", "rw", "read", 1)}

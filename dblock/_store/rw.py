@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
+from ..errors import DBLockError
 from .base import Lease, Result, Steps, Store
 
 __all__ = ["RwRow", "RwStatements", "rw_statements"]
@@ -555,6 +556,14 @@ def rw_statements(store: Store) -> RwStatements:
         return PostgresRw(store)
     if dialect == "sqlite":
         return SQLiteRw(store)
+    capabilities = getattr(store, "_capabilities", None)
+    if capabilities is not None:
+        capabilities()  # one statement, once per store
+    if not getattr(store, "returning", False):
+        raise DBLockError(
+            "read-write locks on the MySQL family need MariaDB 10.5 or later "
+            "(INSERT … ON DUPLICATE KEY UPDATE … RETURNING); this server is not"
+        )
     return MySQLRw(store)
 
 
