@@ -110,6 +110,18 @@ class RwStatements:
     def holder_steps(self, key: str) -> Steps[RwRow | None]:
         raise NotImplementedError
 
+    #: SQL for the database's current time, and a named parameter, per dialect.
+    now_sql = "now()"
+    param = "%({})s"
+
+    def writer_waiting_steps(self, key: str) -> Steps[bool]:
+        """Whether a writer (of any process) waits for ``key`` now: a live intent row."""
+        sql = (
+            f"SELECT 1 FROM {self.t} WHERE lock_key = {self.param.format('key')} "
+            f"AND slot > '' AND mode = 'waiting' AND expires_at > {self.now_sql} LIMIT 1"
+        )
+        return bool((yield sql, {"key": key}, True, False).rows)
+
 
 def _intent_slot(token: str) -> str:
     return "w" + token
@@ -278,10 +290,13 @@ def _row(row: Sequence[Any]) -> RwRow:
 
 
 class SQLiteRw(RwStatements):
+    param = ":{}"
+
     def __init__(self, store: Store) -> None:
         super().__init__(store)
         from .sqlite import NOW
 
+        self.now_sql = NOW
         t = self.t
         names = store.names
         fence = f"(SELECT value + 1 FROM {store.quoted(names.fence_table)} WHERE id = 1)"
@@ -401,6 +416,8 @@ class MySQLRw(RwStatements):
     the read phase starts afresh (``reset``), ``fence`` takes the freshly drawn
     ``AUTO_INCREMENT`` value exactly when the request is granted; every later
     assignment tests those two instead of the columns it changes."""
+
+    now_sql = "UTC_TIMESTAMP(6)"
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)

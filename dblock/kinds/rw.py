@@ -67,6 +67,8 @@ _EXPIRY_MARGIN = 0.002
 # A waiting writer renews its intent row when this fraction of its lease has passed.
 _INTENT_RENEW = 1 / 3
 _DEADLOCK = (1213, 1205)
+#: A turn at level 1 that must first look for writers of other processes.
+_CHECK: Any = object()
 _TOKEN_LEN = 32
 
 
@@ -110,7 +112,7 @@ class _Request:
 class _Entry:
     """Level 1 for one key: who holds it here, and who waits."""
 
-    __slots__ = ("busy", "hold", "joins", "key", "queue", "readers", "writer")
+    __slots__ = ("busy", "draining", "hold", "joins", "key", "queue", "readers", "writer")
 
     def __init__(self, key: str) -> None:
         self.key = key
@@ -121,7 +123,10 @@ class _Entry:
         # nobody else may start one or join meanwhile.
         self.busy = False
         self.queue: list[_Request] = []
+        # Local shares of the read hold since it was taken or last checked, and
+        # whether it is draining (a writer of another process waits).
         self.joins = 0
+        self.draining = False
 
     @property
     def empty(self) -> bool:
@@ -293,16 +298,7 @@ class RwLocker:
                 mine = self._reenter(entry, me, mode, ttl, opts)
                 if mine is not None:
                     return mine
-                request = _Request(mode, me)
-                entry.queue.append(request)
-                try:
-                    lead = self._wait_turn(entry, request, blocking, deadline, timeout)
-                except BaseException:
-                    if request in entry.queue:
-                        entry.queue.remove(request)
-                    self._changed.notify_all()
-                    self._forget(entry)
-                    raise
+                lead = self._queue(entry, _Request(mode, me), blocking, deadline, timeout)
                 if not lead:  # shared the read hold of this process
                     assert entry.hold is not None
                     label = self._locker.owner_label(me)
@@ -319,6 +315,7 @@ class RwLocker:
                 if hold is not None:
                     entry.hold = hold
                     entry.joins = 0
+                    entry.draining = False
                     held = self._new_holder(entry, me, hold, mode, label, ttl, opts)
                 else:
                     self._forget(entry)
@@ -357,7 +354,7 @@ class RwLocker:
             )
         return None
 
-    def _wait_turn(
+    def _queue(
         self,
         entry: _Entry,
         request: _Request,
@@ -365,13 +362,62 @@ class RwLocker:
         deadline: float | None,
         timeout: float | None,
     ) -> bool:
+        """Under the mutex: queue behind this process's holders and earlier
+        requests; True to lead (talk to the database), False to share the read hold."""
+        entry.queue.append(request)
+        try:
+            while True:
+                turn = self._wait_turn(entry, request, blocking, deadline, timeout)
+                if turn is not _CHECK:
+                    return bool(turn)
+                self._check_writers(entry)
+        except BaseException:
+            if request in entry.queue:
+                entry.queue.remove(request)
+            self._changed.notify_all()
+            self._forget(entry)
+            raise
+
+    def _check_writers(self, entry: _Entry) -> None:
+        """Under the mutex, which it lets go meanwhile: the read hold of this
+        process was shared ``handoff_limit`` times; if a writer of another
+        process waits for the key, let the hold drain (new local readers wait
+        for it to be released and taken again at the database, where the
+        writer's intent holds them back); else share on."""
+        entry.busy = True
+        waiting = True
+        self._mutex.release()
+        try:
+            waiting = self.store.drive(self.statements.writer_waiting_steps(entry.key))
+        except BackendError as exc:
+            log.warning("dblock: could not look for writers waiting on %r: %s", entry.key, exc)
+        finally:
+            self._mutex.acquire()
+            entry.busy = False
+        if waiting:
+            entry.draining = True
+        else:
+            entry.joins = 0
+        self._changed.notify_all()
+
+    def _wait_turn(
+        self,
+        entry: _Entry,
+        request: _Request,
+        blocking: bool,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> object:
         """Under the mutex: wait until ``request`` may share this process's read
-        hold (False) or talk to the database itself (True)."""
+        hold (False), talk to the database itself (True), or must first look
+        for writers of other processes (:data:`_CHECK`)."""
         waited = False
         while True:
             if self._closing:
                 raise ManagerClosed(f"the LockManager was closed while waiting for {entry.key!r}")
             turn = self._turn(entry, request)
+            if turn is _CHECK:
+                return turn
             if turn is not None:
                 entry.queue.remove(request)
                 if turn is False:
@@ -387,8 +433,9 @@ class RwLocker:
                 waited = True
             self._changed.wait(left)
 
-    def _turn(self, entry: _Entry, request: _Request) -> bool | None:
-        """True: lead (talk to the database); False: share the read hold; None: wait."""
+    def _turn(self, entry: _Entry, request: _Request) -> object:
+        """True: lead (talk to the database); False: share the read hold;
+        :data:`_CHECK`: look for writers elsewhere first; None: wait."""
         if entry.busy or entry.writer is not None:
             return None
         at = entry.queue.index(request)
@@ -399,8 +446,9 @@ class RwLocker:
             return None  # a writer queued first: no overtaking
         if hold is None:
             return True
-        shareable = hold.mode == READ and hold.lost is None and entry.joins < self._join_limit
-        return False if shareable else None
+        if hold.mode != READ or hold.lost is not None or entry.draining:
+            return None
+        return False if entry.joins < self._join_limit else _CHECK
 
     def _new_holder(  # noqa: PLR0917 - private, called in three places
         self,
@@ -584,6 +632,7 @@ class RwLocker:
         entry.busy = True
         if statement != "downgrade":
             entry.hold = None
+            entry.draining = False
         return statement
 
     def _finish(self, entry: _Entry, held: RwHeld, hold: _Hold, statement: str, ok: bool) -> None:
