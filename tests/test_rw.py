@@ -334,3 +334,45 @@ def test_local_sharing_drains_only_for_a_waiting_writer(make_manager: Any, key: 
     writer.join(60)
     assert got
     assert got[0].fence > long_reader.fence
+
+
+def test_unreachable_database_leaves_no_level_1_state(key: str) -> None:
+    """A clear BackendError, and nothing left behind in level 1 (the key is
+    not blocked for the next request)."""
+    from dblock import BackendError
+
+    m = LockManager("postgresql+psycopg://postgres@127.0.0.1:1/none", timeout=1)
+    try:
+        for request in (m.read_lock, m.write_lock, m.read_lock):
+            with pytest.raises(BackendError), request(key):
+                pass
+        assert m._rw is not None
+        assert m._rw._entries == {}
+    finally:
+        m.close()
+
+
+def test_close_sends_waiting_readers_and_writers_away(make_manager: Any, key: str) -> None:
+    from dblock import ManagerClosed
+
+    a = make_manager()
+    held = a.write_lock(key).__enter__()
+    errors: list[BaseException] = []
+
+    def wait(request: Any) -> None:
+        try:
+            with request(key, timeout=60):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiters = [threading.Thread(target=wait, args=(r,)) for r in (a.read_lock, a.write_lock)]
+    for t in waiters:
+        t.start()
+    wait_for(lambda: len(a._rw._entries[key].queue) == 2, "both to queue")
+    a.close()
+    for t in waiters:
+        t.join(30)
+    assert len(errors) == 2
+    assert all(isinstance(e, ManagerClosed) for e in errors)
+    assert held.lost
