@@ -176,6 +176,7 @@ class HeldLock:
     __slots__ = (
         "__weakref__",
         "_acquired_mono",
+        "_deferred",
         "_entry",
         "_expires_mono",
         "_locker",
@@ -214,6 +215,9 @@ class HeldLock:
         self._owner = entry.owner
         self._released = False
         self._revoked = False  # released by dblock (owner gone, manager closed)
+        # Its release waits for a commit or a response (dblock.deferral): the
+        # taking thread or task may end first without abandoning it.
+        self._deferred = False
         ref = self._ref = _Ref(self, locker._collected)
         ref.entry = entry
         ref.key = entry.key
@@ -366,6 +370,14 @@ class Locker:
         )
         self.renewer = Renewer(store, idle_tick=config.ttl * RENEW_AT, abandon=self._abandon)
         self._closing = False
+        #: The ``kind`` of the rows this locker writes; a holder row of another
+        #: kind means the key is used as another kind of lock.
+        self.kind = "exclusive"
+        #: What a grant becomes (a subclass for other kinds of lock).
+        self.held_type: type[HeldLock] = HeldLock
+        #: Called with each key a request asks for, before level 1: refuses
+        #: (``KindMismatch``) a key this process uses as another kind of lock.
+        self.kind_guard: Callable[[str], None] | None = None
         self._client_id = ""
         self._set_client_id()
         self.telemetry: Recorder | None = recorder_for(config.telemetry, config.table)
@@ -419,6 +431,8 @@ class Locker:
     ) -> HeldLock:
         opts = options or self.defaults
         me = current_owner()
+        if self.kind_guard is not None:
+            self.kind_guard(key)
         if self._local:
             entry = self.registry.get(key)
             if entry is not None:
@@ -686,7 +700,7 @@ class Locker:
                     continue
                 outage = None
                 if isinstance(result, Grant):
-                    return HeldLock(
+                    return self.held_type(
                         self,
                         entry,
                         token=token,
@@ -696,9 +710,9 @@ class Locker:
                         sent_at=sent_at,
                         options=opts,
                     )
-                if result.kind is not None and result.kind != "exclusive":
+                if result.kind is not None and result.kind != self.kind:
                     raise KindMismatch(
-                        key, requested="exclusive", existing=result.kind, where="in the table"
+                        key, requested=self.kind, existing=result.kind, where="in the table"
                     )
                 if not blocking:
                     raise LockBusy(key, level=2, holder=result.owner)

@@ -221,7 +221,7 @@ def kind_columns() -> list[Column[Any]]:
         Column("slot", _exact(64), primary_key=True, server_default=""),
         Column("kind", String(16), nullable=False, server_default="exclusive"),
         Column("mode", String(16), nullable=False, server_default="exclusive"),
-        Column("holders", Integer, nullable=False, server_default="1"),
+        Column("holders", Integer, nullable=False, server_default=text("1")),
         Column("permits", Integer, nullable=True),
     ]
 

@@ -62,6 +62,17 @@ class LockRow:
     permits: int | None = None
 
     @property
+    def kind_label(self) -> str:
+        """What the row is, for people: ``exclusive``, ``semaphore p1/3``,
+        ``rw read x2``, ``exclusive queued q…``."""
+        if self.kind == "semaphore":
+            return f"semaphore {self.slot}/{self.permits}"
+        mode = "" if self.mode == self.kind else f" {self.mode}"
+        holders = f" x{self.holders}" if self.kind == "rw" and self.holders != 1 else ""
+        slot = f" {self.slot}" if self.slot else ""
+        return f"{self.kind}{mode}{holders}{slot}"
+
+    @property
     def age(self) -> float:
         """Seconds since it was acquired."""
         return (self.now - self.acquired_at).total_seconds()

@@ -4,6 +4,9 @@ Acquire is one statement: ``INSERT … ON CONFLICT DO UPDATE … WHERE expired``
 takes a free or expired key; when the key is held the same statement reads
 the holder instead, so a waiter learns the holder's lease without a second
 round trip. ON CONFLICT never raises, so contention leaves the server log clean.
+The lock is the key's head row (``slot = ''``); the INSERT is skipped while
+the key has rows of another kind (semaphore permits, rw rows), and the read
+then returns one of those, so the caller raises ``KindMismatch``.
 
 The fence is drawn from the sequence under a transaction-scoped advisory
 lock on the key (two-int form: one class per lock table, the key's hash), so
@@ -66,6 +69,7 @@ class PostgresStore(Store):
             f"ins AS ("
             f"INSERT INTO {t} AS t (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
             f"SELECT %(key)s, '', %(owner)s, %(token)s, nextval('{seq}'), now(), {lease} FROM lk "
+            f"WHERE NOT EXISTS (SELECT FROM {t} WHERE lock_key = %(key)s AND kind <> 'exclusive') "
             f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
@@ -73,8 +77,9 @@ class PostgresStore(Store):
             f"RETURNING t.token, t.owner, t.fence, t.expires_at, t.kind) "
             f"SELECT token, owner, fence, expires_at, now(), kind FROM ins "
             f"UNION ALL "
-            f"SELECT token, owner, fence, expires_at, now(), kind FROM {t} "
-            f"WHERE lock_key = %(key)s AND slot = '' AND NOT EXISTS (SELECT FROM ins)"
+            f"(SELECT token, owner, fence, expires_at, now(), kind FROM {t} "
+            f"WHERE lock_key = %(key)s AND NOT EXISTS (SELECT FROM ins) "
+            f"ORDER BY kind = 'exclusive', slot LIMIT 1)"
         )
         self._release_sql = (
             f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' "
@@ -192,6 +197,16 @@ class PostgresStore(Store):
     # -- admin ---------------------------------------------------------------
 
     now_sql: ClassVar[str] = "now()"
+
+    def release_row(self, key: str, slot: str, token: str) -> bool:
+        t = self.quoted(self.names.table)
+        sql = (
+            f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s "
+            f"AND token = %(token)s RETURNING lock_key) "
+            f"SELECT pg_notify(%(channel)s, lock_key) FROM gone"
+        )
+        params = {"key": key, "slot": slot, "token": token, "channel": self._channel}
+        return bool(self.run(sql, params, fetch=True).rows)
 
     def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
         # SKIP LOCKED: a row being taken over or handed on right now is left

@@ -41,7 +41,9 @@ class SQLiteStore(Store):
         fence = f"(SELECT value + 1 FROM {self.quoted(self.names.fence_table)} WHERE id = 1)"
         self._acquire_sql = (
             f"INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
-            f"VALUES (:key, '', :owner, :token, {fence}, {NOW}, {NOW} + :ttl) "
+            f"SELECT :key, '', :owner, :token, {fence}, {NOW}, {NOW} + :ttl "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {t} AS b "
+            f"WHERE b.lock_key = :key AND b.kind <> 'exclusive') "
             f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
@@ -50,7 +52,7 @@ class SQLiteStore(Store):
         )
         self._holder_sql = (
             f"SELECT token, owner, fence, expires_at, {NOW}, kind FROM {t} "
-            f"WHERE lock_key = :key AND slot = ''"
+            f"WHERE lock_key = :key ORDER BY kind = 'exclusive', slot LIMIT 1"
         )
         self._release_sql = (
             f"DELETE FROM {t} WHERE lock_key = :key AND slot = '' AND token = :token"
