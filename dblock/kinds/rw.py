@@ -25,17 +25,16 @@ its own; holders sharing one database hold are renewed by one statement.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from .._store import Lease, Store
-from .._store.base import Interrupted
+from .._store.base import Interrupted, never_sent
 from .._store.rw import READ, WRITE, RwStatements, rw_statements
 from ..config import Config
 from ..errors import (
@@ -59,8 +58,6 @@ __all__ = ["RwHeld", "RwLocker"]
 
 log = logging.getLogger("dblock")
 _monotonic = time.monotonic
-P = ParamSpec("P")
-R = TypeVar("R")
 
 # Wake this long after the holder's lease ends, so the takeover finds it expired.
 _EXPIRY_MARGIN = 0.002
@@ -506,12 +503,12 @@ class RwLocker:
                 except BackendError as exc:
                     if not _deadlocked(exc):
                         if mode == WRITE and isinstance(exc, Interrupted):
-                            store.add_orphan(key, token)
+                            self._orphan(key, token)
                         raise
                     row = None  # an InnoDB deadlock victim: contention, try again
-                except BaseException:
-                    if mode == WRITE:
-                        store.add_orphan(key, token)  # the row, if written, is deleted
+                except BaseException as exc:
+                    if mode == WRITE and not never_sent(exc):
+                        self._orphan(key, token)
                     raise
                 if row is not None and row.granted:
                     epoch = token if mode == WRITE else row.token
@@ -551,6 +548,12 @@ class RwLocker:
                     store.drive(statements.drop_intent_steps(key, token))
                 except BackendError as exc:
                     log.warning("dblock: could not drop the write intent on %r: %s", key, exc)
+
+    def _orphan(self, key: str, token: str) -> None:
+        """A write grant that may have committed unseen: its row (slot '', our
+        token) is deleted as soon as the database answers, by the renewal thread."""
+        self.store.add_orphan(key, token)
+        self.renewer.post(_noop)
 
     # -- release -------------------------------------------------------------
 
@@ -690,18 +693,11 @@ class RwLocker:
         self.renewer.after_fork()
 
 
+def _noop() -> None:
+    """A job that only wakes the renewal thread (which cleans orphans on its pass)."""
+
+
 def _deadlocked(exc: BackendError) -> bool:
     cause = exc.__cause__
     args: tuple[object, ...] = getattr(getattr(cause, "orig", None) or cause, "args", ())
     return bool(args) and args[0] in _DEADLOCK
-
-
-def decorate(request: Callable[[], Any], func: Callable[P, R]) -> Callable[P, R]:
-    """``func`` holding a fresh request's lock for each call."""
-
-    @functools.wraps(func)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        with request():
-            return func(*args, **kwargs)
-
-    return wrapper
