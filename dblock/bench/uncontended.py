@@ -85,6 +85,10 @@ class CycleResult:
     ratio_plain: float | None  # median wall over the plain INSERT/DELETE's median
     cpu_ratio: float | None  # median client CPU over the raw driver's
     error: str = ""
+    # The read lock only: to the exclusive dblock lock of the same database,
+    # paired per round like ``ratio`` (wall; and median client CPU).
+    ratio_exclusive: tuple[float, float, float] | None = None
+    cpu_ratio_exclusive: float | None = None
 
 
 def _owner() -> str:
@@ -408,6 +412,7 @@ def _summarise(
     block: int,
 ) -> list[CycleResult]:
     by_kind: dict[tuple[str, str], Contender] = {(c.database, c.kind): c for c in contenders}
+    by_name: dict[tuple[str, str], Contender] = {(c.database, c.name): c for c in contenders}
     results = []
     for c in contenders:
         base_db = c.baseline_of or c.database
@@ -421,6 +426,11 @@ def _summarise(
             cpu_ratio = percentile(cpus[c.name], 50) / percentile(cpus[raw.name], 50)
         if plain is not None and plain is not c and mine and walls[plain.name]:
             ratio_plain = percentile(mine, 50) / percentile(walls[plain.name], 50)
+        ratio_ex = cpu_ex = None
+        exclusive = by_name.get((c.database, "dblock"))
+        if c.name == READ_LOCK and exclusive is not None and mine and walls[exclusive.name]:
+            ratio_ex = spread([a / b for a, b in zip(mine, walls[exclusive.name], strict=False)])
+            cpu_ex = percentile(cpus[c.name], 50) / percentile(cpus[exclusive.name], 50)
         results.append(
             CycleResult(
                 database=c.database,
@@ -431,6 +441,8 @@ def _summarise(
                 cpu_us=spread(cpus[c.name]),
                 ratio=ratio,
                 ratio_plain=ratio_plain,
+                ratio_exclusive=ratio_ex,
+                cpu_ratio_exclusive=cpu_ex,
                 cpu_ratio=cpu_ratio,
                 error=errors.get(c.name, ""),
             )
