@@ -376,3 +376,44 @@ def test_close_sends_waiting_readers_and_writers_away(make_manager: Any, key: st
     assert len(errors) == 2
     assert all(isinstance(e, ManagerClosed) for e in errors)
     assert held.lost
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+def test_waiting_writer_rides_out_an_outage(db_url: str, key: str, make_manager: Any) -> None:
+    """A writer waiting for readers keeps trying while its database
+    connections fail (cut, then refused at its proxy), and is granted the key
+    once they work again and the readers are gone."""
+    from tests.support.proxy import Proxy
+
+    url = sa.make_url(db_url)
+    proxy = Proxy(url.host or "127.0.0.1", url.port or 0)
+    reader_side = make_manager()
+    writer_side = LockManager(proxy.url_for(db_url), poll_max=0.1)
+    try:
+        r = reader_side.read_lock(key).__enter__()
+        got: list[Any] = []
+
+        def write() -> None:
+            try:
+                with writer_side.write_lock(key, timeout=60) as w:
+                    got.append(w.fence)
+            except BaseException as exc:
+                got.append(exc)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        wait_for(lambda: any(row.mode == "waiting" for row in rows(reader_side, key)), "intent")
+        proxy.refuse(True)
+        proxy.cut_all()
+        tried = proxy.accepted
+        wait_for(lambda: proxy.accepted >= tried + 3 or got, "attempts through the outage")
+        assert got == []  # still waiting, not failed
+        proxy.refuse(False)
+        r.release()
+        writer.join(60)
+        assert len(got) == 1
+        assert isinstance(got[0], int), got[0]
+        assert got[0] > r.fence
+    finally:
+        writer_side.close()
+        proxy.close()

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
-from .._store import Lease, Store
+from .._store import Backoff, Lease, Store
 from .._store.base import Interrupted, never_sent
 from .._store.rw import READ, WRITE, RwStatements, rw_statements
 from ..config import Config
@@ -64,6 +64,9 @@ _EXPIRY_MARGIN = 0.002
 # A waiting writer renews its intent row when this fraction of its lease has passed.
 _INTENT_RENEW = 1 / 3
 _DEADLOCK = (1213, 1205)
+# A waiting request that loses the database retries after 50 ms, doubling up to 1 s.
+_OUTAGE_INITIAL = 0.05
+_OUTAGE_MAX = 1.0
 #: A turn at level 1 that must first look for writers of other processes.
 _CHECK: Any = object()
 _TOKEN_LEN = 32
@@ -488,9 +491,10 @@ class RwLocker:
         """Level 2: grant statements until granted (or refused, or out of time).
         A waiting writer keeps an intent row, so new readers hold back."""
         store, statements = self.store, self.statements
-        token = os.urandom(16).hex()
+        token = intent = os.urandom(16).hex()
         wait = None
         intent_at: float | None = None
+        outage: Backoff | None = None
         try:
             while True:
                 if self._closing:
@@ -501,15 +505,20 @@ class RwLocker:
                 try:
                     row = store.drive(statements.grant_steps(mode, key, token, owner, ttl))
                 except BackendError as exc:
-                    if not _deadlocked(exc):
+                    if _deadlocked(exc):
+                        row = None  # an InnoDB deadlock victim: contention, try again
+                    else:
                         if mode == WRITE and isinstance(exc, Interrupted):
                             self._orphan(key, token)
-                        raise
-                    row = None  # an InnoDB deadlock victim: contention, try again
+                            token = os.urandom(16).hex()  # that one may be in the row now
+                        outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
+                        self._ride_out(key, exc, deadline, outage, waiting=wait is not None)
+                        continue
                 except BaseException as exc:
                     if mode == WRITE and not never_sent(exc):
                         self._orphan(key, token)
                     raise
+                outage = None
                 if row is not None and row.granted:
                     epoch = token if mode == WRITE else row.token
                     expires_mono = sent_at + row.expires_in
@@ -531,7 +540,7 @@ class RwLocker:
                     intent_at is None or _monotonic() - intent_at > ttl * _INTENT_RENEW
                 ):
                     intent_at = _monotonic()
-                    store.drive(statements.intent_steps(key, token, owner, ttl))
+                    store.drive(statements.intent_steps(key, intent, owner, ttl))
                 if row is not None:
                     limit = min(limit, max(row.expires_in, 0.0) + _EXPIRY_MARGIN)
                 if mode == WRITE:
@@ -545,9 +554,24 @@ class RwLocker:
                 wait.close()
             if intent_at is not None:
                 try:
-                    store.drive(statements.drop_intent_steps(key, token))
+                    store.drive(statements.drop_intent_steps(key, intent))
                 except BackendError as exc:
                     log.warning("dblock: could not drop the write intent on %r: %s", key, exc)
+
+    @staticmethod
+    def _ride_out(
+        key: str, exc: BackendError, deadline: float | None, outage: Backoff, *, waiting: bool
+    ) -> None:
+        """A waiting request that lost the database (a restart, a failover)
+        waits and tries again until its own deadline, then raises what it saw;
+        one that was not waiting yet (a wrong URL, a dead server) raises at once.
+        A read grant whose outcome stayed unknown may have been counted: that
+        count is a crashed reader's, ended by the read phase's lease."""
+        limit = float("inf") if deadline is None else deadline - _monotonic()
+        if limit <= 0 or not waiting:
+            raise exc
+        log.warning("dblock: waiting for %r; the database is unreachable, retrying: %s", key, exc)
+        time.sleep(outage.step(limit))
 
     def _orphan(self, key: str, token: str) -> None:
         """A write grant that may have committed unseen: its row (slot '', our
