@@ -327,16 +327,9 @@ class LockManager:
         lock). The options are those of :meth:`lock`; use it in ``with``
         (yielding a :class:`~dblock.kinds.semaphore.HeldPermit`) or as a
         decorator. Not re-entrant: each request takes another permit."""
-        from .kinds.semaphore import MAX_PERMITS
+        from .kinds.semaphore import check_permits
 
-        if (
-            isinstance(permits, bool)
-            or not isinstance(permits, int)
-            or not (1 <= permits <= MAX_PERMITS)
-        ):
-            raise LockArgumentError(
-                f"permits must be an int from 1 to {MAX_PERMITS}, got {permits!r}"
-            )
+        check_permits(permits)
         key, blocking, wait, lease, opts = self._check(
             key,
             blocking=blocking,

@@ -87,3 +87,15 @@ def test_sweeper_deletes_expired_rows_of_every_kind(private: LockManager, key: s
     for held in kept:
         with pytest.raises(LockLost):
             held.release()
+
+
+def test_top_shows_the_kind_of_each_row(db_url: str, private: LockManager, key: str) -> None:
+    with private.semaphore(key, permits=3), private.lock(f"{key}:x", ttl=600):
+        done = dblock(
+            "top", "--once", "--url", db_url, "--table", private.config.table,
+            env={"COLUMNS": "200"},
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "KIND" in done.stdout
+    assert "semaphore p0/3" in done.stdout
+    assert "exclusive" in done.stdout

@@ -304,3 +304,42 @@ def test_a_paused_holder_loses_its_permit(db_url: str, key: str) -> None:
 @pytest.fixture(autouse=True)
 def _quiet_children(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONWARNINGS", "ignore")
+
+
+# -- asyncio ----------------------------------------------------------------------
+
+
+def test_async_semaphore(db_url: str, make_manager: Any, key: str) -> None:
+    import asyncio
+
+    from dblock import AsyncLockManager
+
+    other: LockManager = make_manager()
+
+    async def main() -> None:
+        alocks = AsyncLockManager(db_url)
+        try:
+            async with alocks.semaphore(key, permits=2) as a, alocks.semaphore(key, permits=2) as b:
+                assert {a.slot, b.slot} == {"p0", "p1"}
+                assert b.fence > a.fence
+                with pytest.raises(LockBusy) as busy:
+                    await alocks.semaphore(key, permits=2, blocking=False).__aenter__()
+                assert busy.value.level == 1
+                with pytest.raises(KindMismatch):
+                    await alocks.semaphore(key, permits=3).__aenter__()
+            # Waiting: a permit held by another process comes free.
+            held = other.semaphore(key, permits=1).__enter__()
+
+            async def wait() -> int:
+                async with alocks.semaphore(key, permits=1, timeout=60) as permit:
+                    return int(permit.fence)
+
+            waiter = asyncio.ensure_future(wait())
+            await asyncio.sleep(0)
+            held.release()
+            assert await asyncio.wait_for(waiter, 60) > held.fence
+            assert other.store.rows(key=key) == []
+        finally:
+            await alocks.close()
+
+    asyncio.run(main())

@@ -521,6 +521,10 @@ class Store:
     def is_missing_table(self, exc: BaseException) -> bool:
         raise NotImplementedError
 
+    def notify_key(self, key: str) -> str:
+        """The key a release of ``key`` is announced under (see the semaphore's store)."""
+        return key
+
     def close(self) -> None:
         self.clean_orphans()
         self.executor.release_idle()

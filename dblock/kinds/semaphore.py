@@ -8,7 +8,7 @@ exclusive lock's row.
 
 How it reuses the exclusive lock's machinery. A semaphore is run by a
 second :class:`~dblock.lock.Locker` of the manager (made on first use) whose
-keys are *local permit keys*, ``key`` + NUL + ``i`` for ``i < N``: level 1 is
+keys are *local permit keys*, ``key`` NUL ``N`` NUL ``i`` for ``i < N``: level 1 is
 the locker's registry, so one process has at most N requests of a key
 past level 1 at once (each local permit key lets one thread through; the
 others queue on it or, fail-fast, are refused without SQL), and everything
@@ -41,7 +41,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._store.base import Grant, Holder, Lease, Result, Steps, Store, Wait
-from ..errors import BackendError, KindMismatch, LockBusy, LockNotAcquired, LockTimeout
+from ..errors import (
+    BackendError,
+    KindMismatch,
+    LockArgumentError,
+    LockBusy,
+    LockNotAcquired,
+    LockTimeout,
+)
 from ..lock import HeldLock, Locker, LockOptions
 from ..registry import current_owner
 from . import SEMAPHORE, describe
@@ -59,19 +66,29 @@ _MYSQL_RETRIES = 8
 _SEP = "\x00"  # never in a key: keys.check_key refuses NUL
 
 
-def local_key(key: str, index: int) -> str:
-    return f"{key}{_SEP}{index}"
+def check_permits(permits: object) -> int:
+    """N, checked before any SQL."""
+    if isinstance(permits, bool) or not isinstance(permits, int) or not 1 <= permits <= MAX_PERMITS:
+        raise LockArgumentError(f"permits must be an int from 1 to {MAX_PERMITS}, got {permits!r}")
+    return permits
+
+
+def local_key(key: str, n: int, index: int) -> str:
+    """Local permit ``index`` of the ``n``-permit semaphore ``key`` (N is in
+    the name, so the store needs no table of sizes)."""
+    return f"{key}{_SEP}{n}{_SEP}{index}"
 
 
 def real_key(key: str) -> str:
     """The semaphore's key for a local permit key (or a key itself)."""
-    head, sep, _ = key.rpartition(_SEP)
-    return head if sep else key
+    return key.partition(_SEP)[0]
 
 
-def _index(key: str) -> int:
-    _, sep, tail = key.rpartition(_SEP)
-    return int(tail) if sep else 0
+def _size_index(key: str) -> tuple[int, int]:
+    """N and the local index of a local permit key."""
+    _, _, tail = key.partition(_SEP)
+    n, _, index = tail.partition(_SEP)
+    return int(n), int(index)
 
 
 class HeldPermit(HeldLock):
@@ -85,7 +102,7 @@ class HeldPermit(HeldLock):
         super().__init__(locker, entry, grant=grant, **kwargs)
         self.key = self._ref.key = real_key(entry.key)
         self.slot = grant.slot
-        self.permits: int = getattr(locker.store, "permits_of", dict[str, int]()).get(self.key, 0)
+        self.permits = _size_index(entry.key)[0]
 
     def __repr__(self) -> str:
         state = "released" if self._released else f"expires_at={self.expires_at.isoformat()}"
@@ -111,7 +128,7 @@ class PermitStore(Store):
         self._orphans = type(base._orphans)()
         self._orphans_lock = threading.Lock()
         #: key -> N, while some local permit of the key is held or asked for.
-        self.permits_of: dict[str, int] = {}
+        self.permits_of: dict[str, int] = {}  # (only for KindMismatch in this process)
         self.dialect = dialect = base.engine.dialect.name
         t = self.quoted(self.names.table)
         cols = "lock_key, slot, kind, mode, holders, permits, owner, token"
@@ -191,6 +208,8 @@ class PermitStore(Store):
                 f"SELECT slot, kind, permits, owner, token, fence, expires_at, {now} "
                 f"FROM {t} WHERE lock_key = %(key)s"
             )
+            self._galera = False
+            self._plain = (self._acquire_sql, self._acquire_returning_sql, self._rows_sql)
             self._takeover_sql = (
                 f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s "
                 f"AND token = %(token)s AND expires_at <= {now}"
@@ -200,8 +219,8 @@ class PermitStore(Store):
 
     def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
         k = real_key(key)
-        n = self.permits_of[k]
-        slot = f"p{_index(key) % n}"
+        n, index = _size_index(key)
+        slot = f"p{index}"
         for _ in range(n + 2):
             grant = yield from self._insert_steps(k, slot, n, token=token, owner=owner, ttl=ttl)
             if grant is not None:
@@ -240,6 +259,16 @@ class PermitStore(Store):
         if base.returning is None:
             yield from base._capabilities_steps()
         params["ttl_us"] = round(ttl * 1e6)
+        if base.galera and not self._galera:
+            # As the exclusive lock's statements there (see dblock._store.mysql):
+            # never report rows of a run Galera rolled back and ran again.
+            from .._store.mysql import _GALERA_INSERT, _GALERA_READ
+
+            plain_insert, plain_returning, plain_read = self._plain  # idempotent: may race
+            self._acquire_sql = _GALERA_INSERT + plain_insert
+            self._acquire_returning_sql = _GALERA_INSERT + plain_returning
+            self._rows_sql = _GALERA_READ + plain_read
+            self._galera = True
         if base.returning:
             rows = (yield self._acquire_returning_sql, params, True, False).rows
             if not rows:
@@ -322,6 +351,14 @@ class PermitStore(Store):
     def waiter(self, key: str, since: float) -> Wait:
         return self.base.waiter(real_key(key), since)
 
+    def notify_key(self, key: str) -> str:
+        return real_key(key)
+
+    def listener(self) -> Any:
+        """The base store's LISTEN connection (PostgreSQL), for asyncio waiters."""
+        listener = getattr(self.base, "listener", None)
+        return listener() if listener is not None else None
+
     def is_missing_table(self, exc: BaseException) -> bool:
         return self.base.is_missing_table(exc)
 
@@ -355,7 +392,7 @@ class Semaphores:
 
     def _in_use(self, key: str, n: int) -> bool:
         registry = self.locker.registry
-        return any(registry.get(local_key(key, i)) is not None for i in range(n))
+        return any(registry.get(local_key(key, n, i)) is not None for i in range(n))
 
     def _guard_exclusive(self, key: str) -> None:
         n = self.store.permits_of.get(key)
@@ -399,70 +436,61 @@ class Semaphores:
     ) -> HeldPermit:
         self._size(key, n)
         try:
-            return self._acquire(key, n, blocking=blocking, timeout=timeout, ttl=ttl, opts=options)
-        except KindMismatch as exc:
-            raise KindMismatch(
-                key, requested=describe(SEMAPHORE, n), existing=exc.existing, where="in the table"
-            ) from None
-        except LockTimeout as exc:
-            raise LockTimeout(
-                key, timeout=exc.timeout, level=exc.level, holder=exc.holder
-            ) from None
-        except LockBusy as exc:
-            raise LockBusy(key, level=exc.level, holder=exc.holder) from None
-
-    def _acquire(
-        self,
-        key: str,
-        n: int,
-        *,
-        blocking: bool,
-        timeout: float | None,
-        ttl: float,
-        opts: LockOptions | None,
-    ) -> HeldPermit:
-        locker = self.locker
-        registry = locker.registry
-        me = current_owner()
-        # A local permit key nobody here holds or waits for: through level 1 at once.
-        for i in range(n):
-            sub = local_key(key, i)
-            if registry.get(sub) is None:
-                if blocking:  # (queues behind whoever took it an instant ago)
-                    return self._take(sub, blocking=True, timeout=timeout, ttl=ttl, opts=opts)
+            for sub in self.plan(key, n, blocking=blocking):
                 try:
-                    return self._take(sub, blocking=False, timeout=timeout, ttl=ttl, opts=opts)
-                except LockNotAcquired as exc:
+                    held = self.locker.acquire(
+                        sub, blocking=blocking, timeout=timeout, ttl=ttl, options=options
+                    )
+                except LockBusy as exc:
                     if exc.level == 2:
                         raise
-                    # Another thread claimed it an instant ago: try the next.
-        if not blocking:
+                    continue  # another thread claimed it an instant ago: the next
+                assert isinstance(held, HeldPermit)
+                return held
             raise LockBusy(key, level=1)
-        # All N local permit keys are in use here: queue on one held by someone else.
+        except (LockNotAcquired, KindMismatch) as exc:
+            raise self.renamed(exc, key, n) from None
+
+    def plan(self, key: str, n: int, *, blocking: bool) -> list[str]:
+        """The local permit keys to ask for, in turn, until one is granted.
+
+        A local permit key nobody here holds or waits for passes level 1 at
+        once: fail-fast, each such key in turn (none left: refused, no
+        SQL); waiting, the first (queueing behind whoever took it an instant
+        ago). When all N are in use here, a waiting request queues on one
+        held by another thread (taking turns among them)."""
+        registry = self.locker.registry
+        free = [
+            local_key(key, n, i) for i in range(n) if registry.get(local_key(key, n, i)) is None
+        ]
+        if not blocking or free:
+            return free[:1] if blocking else free
+        me = current_owner()
         others = [
             i
             for i in range(n)
-            if (e := registry.get(local_key(key, i))) is None or e.owner is not me
+            if (entry := registry.get(local_key(key, n, i))) is None or entry.owner is not me
         ]
         if not others:
-            raise LockBusy(key, level=1)  # this thread holds all N: waiting would never end
+            return []  # this thread holds all N: waiting would never end
         with self._lock:
             self._turn += 1
-            i = others[self._turn % len(others)]
-        return self._take(local_key(key, i), blocking=True, timeout=timeout, ttl=ttl, opts=opts)
+            return [local_key(key, n, others[self._turn % len(others)])]
 
-    def _take(
-        self,
-        sub: str,
-        *,
-        blocking: bool,
-        timeout: float | None,
-        ttl: float,
-        opts: LockOptions | None,
-    ) -> HeldPermit:
-        held = self.locker.acquire(sub, blocking=blocking, timeout=timeout, ttl=ttl, options=opts)
-        assert isinstance(held, HeldPermit)
-        return held
+    @staticmethod
+    def renamed(exc: LockNotAcquired | KindMismatch, key: str, n: int) -> Exception:
+        """The locker's error about a local permit key, about ``key`` instead."""
+        if isinstance(exc, KindMismatch):
+            if exc.key == key:
+                return exc
+            return KindMismatch(
+                key, requested=describe(SEMAPHORE, n), existing=exc.existing, where="in the table"
+            )
+        if isinstance(exc, LockTimeout):
+            return LockTimeout(key, timeout=exc.timeout, level=exc.level, holder=exc.holder)
+        if isinstance(exc, LockBusy):
+            return LockBusy(key, level=exc.level, holder=exc.holder)
+        return exc
 
     def close(self, timeout: float) -> None:
         self.locker.close(timeout)
