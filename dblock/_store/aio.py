@@ -10,16 +10,22 @@ blocking side, and the dialect's retry rule (MySQL's deadlock victims) applies.
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import sqlalchemy.exc as sa_exc
+from sqlalchemy import event
 from sqlalchemy.engine import URL
 
 from ..errors import BackendError, LockArgumentError
 from .base import Params, Result, Steps, Store, T
 
 __all__ = ["ASYNC_DRIVERS", "AsyncStore", "async_url"]
+
+log = logging.getLogger("dblock")
 
 #: dialect -> the asyncio driver dblock speaks it through, and its extra.
 ASYNC_DRIVERS: Mapping[str, tuple[str, str]] = {
@@ -69,6 +75,9 @@ class AsyncStore:
                 f"the asyncio driver for {backend} is not installed: "
                 f"pip install 'dblock[{extra}]' ({exc})"
             ) from exc
+        pool_events = self.engine.sync_engine
+        event.listen(pool_events, "connect", _born)
+        event.listen(pool_events, "checkout", _check_home)
 
     async def run(
         self, sql: str, params: Params, fetch: bool = False, lastrowid: bool = False
@@ -142,3 +151,78 @@ class AsyncStore:
 
     async def close(self) -> None:
         await self.engine.dispose()
+
+    def after_fork(self) -> None:
+        """In a forked child: never use, close or collect the parent's connections."""
+        _forsaken.append(self.engine.sync_engine.pool)  # see _forsaken
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every pooled connection without touching it (no I/O, no
+        loop needed): when the loops they belong to may be gone."""
+        self.engine.sync_engine.dispose(close=False)
+
+
+# -- where a pooled connection may be used ------------------------------------------
+#
+# An asyncio connection belongs to the process and, for most drivers, to the
+# event loop that opened it (aiomysql's streams, aiosqlite's thread). The pool
+# would hand it to whoever asks next: a forked child (whose statements would
+# interleave with the parent's on one socket, or wait forever for a thread
+# that did not survive the fork), or a new loop after ``asyncio.run`` returned
+# (Django's async views served under WSGI get a loop per request). At
+# checkout a parent's connection is dropped *without touching it* (closing it
+# would end the parent's server session), one of a closed loop is closed as
+# well as it can be, and the pool opens a new one. A few attribute reads per
+# checkout.
+
+_pid = os.getpid()
+
+# What a forked child dropped of its parent's, kept referenced until the child
+# exits: collected, a driver's connection would close its transport, and
+# unregistering its socket from the parent's event loop (an epoll instance
+# shared across the fork) would leave the parent's loop deaf to it.
+_forsaken: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _born(dbapi_connection: Any, record: Any) -> None:
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        record.info["dblock.home"] = (_pid, weakref.ref(loop))
+
+
+def _check_home(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    home = record.info.get("dblock.home")
+    if home is None:
+        return
+    pid, loop_ref = home
+    if pid != _pid:
+        # The parent's: dropped untouched (a close would end its session).
+        _forsaken.append(record.dbapi_connection)
+        record.dbapi_connection = proxy.dbapi_connection = None
+        raise sa_exc.DisconnectionError("an asyncio connection of the parent process")
+    loop = loop_ref()
+    if loop is asyncio._get_running_loop() or (loop is not None and not loop.is_closed()):
+        # Its own loop, or another loop still running (psycopg and aiosqlite
+        # connections serve any loop; a closed one serves none).
+        return
+    # Of a closed loop: closed here as best the driver can from this loop
+    # (psycopg and aiosqlite cleanly; aiomysql sends its QUIT, then fails to
+    # schedule on the dead loop, and its socket closes when collected), quietly,
+    # and the pool opens a new one.
+    dead = record.dbapi_connection
+    record.dbapi_connection = proxy.dbapi_connection = None
+    try:
+        dead.close()
+    except Exception as exc:
+        log.debug("dblock: closing a connection of a closed event loop: %r", exc)
+    raise sa_exc.DisconnectionError("an asyncio connection of a closed event loop")
