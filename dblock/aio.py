@@ -310,14 +310,11 @@ class AsyncHeldLock:
         the renewal thread's statement, awaited on the async engine."""
         lease = self.held.ttl if ttl is None else check_ttl(ttl)
         manager, held = self._manager, self.held
-        locker = manager._locker
-        if held._locker is not locker:
-            # A semaphore's permit: its own locker renews it (off the loop).
-            await asyncio.to_thread(held._locker.extend, held, lease)
-            return
+        locker = held._locker  # the exclusive lock's, or a semaphore's
         locker.check_extend(held)
         sent_at = time.monotonic()
         store = manager._astore
+        # Renewal matches (key, token) whatever the slot: the base store's statement.
         leases = await store.drive(store.store.renew_steps([(held.key, held.token, lease)]))
         locker.extended(held, leases, sent_at)
 

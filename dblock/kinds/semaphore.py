@@ -344,9 +344,9 @@ class PermitStore(Store):
     ) -> Steps[Grant | None]:
         raise NotImplementedError("permits are never handed over locally")
 
-    def renew(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+    def renew_steps(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
         # Renewal matches (key, token), whatever the slot: the base store's statement.
-        return self.base.renew([(real_key(k), t, ttl) for k, t, ttl in locks])
+        return self.base.renew_steps([(real_key(k), t, ttl) for k, t, ttl in locks])
 
     def waiter(self, key: str, since: float) -> Wait:
         return self.base.waiter(real_key(key), since)
