@@ -24,6 +24,7 @@ from .errors import (
     LockTimeout,
     ManagerClosed,
     SchemaMissing,
+    UpgradeRefused,
 )
 from .lock import HeldLock
 from .manager import LockManager, LockRequest
@@ -51,6 +52,7 @@ __all__ = [
     "LockTimeout",
     "ManagerClosed",
     "SchemaMissing",
+    "UpgradeRefused",
     "returns",
 ]
 

@@ -11,6 +11,8 @@
      │                            thread / task (also RuntimeError)
      ├── LockArgumentError        bad key or option, refused before any SQL (also ValueError)
      │    └── KindMismatch        a key used as another kind of lock (or semaphore size)
+     ├── UpgradeRefused           a read lock's holder asked for the write lock of its key
+     │                            (also RuntimeError)
      ├── BackendError             the database is unreachable or failed a statement
      ├── SchemaMissing            the lock table does not exist: run ``dblock migrate``
      ├── DowngradeRefused         a schema downgrade would drop live rows of other kinds
@@ -35,6 +37,7 @@ __all__ = [
     "LockTimeout",
     "ManagerClosed",
     "SchemaMissing",
+    "UpgradeRefused",
 ]
 
 
@@ -129,6 +132,15 @@ class KindMismatch(LockArgumentError):
         self.key = key
         self.requested = requested
         self.existing = existing
+
+
+class UpgradeRefused(DBLockError, RuntimeError):
+    """A holder of a key's read lock asked for its write lock. Two readers
+    upgrading at once would each wait for the other to leave, so dblock refuses
+    at once (no SQL) instead: release the read lock first, or take the write
+    lock from the start (a writer may take its own key's read lock)."""
+
+    __module__ = "dblock"
 
 
 class BackendError(DBLockError):

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/torture.py                 # PostgreSQL, MariaDB, SQLite; 60 s each
     .venv/bin/python scripts/torture.py --db sqlite --seconds 20 --json out.json
+    .venv/bin/python scripts/torture.py --kind rw       # the read-write lock instead
 
 Run from the repository root. Every database is a PRIVATE instance this
 script starts itself in a temporary directory on a free port (PostgreSQL via
@@ -72,6 +73,14 @@ two more run per key:
   another section of its key had started must have the larger fence, since
   its row was written after that one's (``fence decreased``).
 
+With ``--kind rw`` the workers take each key's read lock, or (a
+``--write-share`` of the time) its write lock. Sections record their mode;
+two read sections may overlap (that is the point), any overlap with a write
+section is judged as above. Fences: a write section's must be above every
+earlier section's of its key, a read section's above every earlier write
+section's (readers of one read phase are granted in some order, and readers
+of one process share their process's grant, and so its fence).
+
 With ``--kind fair`` the workers ask for exclusive locks with ``fair=True``
 (the fair queue). Besides the checks above, the grants that came out of the
 queue (those with a ticket), taken per key in the order they were made
@@ -138,7 +147,7 @@ LEDGER_DDL = (
     " token TEXT NOT NULL, pid INTEGER NOT NULL, thread TEXT NOT NULL,"
     " t_start REAL NOT NULL, lease_end REAL NOT NULL, wall_start REAL NOT NULL,"
     " t_end REAL, lease_end_at_end REAL, outcome TEXT, slot TEXT NOT NULL DEFAULT '',"
-    " t_asked REAL, ticket INTEGER)",
+    " t_asked REAL, mode TEXT NOT NULL DEFAULT 'exclusive', ticket INTEGER)",
     "CREATE TABLE IF NOT EXISTS stats ("
     " pid INTEGER, requests INTEGER, grants INTEGER, busy INTEGER, timeouts INTEGER,"
     " backend_errors INTEGER, lost INTEGER, release_failed INTEGER)",
@@ -172,11 +181,15 @@ def worker(spec: dict[str, Any]) -> None:
     keys = spec["keys"]
     deadline = spec["deadline"]
     permits = spec.get("permits")
-    fair = bool(spec.get("fair"))
+    rw = spec.get("kind") == "rw"
+    write_share = spec.get("write_share", 0.3)
 
-    def acquire(key: str, **options: Any) -> Any:
-        if fair:
+    def acquire(key: str, mode: str, **options: Any) -> Any:
+        if spec.get("kind") == "fair":
             return manager.acquire(key, fair=True, **options)
+        if rw:
+            request = manager.write_lock if mode == "write" else manager.read_lock
+            return request(key, **options).__enter__()
         if permits is None:
             return manager.acquire(key, **options)
         return manager.semaphore(key, permits=permits, **options).__enter__()
@@ -192,12 +205,15 @@ def worker(spec: dict[str, Any]) -> None:
         while time.monotonic() < deadline:
             key = rng.choice(keys)
             counts["requests"] += 1
+            mode = "exclusive"
+            if rw:
+                mode = "write" if rng.random() < write_share else "read"
             t_asked = time.monotonic()
             try:
                 if rng.random() < 0.7:
-                    held = acquire(key, timeout=rng.uniform(0.2, 2.0))
+                    held = acquire(key, mode, timeout=rng.uniform(0.2, 2.0))
                 else:
-                    held = acquire(key, blocking=False)
+                    held = acquire(key, mode, blocking=False)
             except (LockBusy, LockTimeout) as exc:
                 counts["busy" if isinstance(exc, LockBusy) else "timeouts"] += 1
                 time.sleep(rng.uniform(0.001, 0.01))
@@ -209,10 +225,11 @@ def worker(spec: dict[str, Any]) -> None:
             t_start = time.monotonic()
             lease_end = t_start + held.remaining
             row = ledger.execute(
-                "INSERT INTO sections (lock_key, fence, token, pid, thread, t_start, lease_end,"
-                " wall_start, slot, t_asked, ticket) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO sections (lock_key, fence, token, pid, thread, t_start,"
+                " lease_end, wall_start, slot, t_asked, mode, ticket)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (key, held.fence, held.token, pid, name, t_start, lease_end, time.time(),
-                 getattr(held, "slot", ""), t_asked, getattr(held, "ticket", None)),
+                 getattr(held, "slot", ""), t_asked, mode, getattr(held, "ticket", None)),
             ).lastrowid  # fmt: skip
             counts["grants"] += 1
             time.sleep(rng.uniform(0.001, 0.02))  # the work
@@ -353,7 +370,8 @@ class Run:
             "poll_max": self.args.poll_max,
             "deadline": self.deadline,
             "permits": self.args.permits if self.args.kind == "semaphore" else None,
-            "fair": self.args.kind == "fair",
+            "kind": self.args.kind,
+            "write_share": self.args.write_share,
         }
         log = open(self.run_dir / f"worker-{len(self.workers)}.log", "ab")  # noqa: SIM115
         self.workers.append(
@@ -510,6 +528,7 @@ class Section:
     token: str = ""
     slot: str = ""
     t_asked: float | None = None
+    mode: str = "exclusive"
     ticket: int | None = None  # fair mode: the queue ticket it was granted from
 
 
@@ -520,19 +539,31 @@ def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
         conn = sqlite3.connect(path)
         for row in conn.execute(
             "SELECT lock_key, fence, pid, t_start, lease_end, lease_end_at_end, t_end, outcome,"
-            " thread, token, slot, t_asked, ticket FROM sections"
+            " thread, token, slot, t_asked, mode, ticket FROM sections"
         ):
-            key, fence, pid, t0, lease, lease2, t1, outcome, thread, token, slot, asked, ticket = (
-                row
-            )
+            key, fence, pid, t0, lease, lease2, t1, outcome, thread, token, slot, asked, mode = row[
+                :13
+            ]
+            ticket = row[13]
             # A lease renewed during the section ends later; the later end counts.
             end_of_lease = max(lease, lease2) if lease2 is not None else lease
             sections.append(
                 Section(
-                    key, fence, pid, t0, end_of_lease, t1, outcome, thread, token, slot, asked,
+                    key,
+                    fence,
+                    pid,
+                    t0,
+                    end_of_lease,
+                    t1,
+                    outcome,
+                    thread,
+                    token,
+                    slot,
+                    asked,
+                    mode,
                     ticket,
                 )
-            )  # fmt: skip
+            )
         names = ("requests", "grants", "busy", "timeouts", "backend_errors", "lost",
                  "release_failed")  # fmt: skip
         for row in conn.execute(f"SELECT {', '.join(names)} FROM stats"):
@@ -675,7 +706,21 @@ def check(
     for key, group in by_row.items():
         group.sort(key=lambda s: s.t_start)
         valid = [s for s in group if s.t_start < valid_until(s) - EPSILON]
-        for x, y in itertools.pairwise(valid):
+        if any(s.mode != "exclusive" for s in group):
+            # Read-write: a write's fence is above every earlier section's, a
+            # read's above every earlier write's (see the module docstring).
+            top: Section | None = None
+            top_write: Section | None = None
+            for y in valid:
+                x = top_write if y.mode == "read" else top
+                if x is not None and y.fence <= x.fence:
+                    order_violations += 1
+                    report(ORDER_FENCE, key, x, y, None)
+                if top is None or y.fence > top.fence:
+                    top = y
+                if y.mode != "read" and (top_write is None or y.fence > top_write.fence):
+                    top_write = y
+        for x, y in itertools.pairwise(valid if group[0].mode == "exclusive" else ()):
             if y.fence <= x.fence:
                 order_violations += 1
                 report(ORDER_FENCE, key, x, y, None)
@@ -685,6 +730,8 @@ def check(
                 heapq.heappop(active)
             at = b.t_start  # the overlap begins here; validity only ends after it
             for _, _, a in active:
+                if a.mode == b.mode == "read":
+                    continue  # readers share the lock
                 a_valid = at < valid_until(a) - EPSILON
                 b_valid = at < valid_until(b) - EPSILON
                 if a_valid and b_valid:
@@ -794,6 +841,7 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
         f"Torture: {args.processes} processes × {args.threads} threads, {args.keys} hot keys"
         + (f" (semaphores of {args.permits} permits)" if semaphores else "")
+        + (" (read-write locks)" if getattr(args, "kind", "") == "rw" else "")
         + (" (fair=True)" if fair else "")
         + ", "
         f"{args.seconds:g} s per database, lease {args.ttl:g} s, poll cap {args.poll_max:g} s, "
@@ -889,10 +937,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument(
         "--kind",
-        choices=("exclusive", "semaphore", "fair"),
+        choices=("exclusive", "semaphore", "rw", "fair"),
         default="exclusive",
         help="lock kind (fair: exclusive locks with fair=True; the checker also wants the "
         "grants out of the queue in ticket order)",
+    )
+    parser.add_argument(
+        "--write-share", type=float, default=0.3, help="rw: share of write requests (0.3)"
     )
     parser.add_argument("--permits", type=int, default=3, help="semaphore permits (3)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")

@@ -221,6 +221,59 @@ def test_torture_run_on_a_cluster(topology: str, tmp_path: Path) -> None:
     assert "| " + topology + " |" in done.stdout
 
 
+@pytest.mark.slow
+def test_torture_run_rw(db: str, tmp_path: Path) -> None:
+    """The same run with the read-write lock (a third of the requests write)."""
+    out = tmp_path / "torture.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kind", "rw", "--db", db, *SHORT, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())[db]
+    assert result["overlaps_real"] == 0
+    assert result["fence_violations"] == 0
+    assert result["fence_order_violations"] == 0
+    assert result["sections_completed"] > 100
+    assert result["blocked_after_kill_max_s"] <= result["blocked_allowed_s"]
+    assert "(read-write locks)" in done.stdout
+
+
+def _rw_section(torture: ModuleType, mode: str, fence: int, pid: int, start: float,
+                end: float) -> object:  # fmt: skip
+    return torture.Section("k", fence, pid, start, start + 1.0, end, "released", mode=mode)
+
+
+def test_checker_rw_readers_may_overlap_a_writer_may_not() -> None:
+    t = _torture()
+    readers = [_rw_section(t, "read", 3, 10, 10.0, 10.5), _rw_section(t, "read", 4, 11, 10.1, 10.6)]
+    result = _check(t, readers)
+    assert result["overlaps_real"] == 0
+    assert result["ok"]
+    writer_inside = _rw_section(t, "write", 5, 12, 10.2, 10.3)
+    result = _check(t, [*readers, writer_inside])
+    assert result["overlaps_real"] == 2
+    assert not result["ok"]
+
+
+def test_checker_rw_fence_order() -> None:
+    t = _torture()
+    # Readers of one read phase may start in any fence order, or share one fence.
+    phase = [_rw_section(t, "read", 4, 10, 10.0, 10.5), _rw_section(t, "read", 3, 11, 10.1, 10.6),
+             _rw_section(t, "read", 4, 10, 10.2, 10.4)]  # fmt: skip
+    after = _rw_section(t, "write", 5, 12, 11.0, 11.1)
+    assert _check(t, [*phase, after])["ok"]
+    # A writer's fence must be above every earlier reader's, a reader's above the writer's.
+    low_writer = _rw_section(t, "write", 4, 12, 11.0, 11.1)
+    assert _check(t, [*phase, low_writer])["fence_order_violations"] == 1
+    low_reader = _rw_section(t, "read", 5, 13, 11.2, 11.3)
+    assert _check(t, [*phase, after, low_reader])["fence_order_violations"] == 1
+
+
 # -- semaphores (--kind semaphore) ---------------------------------------------
 
 
