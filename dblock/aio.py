@@ -278,7 +278,7 @@ async def _drive(  # noqa: PLR0912 - one branch per op
                     if wait is None or op[4:] != waiting_for:
                         if wait is not None:
                             wait.close()
-                        wait = _waiter(sync, op[1], op[3], *op[4:])
+                        wait = _waiter(sync, op[1], op[3], *op[4:5])
                         waiting_for = op[4:]
                     await wait.sleep(op[2])
                 elif tag is _SETTLE:

@@ -129,7 +129,8 @@ _RELEASE: Final = "release"  # (key, token): delete our row -> bool
 _TRANSFER: Final = "transfer"  # (key, token, new_token, owner, ttl) -> Grant | None
 _TURN: Final = "turn"  # (waiter, timeout): wait in the local queue -> the grant
 _SETTLE: Final = "settle"  # (waiter,): wait until its grant is filled in, whatever happens
-_WAIT: Final = "wait"  # (key, limit, since[, address]): wait for a release, at most limit seconds
+_WAIT: Final = "wait"  # (key, limit, since[, address, blocker]): wait for a release (a new
+# address or blocker: a fresh wait, so polling restarts at poll_initial), at most limit seconds
 _SLEEP: Final = "sleep"  # (seconds,)
 _CLEAN: Final = "clean"  # (): delete the rows of unconfirmed acquisitions
 _STEPS: Final = "steps"  # (steps,): run a store operation (Steps) -> its answer
@@ -611,7 +612,7 @@ class Locker:
                             if wait is not None:
                                 wait.close()
                             _refuse_on_event_loop(op[1])
-                            wait = store.waiter(op[1], op[3], *op[4:])
+                            wait = store.waiter(op[1], op[3], *op[4:5])
                             waiting_for = op[4:]
                         wait.sleep(op[2])
                         answer = None

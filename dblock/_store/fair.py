@@ -64,6 +64,9 @@ class Queued:
     #: Our own queue row's lease end and seconds left (PostgreSQL, whose
     #: release hands the head over with that lease): None if not read.
     lease: Grant | None = None
+    #: Nobody live queues before us: we wait for the holder alone (polling
+    #: dialects poll afresh from then on).
+    first: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -384,7 +387,7 @@ class _SQLiteFair(FairSQL):
         self._drop_queued_sql = f"DELETE FROM {t} WHERE {me}"
         # The last live waiter before ticket (or, without one, the holder).
         self._blocker_sql = (
-            f"SELECT owner, expires_at - {NOW}, kind FROM {t} WHERE lock_key = :key AND "
+            f"SELECT owner, expires_at - {NOW}, kind, slot FROM {t} WHERE lock_key = :key AND "
             f"(slot = '' OR ({_Q} AND expires_at > {NOW} AND fence < :ticket)) "
             f"ORDER BY slot DESC LIMIT 1"
         )
@@ -410,9 +413,9 @@ class _SQLiteFair(FairSQL):
         params["ticket"] = ticket
         found = (yield self._blocker_sql, params, True, False).rows
         if not found:
-            return Queued(ticket, None, 0.0)
+            return Queued(ticket, None, 0.0, first=True)
         _check_kind(key, found[0][2])
-        return Queued(ticket, found[0][0], found[0][1])
+        return Queued(ticket, found[0][0], found[0][1], first=found[0][3] == "")
 
     def turn_steps(
         self, key: str, token: str, ticket: int, owner: str, ttl: float
@@ -428,9 +431,9 @@ class _SQLiteFair(FairSQL):
             return DROPPED
         found = (yield self._blocker_sql, params, True, False).rows
         if not found:
-            return Queued(ticket, None, 0.0)
+            return Queued(ticket, None, 0.0, first=True)
         _check_kind(key, found[0][2])
-        return Queued(ticket, found[0][0], found[0][1])
+        return Queued(ticket, found[0][0], found[0][1], first=found[0][3] == "")
 
     def leave_steps(self, key: str, token: str) -> Steps[bool]:
         rows = (yield self._leave_sql, {"key": key, "token": token}, True, False).rows
@@ -485,7 +488,7 @@ class _MySQLFair(FairSQL):
         self._renew_sql = f"UPDATE {t} SET expires_at = {lease} WHERE {me} AND expires_at > {now}"
         self._drop_queued_sql = f"DELETE FROM {t} WHERE {me}"
         self._blocker_sql = (
-            f"SELECT owner, TIMESTAMPDIFF(MICROSECOND, {now}, expires_at), kind FROM {t} "
+            f"SELECT owner, TIMESTAMPDIFF(MICROSECOND, {now}, expires_at), kind, slot FROM {t} "
             f"WHERE lock_key = %(key)s AND "
             f"(slot = '' OR ({_Q} AND expires_at > {now} AND fence < %(ticket)s)) "
             f"ORDER BY slot <> '' DESC, fence DESC LIMIT 1"
@@ -549,9 +552,9 @@ class _MySQLFair(FairSQL):
         params["ticket"] = ticket
         found = (yield self._blocker_sql, params, True, False).rows
         if not found:
-            return Queued(ticket, None, 0.0)
+            return Queued(ticket, None, 0.0, first=True)
         _check_kind(params["key"], found[0][2])
-        return Queued(ticket, found[0][0], max(found[0][1] / 1e6, 0.0))
+        return Queued(ticket, found[0][0], max(found[0][1] / 1e6, 0.0), first=found[0][3] == "")
 
     def turn_steps(
         self, key: str, token: str, ticket: int, owner: str, ttl: float
@@ -569,8 +572,8 @@ class _MySQLFair(FairSQL):
             return got
         if not (yield self._renew_sql, params, False, False).rowcount:
             return DROPPED
-        if got is None:
-            return Queued(ticket, None, 0.0)
+        # (The head free or just taken over: the blocker read says whether a
+        # live waiter before us is due first, else to look again at once.)
         return (yield from self._blocker_steps(params, ticket))
 
     def leave_steps(self, key: str, token: str) -> Steps[bool]:

@@ -202,7 +202,10 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                 waiting = True
                 if watch is not None:
                     watch.waiting(2)
-            yield (_WAIT, key, limit, sent_at, address(ticket))
+            # Polling dialects poll afresh (from poll_initial) when whom we
+            # wait behind changes: the first waiter must notice a release soon.
+            blocker = None if store.can_notify else (result.owner, result.first)
+            yield (_WAIT, key, limit, sent_at, address(ticket), blocker)
             fence = sql.handed(address(ticket))
             if fence is not None and lease is not None:
                 # The holder's release handed us the head with our queue
