@@ -392,6 +392,12 @@ class _SQLiteFair(FairSQL):
             f"ORDER BY slot DESC LIMIT 1"
         )
         self._leave_sql = f"DELETE FROM {t} WHERE lock_key = :key AND token = :token RETURNING slot"
+        # The head, the live waiters before us, and our own row.
+        self._look_sql = (
+            f"SELECT slot, owner, expires_at - {NOW}, kind, token FROM {t} "
+            f"WHERE lock_key = :key AND (slot = '' OR ({_Q} AND fence <= :ticket "
+            f"AND (expires_at > {NOW} OR token = :token)))"
+        )
 
     def enter_steps(
         self, key: str, token: str, owner: str, ttl: float, *, enqueue: bool
@@ -423,17 +429,29 @@ class _SQLiteFair(FairSQL):
         from .sqlite import _grant
 
         params = {"key": key, "owner": owner, "token": token, "ttl": ttl, "ticket": ticket}
-        rows = (yield self._head_if_first_sql, params, True, False).rows
-        if rows:
-            yield self._drop_queued_sql, params, False, False
-            return _grant(rows[0])
-        if not (yield self._renew_sql, params, False, False).rowcount:
+        # Look first (a read: WAL readers never wait for the one writer), and
+        # write only to take the head or when our row's lease needs renewing.
+        rows = (yield self._look_sql, params, True, False).rows
+        mine = [r for r in rows if r[4] == token and r[0] != ""]
+        if not mine or mine[0][2] <= 0:
+            return DROPPED  # gone, or dead: never revived
+        ahead = [r for r in rows if r[0] != "" and r[4] != token]
+        head = [r for r in rows if r[0] == ""]
+        if not ahead and (not head or head[0][2] <= 0):
+            got = (yield self._head_if_first_sql, params, True, False).rows
+            if got:
+                yield self._drop_queued_sql, params, False, False
+                return _grant(got[0])
+        renew = mine[0][2] < ttl * 2 / 3
+        if renew and not (yield self._renew_sql, params, False, False).rowcount:
             return DROPPED
-        found = (yield self._blocker_sql, params, True, False).rows
-        if not found:
+        if ahead:
+            last = max(ahead, key=lambda r: r[0])
+            return Queued(ticket, last[1], last[2], first=False)
+        if not head:
             return Queued(ticket, None, 0.0, first=True)
-        _check_kind(key, found[0][2])
-        return Queued(ticket, found[0][0], found[0][1], first=found[0][3] == "")
+        _check_kind(key, head[0][3])
+        return Queued(ticket, head[0][1], max(head[0][2], 0.0), first=True)
 
     def leave_steps(self, key: str, token: str) -> Steps[bool]:
         rows = (yield self._leave_sql, {"key": key, "token": token}, True, False).rows
