@@ -12,8 +12,8 @@
 * event-loop lag: tasks contending on a few keys while a ticker task sleeps
   1 ms at a time; its overshoot is how long something kept the loop from it.
 
-Statements are counted with an engine listener on both engines of a manager
-(the async one sends the lock statements; the blocking one renews).
+Statements are counted by the async store (every statement it sends) and by
+an engine listener on the manager's blocking engine (renewals, orphans).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from .._store.aio import AsyncStore
 from ..aio import AsyncLockManager
 from ..errors import BackendError, LockBusy, LockTimeout
 from .counting import Counter, count_statements
@@ -79,31 +80,32 @@ class AsyncBench:
         self.loop.close()
 
 
-class _Both:
-    """Statements of both engines of a manager: the async one sends the lock
-    statements, the blocking one renews leases and deletes orphans."""
+class _Statements:
+    """Statements a manager sent: the lock statements, as counted by its
+    async store (a listener on the async engine would switch it to its
+    slower observed path), and what its blocking engine sent (renewals,
+    orphans), counted by a listener there."""
 
-    __slots__ = ("_counters",)
+    __slots__ = ("_base", "_other", "_store")
 
-    def __init__(self, *counters: Counter) -> None:
-        self._counters = counters
+    def __init__(self, store: AsyncStore, other: Counter) -> None:
+        self._store = store
+        self._other = other
+        self._base = store.statements
 
     @property
     def count(self) -> int:
-        return sum(c.count for c in self._counters)
+        return self._store.statements - self._base + self._other.count
 
     def reset(self) -> None:
-        for c in self._counters:
-            c.reset()
+        self._base = self._store.statements
+        self._other.reset()
 
 
 @contextlib.contextmanager
-def _counting(alocks: AsyncLockManager) -> Iterator[_Both]:
-    with (
-        count_statements(alocks._astore.engine.sync_engine) as counter,
-        count_statements(alocks.sync.engine) as other,
-    ):
-        yield _Both(counter, other)
+def _counting(alocks: AsyncLockManager) -> Iterator[_Statements]:
+    with count_statements(alocks.sync.engine) as other:
+        yield _Statements(alocks._astore, other)
 
 
 # -- uncontended -------------------------------------------------------------
@@ -317,13 +319,14 @@ def measure_async_level1(bench: Bench, loop: AsyncBench, ops: int) -> AsyncLevel
             with _counting(alocks) as counted:
                 refusal, refusal_with = await asyncio.create_task(other_task())
                 reentrant = await per_op(reenter)
+                statements = counted.count
             await held.release()
             return AsyncLevel1Result(
                 database=bench.database,
                 refusal_us=refusal,
                 refusal_with_us=refusal_with,
                 reentrant_with_us=reentrant,
-                statements=counted.count,
+                statements=statements,
             )
         finally:
             await alocks.close()

@@ -221,6 +221,7 @@ def _async(
 ) -> None:
     rng = random.Random(options.seed + 1)
     loop = AsyncBench()
+    usable: dict[str, Bench] = {}
     try:
         for db, bench in benches.items():
             if db == "galera":
@@ -239,14 +240,13 @@ def _async(
             finally:
                 close_all(contenders)
             if contenders:
+                usable[db] = bench
                 progress.stage(f"asyncio level 1, {db}")
                 results.async_level1.append(measure_async_level1(bench, loop, options.micro_ops))
             progress.advance(2.0)
     finally:
         loop.close()
-    for db, bench in benches.items():
-        if db == "galera":
-            continue
+    for db, bench in usable.items():
         for label, opts in (
             ("dblock asyncio", ()),
             ("asyncio, level 2 only", (("local_filter", False),)),
