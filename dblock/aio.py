@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -59,7 +58,7 @@ from .lock import (
     _noop,
 )
 from .manager import LockManager
-from .multi import order_keys
+from .multi import _TAKE, ManySteps, acquire_many_steps, order_keys
 from .registry import Entry, Waiter, current_owner
 
 if TYPE_CHECKING:
@@ -565,25 +564,23 @@ class AsyncLockManager:
         ttl: float,
         options: Any,
     ) -> AsyncHeldLocks:
-        # The rule of dblock.multi.acquire_many: one order, one overall
-        # timeout, and everything taken so far given back on failure.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        held: list[AsyncHeldLock] = []
+        # The rule of dblock.multi.acquire_many (one order, one overall
+        # timeout, everything taken so far given back on failure), driven here.
+        steps: ManySteps[AsyncHeldLock] = acquire_many_steps(keys, timeout)
         try:
-            for key in keys:
-                wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                held.append(await self._acquire(key, blocking, wait, ttl, options))
-        except BaseException as exc:
-            try:
-                await _release_all(held)
-            except LockLost:
-                log.exception("dblock: a lock was lost while giving up on %r", keys)
-            if isinstance(exc, LockTimeout) and timeout is not None:
-                raise LockTimeout(
-                    exc.key, timeout=timeout, level=exc.level, holder=exc.holder
-                ) from None
-            raise
-        return AsyncHeldLocks(held)
+            op = next(steps)
+            while True:
+                try:
+                    if op[0] is _TAKE:
+                        answer: object = await self._acquire(op[1], blocking, op[2], ttl, options)
+                    else:
+                        answer = await _release_all(op[1])
+                except BaseException as exc:
+                    op = steps.throw(exc)
+                else:
+                    op = steps.send(answer)
+        except StopIteration as stop:
+            return AsyncHeldLocks(stop.value)
 
     def locked(
         self,

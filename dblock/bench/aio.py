@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import os
 import time
 import uuid
@@ -434,6 +435,7 @@ class LagResult:
     # a CPU (Linux's schedstat): what the process itself kept the loop from.
     rest_p99_ms: float
     rest_max_ms: float
+    gc_max_ms: float  # the longest garbage collection in any process
     loop_cpu: float  # share of one core the loop's thread used, mean over processes
     max_concurrent: int  # most tasks inside one key at once in one process (must be 1)
     errors: int
@@ -465,6 +467,7 @@ def run_lag(spec: LagSpec) -> LagResult:
         lag_max_ms=max(lags, default=float("nan")) * 1e3,
         rest_p99_ms=percentile(rest, 99) * 1e3,
         rest_max_ms=max(rest, default=float("nan")) * 1e3,
+        gc_max_ms=max(p["gc_max"] for p in parts) * 1e3,
         loop_cpu=sum(p["cpu"] for p in parts) / len(parts),
         max_concurrent=max(p["max_concurrent"] for p in parts),
         errors=sum(p["errors"] for p in parts),
@@ -485,6 +488,29 @@ def _run_queue_clock() -> Callable[[], float]:
         return int(f.read().split()[1]) / 1e9
 
     return read
+
+
+async def _warm(alocks: AsyncLockManager, keys: tuple[str, ...]) -> None:
+    """The pool's connections and the statements, before the measurement."""
+    for key in keys:
+        async with alocks.lock(key):
+            pass
+
+
+class _GcPauses:
+    """A ``gc.callbacks`` entry: the longest collection seen."""
+
+    __slots__ = ("_began", "longest")
+
+    def __init__(self) -> None:
+        self._began = 0.0
+        self.longest = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = _perf()
+        else:
+            self.longest = max(self.longest, _perf() - self._began)
 
 
 def _my_share(spec: LagSpec, start: Start) -> int:
@@ -534,20 +560,21 @@ async def _lag_main(spec: LagSpec, keys: tuple[str, ...], start: Start) -> None:
                 errors += 1
                 await asyncio.sleep(0.01)
 
+    pauses = _GcPauses()
     with _counting(alocks) as counter:
-        for key in keys:  # warm: the pool's connections, and LISTEN on PostgreSQL
-            async with alocks.lock(key):
-                pass
+        await _warm(alocks, keys)
         start.ready.put(True)
         await asyncio.to_thread(start.go.wait)
         counter.reset()
         tick = asyncio.create_task(ticker())
+        gc.callbacks.append(pauses)
         began, cpu0 = _perf(), time.thread_time()
         workers = [asyncio.create_task(contend(keys[i % len(keys)])) for i in range(tasks)]
         await asyncio.sleep(spec.seconds)
         stop = True
         await asyncio.gather(*workers)
         elapsed, cpu = _perf() - began, time.thread_time() - cpu0
+        gc.callbacks.remove(pauses)
         await tick
         statements = counter.count
     await alocks.close()
@@ -555,6 +582,7 @@ async def _lag_main(spec: LagSpec, keys: tuple[str, ...], start: Start) -> None:
         {
             "lags": lags,
             "unexplained": unexplained,
+            "gc_max": pauses.longest,
             "grants": grants,
             "errors": errors,
             "statements": statements,

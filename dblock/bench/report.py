@@ -303,11 +303,11 @@ def _render_async(results: Results) -> list[str]:
         lines += _table(
             ["database", "processes × tasks", "keys", "grants/s", "SQL/grant", "ticks",
              "lag p50 ms", "lag p99 ms", "lag max ms", "without run queue p99 / max ms",
-             "loop CPU"],
+             "longest GC ms", "loop CPU"],
             ((g.database, f"{g.processes} × {g.tasks // g.processes}", g.keys,
               _f(g.grants_per_s), _f(g.statements_per_grant, 2), f"{g.ticks:,}",
               _f(g.lag_p50_ms, 2), _f(g.lag_p99_ms, 2), _f(g.lag_max_ms, 1),
-              f"{_f(g.rest_p99_ms, 2)} / {_f(g.rest_max_ms, 1)}",
+              f"{_f(g.rest_p99_ms, 2)} / {_f(g.rest_max_ms, 1)}", _f(g.gc_max_ms, 1),
               f"{g.loop_cpu * 100:.0f}%") for g in results.lag),
         )  # fmt: skip
         lines.append("")
