@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 __all__ = ["AsyncHeldLock", "AsyncHeldLocks", "AsyncLockManager", "AsyncLockRequest"]
 
 log = logging.getLogger("dblock")
+_running_loop = asyncio._get_running_loop
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -94,6 +95,11 @@ class AsyncWaiter(Waiter):
     def wake(self, grant: Any) -> None:
         self.grant = grant
         self.ready = True
+        if _running_loop() is self._loop:
+            # Handed over by a task of the same loop (the usual case): no
+            # self-pipe write and extra turn of the loop per hand-off.
+            self._resolve()
+            return
         # RuntimeError: the loop is closed, nobody waits any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._resolve)
