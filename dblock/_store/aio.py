@@ -6,22 +6,24 @@ engine: psycopg 3's async connection for PostgreSQL, aiomysql for
 MySQL/MariaDB, aiosqlite for SQLite. Errors are translated exactly as on the
 blocking side, and the dialect's retry rule (MySQL's deadlock victims) applies.
 
-On PostgreSQL, as on the blocking side's fast path, a statement goes straight
-to psycopg's ``AsyncConnection`` of a pooled connection kept checked out in a
-small LIFO stack: SQLAlchemy's per-statement machinery on an async engine (a
-greenlet switch, a Core ``Connection``, a result object and a task to close
-it, per statement) cost about 0.5 ms of CPU per lock cycle, three times what
-the driver itself costs, all of it on the event loop. Whenever anything
-listens for execution events on the engine, statements take the observed
-path (``exec_driver_sql``) so the listeners see every one of them.
+As on the blocking side's fast path, a statement goes straight to the
+driver's connection (psycopg's ``AsyncConnection``, aiomysql's, aiosqlite's)
+of a pooled connection kept checked out in a small LIFO stack: SQLAlchemy's
+per-statement machinery on an async engine (a greenlet switch, a Core
+``Connection``, a result object and a task to close it, per statement) cost
+about 0.5 ms of CPU per lock cycle on PostgreSQL, three times what the driver
+itself costs, all of it on the event loop. Whenever anything listens for
+execution events on the engine, statements take the observed path
+(``exec_driver_sql``) so the listeners see every one of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import sqlalchemy.exc as sa_exc
@@ -96,9 +98,9 @@ class AsyncStore:
         self._sync_engine = self.engine.sync_engine
         #: Statements sent (for the benchmark: exact on every path, and free).
         self.statements = 0
-        # The direct path: psycopg only (its AsyncConnection.execute takes
-        # the statements' own parameter style and runs on the calling loop).
-        self._direct = backend == "postgresql"
+        # The direct path: each driver's own calls (the statements are in
+        # the parameter style of the driver's blocking twin, which it shares).
+        self._direct = _EXECUTE[backend]
         self._error: type[Exception] = self._sync_engine.dialect.loaded_dbapi.Error
         self._idle: list[tuple[PoolProxiedConnection, float]] = []
         self._idle_loop: asyncio.AbstractEventLoop | None = None
@@ -123,11 +125,13 @@ class AsyncStore:
 
     async def _run_once(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
         self.statements += 1
-        if self._direct and not self._sync_engine._has_events:
-            return await self._direct_statement(sql, params, fetch)
+        if self._sync_engine._has_events:
+            statement = self._statement(sql, params, fetch, lastrowid)
+        else:
+            statement = self._direct_statement(sql, params, fetch, lastrowid)
         if not self._finish:
-            return await self._statement(sql, params, fetch, lastrowid)
-        inner = asyncio.ensure_future(self._statement(sql, params, fetch, lastrowid))
+            return await statement
+        inner = asyncio.ensure_future(statement)
         cancelled: asyncio.CancelledError | None = None
         while not inner.done():
             try:
@@ -168,12 +172,12 @@ class AsyncStore:
         except OSError as exc:  # a connect that failed below the driver
             raise translate(exc, sent=sent) from exc
 
-    async def _direct_statement(self, sql: str, params: Params, fetch: bool) -> Result:
+    async def _direct_statement(
+        self, sql: str, params: Params, fetch: bool, lastrowid: bool
+    ) -> Result:
         conn = await self._checkout()
         try:
-            cursor = await conn.driver_connection.execute(sql, params)  # type: ignore[union-attr]
-            rows = await cursor.fetchall() if fetch else ()
-            result = Result(rows, cursor.rowcount, None)
+            result = await self._direct(conn.driver_connection, sql, params, fetch, lastrowid)
         except self._error as exc:
             dialect = self._sync_engine.dialect
             interrupted = dialect.is_disconnect(exc, conn.dbapi_connection, None)  # type: ignore[arg-type]
@@ -245,6 +249,51 @@ class AsyncStore:
     async def close(self) -> None:
         await self._release_idle()
         await self.engine.dispose()
+
+
+async def _psycopg(conn: Any, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
+    cursor = await conn.execute(sql, params)
+    rows = await cursor.fetchall() if fetch else ()
+    return Result(rows, cursor.rowcount, None)
+
+
+@functools.cache
+def _quiet_cursor() -> type:
+    """aiomysql's cursor, without the ``SHOW WARNINGS`` round trip (and the
+    Python warning) it adds after every statement that had a warning, as a
+    duplicate key in ``INSERT IGNORE`` has (SQLAlchemy's adapter does the same)."""
+    import aiomysql
+
+    class QuietCursor(aiomysql.Cursor):  # type: ignore[misc]
+        async def _show_warnings(self, conn: Any) -> None:
+            pass
+
+    return QuietCursor
+
+
+async def _aiomysql(conn: Any, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
+    async with conn.cursor(_quiet_cursor()) as cursor:
+        await cursor.execute(sql, params)
+        rows = await cursor.fetchall() if fetch else ()
+        return Result(rows, cursor.rowcount, cursor.lastrowid if lastrowid else None)
+
+
+async def _aiosqlite(conn: Any, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
+    cursor = await conn.execute(sql, params)
+    try:
+        rows = await cursor.fetchall() if fetch else ()
+        return Result(rows, cursor.rowcount, cursor.lastrowid if lastrowid else None)
+    finally:
+        await cursor.close()
+
+
+_Execute = Callable[[Any, str, Params, bool, bool], Awaitable[Result]]
+_EXECUTE: Mapping[str, _Execute] = {
+    "postgresql": _psycopg,
+    "mysql": _aiomysql,
+    "mariadb": _aiomysql,
+    "sqlite": _aiosqlite,
+}
 
 
 async def _close(conn: PoolProxiedConnection) -> None:
