@@ -23,8 +23,11 @@ WARNING and a :class:`ResourceWarning`). Such a release runs on a worker
 thread, never inside the garbage collector's caller.
 
 The locked code's thread keeps the lock while it waits (an inner lock of the
-same key in the same transaction re-enters it, as before); the release itself
-may run on another thread (a server closing a response elsewhere).
+same key in the same transaction re-enters it, as before), but once a trigger
+exists the lock no longer ends with that thread: a worker thread that hands a
+streamed body to the server, or commits elsewhere, may end first, and renewal
+keeps the lock until the triggers fire. The release itself may run on another
+thread (a server closing a response elsewhere).
 """
 
 from __future__ import annotations
@@ -86,7 +89,15 @@ class Deferred:
             if self._pending <= 0:
                 raise RuntimeError(f"the release of {self._what!r} is no longer pending")
             self._pending += 1
+        # From now on the triggers, not the taking thread or task, decide when
+        # the lock ends: renewal must not release it when that owner ends.
+        for held in self._locks():
+            held._deferred = True
         return Trigger(self, dropped)
+
+    def _locks(self) -> list[HeldLock]:
+        held = self._held
+        return [held] if isinstance(held, HeldLock) else list(held.values())
 
     def finish(self, exc_type: type[BaseException] | None) -> None:
         """The exit path is done installing triggers. With none installed the

@@ -175,6 +175,7 @@ class HeldLock:
     __slots__ = (
         "__weakref__",
         "_acquired_mono",
+        "_deferred",
         "_entry",
         "_expires_mono",
         "_locker",
@@ -213,6 +214,9 @@ class HeldLock:
         self._owner = entry.owner
         self._released = False
         self._revoked = False  # released by dblock (owner gone, manager closed)
+        # Its release waits for a commit or a response (dblock.deferral): the
+        # taking thread or task may end first without abandoning it.
+        self._deferred = False
         ref = self._ref = _Ref(self, locker._collected)
         ref.entry = entry
         ref.key = entry.key

@@ -210,7 +210,7 @@ class Renewer:
             held = ref()
             if held is None:
                 continue  # collected: its release is posted as a job
-            if not owner_alive(held._owner):
+            if not held._deferred and not owner_alive(held._owner):
                 self._abandon(
                     held, f"its holder, {owner_name(held._owner)}, ended without releasing it"
                 )

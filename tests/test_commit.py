@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
-from dblock import LockArgumentError, LockBusy, LockManager
+from dblock import HeldLock, LockArgumentError, LockBusy, LockManager
 from dblock.deferral import Deferred, exit_deferring
 from tests.conftest import row_of
 from tests.support.db import private_database
@@ -194,6 +194,42 @@ def test_renewal_keeps_a_deferred_lock(manager: LockManager, key: str) -> None:
     assert not held.lost
     kept.pop()()  # type: ignore[operator]
     assert held.released
+
+
+def test_a_deferred_lock_outlives_the_thread_that_took_it(
+    manager: LockManager, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thread that took a lock ends before the commit or response its
+    release waits for (a worker thread handing a streamed body to the server):
+    the deferral owns the lock now, so renewal keeps it, no dead-owner release."""
+    kept: list[object] = []
+    taken: list[HeldLock] = []
+
+    def worker() -> None:
+        held = manager.acquire(key, ttl=0.3)
+        exit_deferring(held, lambda d, r: kept.append(d.trigger()), None, None)
+        taken.append(held)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert taken
+    held = taken[0]
+    # Three renewal passes after its thread ended (each pass also looks at owners).
+    for _ in range(3):
+        before = held.expires_at
+        deadline = time.monotonic() + 30
+        while held.expires_at == before and not held.released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not held.released, "released before its trigger fired"
+    assert not held.lost
+    with pytest.raises(LockBusy), manager.lock(key, blocking=False):
+        pass
+    kept.pop()()  # type: ignore[operator]
+    assert held.released
+    assert row_of(manager, key) is None
+    assert "ended without releasing" not in caplog.text
 
 
 def test_no_trigger_releases_at_exit_and_a_failing_hook_still_releases(

@@ -124,7 +124,7 @@ def test_fence_grows_per_key_when_holders_alternate_nodes(
 
 def test_fence_grows_across_keys_and_nodes(node_managers: list[LockManager]) -> None:
     """Any acquisition that starts after another one was granted, on any key
-    and any node, gets a larger fence (the README's promise). Galera hands out
+    and any node, gets a larger fence (docs/internals.md, Fencing). Galera hands out
     AUTO_INCREMENT per node (offset n, increment 3); without a causality wait
     a node that has not yet applied another node's insert can hand out a
     smaller value."""

@@ -1,6 +1,6 @@
 """dblock's pool: however small, lock statements queue for its connections
-and never starve on them (the sizing rule in the README's Flask and Django
-sections). And a pool that is used up (issue 9, item 11), say a borrowed
+and never starve on them (the sizing rule: docs/operations.md, "Connections
+per process"). And a pool that is used up (issue 9, item 11), say a borrowed
 engine the application holds every connection of: acquire says so with a
 ``BackendError`` naming the pool, within the request's own timeout, without
 the "may have committed" warning (nothing was sent); release logs and
