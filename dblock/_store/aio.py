@@ -27,10 +27,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import sqlalchemy.exc as sa_exc
+from sqlalchemy import event
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.util import greenlet_spawn
 
+from .._engine import _sqlite_pragmas
 from ..errors import BackendError, LockArgumentError
 from .base import IDLE_SECONDS, Params, Result, Steps, Store, T, _mark_unsent
 
@@ -96,6 +98,13 @@ class AsyncStore:
                 f"pip install 'dblock[{extra}]' ({exc})"
             ) from exc
         self._sync_engine = self.engine.sync_engine
+        # Per connection, as on the blocking engine: WAL and NORMAL sync on
+        # SQLite (without them every commit waits for an fsync, ~2 ms here),
+        # no prepared statements through a transaction-mode pooler.
+        if backend == "sqlite":
+            event.listen(self._sync_engine, "connect", _sqlite_pragmas)
+        elif backend == "postgresql" and store.config.pooler:
+            event.listen(self._sync_engine, "connect", _never_prepare_async)
         #: Statements sent (for the benchmark: exact on every path, and free).
         self.statements = 0
         # The direct path: each driver's own calls (the statements are in
@@ -249,6 +258,12 @@ class AsyncStore:
     async def close(self) -> None:
         await self._release_idle()
         await self.engine.dispose()
+
+
+def _never_prepare_async(dbapi_connection: Any, _record: Any) -> None:
+    """The blocking engine's rule (see ``dblock._engine``), on psycopg's
+    ``AsyncConnection`` under SQLAlchemy's adapter."""
+    getattr(dbapi_connection, "driver_connection", dbapi_connection).prepare_threshold = None
 
 
 async def _psycopg(conn: Any, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
