@@ -134,7 +134,9 @@ class AsyncStore:
 
     async def _run_once(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
         self.statements += 1
-        if self._sync_engine._has_events:
+        # SQLAlchemy's own test for "does anyone listen?" (as the blocking
+        # executor: if the attribute ever goes away, the observed path).
+        if getattr(self._sync_engine, "_has_events", True):
             statement = self._statement(sql, params, fetch, lastrowid)
         else:
             statement = self._direct_statement(sql, params, fetch, lastrowid)

@@ -251,14 +251,16 @@ _CYCLE_HEAD = (
 def _render_async(results: Results) -> list[str]:
     o = results.options
     lines: list[str] = []
-    if results.async_uncontended:
+    if results.async_uncontended or results.async_unavailable:
         lines += [
             f"**Asyncio: uncontended lock+unlock**, distinct keys, one task: {o['rounds']} "
             f"interleaved rounds of {o['block']} cycles per contender (a block is one turn "
             "of a shared event loop), as above.",
             "",
         ]
-        lines += _table(_CYCLE_HEAD, _cycle_rows(results.async_uncontended, ()))
+        lines += _table(
+            _CYCLE_HEAD, _cycle_rows(results.async_uncontended, results.async_unavailable)
+        )
         lines.append("")
     if results.async_level1:
         lines += [
@@ -344,39 +346,7 @@ def render_markdown(results: Results) -> str:
             "of the same round (median [p10–p90]); client CPU from `time.thread_time`.",
             "",
         ]
-        rows = []
-        for r in results.uncontended:
-            if r.error:
-                rows.append((r.database, r.name, f"failed: {r.error}", "", "", "", ""))
-                continue
-            ratio = f"{r.ratio[1]:.2f}× [{r.ratio[0]:.2f}–{r.ratio[2]:.2f}]" if r.ratio else "1"
-            if r.kind == "raw":
-                ratio = "1 (baseline)"
-            rows.append(
-                (
-                    r.database,
-                    r.name,
-                    f"{r.wall_us[1]:,.0f} [{r.wall_us[0]:,.0f}–{r.wall_us[2]:,.0f}]",
-                    f"{r.cpu_us[1]:,.0f}",
-                    ratio,
-                    _f(r.cpu_ratio, 2) + ("×" if r.cpu_ratio else ""),
-                    _f(r.ratio_plain, 2) + ("×" if r.ratio_plain else ""),
-                )
-            )
-        rows += [(u.database, u.name, f"not measured: {u.reason}", "", "", "", "")
-                 for u in results.unavailable]  # fmt: skip
-        lines += _table(
-            [
-                "database",
-                "contender",
-                "µs/cycle",
-                "client CPU µs",
-                "ratio to raw driver",
-                "CPU ratio",
-                "ratio to plain",
-            ],
-            rows,
-        )
+        lines += _table(_CYCLE_HEAD, _cycle_rows(results.uncontended, results.unavailable))
         lines.append("")
     if results.level1:
         lines += ["**Level 1**, in-process (median of 5 timed runs; no SQL may be sent)", ""]

@@ -66,6 +66,7 @@ class Results:
     handoff: list[HandoffResult] = dataclasses.field(default_factory=list)
     memory: list[MemoryResult] = dataclasses.field(default_factory=list)
     async_uncontended: list[CycleResult] = dataclasses.field(default_factory=list)
+    async_unavailable: list[Unavailable] = dataclasses.field(default_factory=list)
     async_level1: list[AsyncLevel1Result] = dataclasses.field(default_factory=list)
     async_hotkey: list[HotKeyResult] = dataclasses.field(default_factory=list)
     lag: list[LagResult] = dataclasses.field(default_factory=list)
@@ -228,7 +229,7 @@ def _async(
                 continue
             progress.stage(f"asyncio uncontended, {db}")
             contenders, missing = make_async_contenders(bench, loop)
-            results.unavailable += missing
+            results.async_unavailable += missing
             try:
                 results.async_uncontended += measure_interleaved(
                     contenders,
