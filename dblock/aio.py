@@ -27,6 +27,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -38,8 +41,10 @@ from . import decorators
 from ._store import Store
 from ._store.aio import AsyncStore
 from ._store.base import Backoff
+from .adeferral import aexit_deferring
 from .config import Config, OnLost, check_ttl
 from .decorators import KeySpec, OnBusy
+from .deferral import DeferHook
 from .errors import LockArgumentError, LockLost, LockTimeout
 from .lock import (
     _CLEAN,
@@ -57,7 +62,7 @@ from .lock import (
     Unset,
     _noop,
 )
-from .manager import LockManager
+from .manager import LockManager, _until_hook
 from .multi import _TAKE, ManySteps, acquire_many_steps, order_keys
 from .registry import Entry, Waiter, current_owner
 
@@ -295,11 +300,16 @@ class AsyncHeldLock:
         return await _drive(self._manager, self._manager._locker.release_steps(self.held, force))
 
     async def extend(self, ttl: float | None = None) -> None:
-        """Push the lease end to ``ttl`` seconds from now (database time)."""
-        # The renew statement is the renewal thread's (batched, several
-        # statements on MySQL); run it off the loop rather than block it.
+        """Push the lease end to ``ttl`` seconds from now (database time):
+        the renewal thread's statement, awaited on the async engine."""
         lease = self.held.ttl if ttl is None else check_ttl(ttl)
-        await asyncio.to_thread(self._manager._locker.extend, self.held, lease)
+        manager, held = self._manager, self.held
+        locker = manager._locker
+        locker.check_extend(held)
+        sent_at = time.monotonic()
+        store = manager._astore
+        leases = await store.drive(store.store.renew_steps([(held.key, held.token, lease)]))
+        locker.extended(held, leases, sent_at)
 
     async def __aenter__(self) -> Self:
         return self
@@ -378,13 +388,23 @@ H = TypeVar("H", AsyncHeldLock, AsyncHeldLocks)
 
 class AsyncLockRequest:
     """What ``AsyncLockManager.lock()`` and ``lock_many()`` return: checked
-    before any SQL, acquired on ``async with`` entry, released on exit."""
+    before any SQL, acquired on ``async with`` entry, released on exit (or,
+    with a ``defer`` hook such as ``until=session``, when the ends it names
+    are reached: see :mod:`dblock.adeferral`)."""
 
-    __slots__ = ("_acquire", "_held")
+    __slots__ = ("_acquire", "_defer", "_held")
 
-    def __init__(self, acquire: Callable[[], Awaitable[Any]]) -> None:
+    def __init__(
+        self, acquire: Callable[[], Awaitable[Any]], defer: DeferHook | None = None
+    ) -> None:
         self._acquire = acquire
+        self._defer = defer
         self._held: list[Any] = []
+
+    def deferred_by(self, defer: DeferHook) -> AsyncLockRequest:
+        """The same request, its release waiting for what ``defer`` installs
+        (for integrations; see :mod:`dblock.deferral`)."""
+        return AsyncLockRequest(self._acquire, defer)
 
     async def __aenter__(self) -> Any:
         held = await self._acquire()
@@ -398,7 +418,10 @@ class AsyncLockRequest:
         tb: TracebackType | None,
     ) -> None:
         held = self._held.pop()
-        await held.__aexit__(exc_type, exc, tb)
+        if self._defer is None:
+            await held.__aexit__(exc_type, exc, tb)
+        else:
+            await aexit_deferring(held, self._defer, None, exc_type)
 
 
 class AsyncLockManager:
@@ -435,6 +458,7 @@ class AsyncLockManager:
                 self.sync.close()
             raise
         self._locker: Locker = self.sync._locker
+        _amanagers.add(self)
 
     def __repr__(self) -> str:
         return f"<AsyncLockManager {self.sync.url} table={self.sync.config.table!r}>"
@@ -455,9 +479,14 @@ class AsyncLockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        until: object = None,
     ) -> AsyncLockRequest:
         """``async with alocks.lock(key) as held:`` — the options of
-        :meth:`dblock.LockManager.lock`, checked now, before any SQL."""
+        :meth:`dblock.LockManager.lock`, checked now, before any SQL.
+        ``until=session`` (a SQLAlchemy ``AsyncSession``, ``async_scoped_session``
+        or ``Session``) holds the lock past the block until that session's
+        open transaction ends (see :mod:`dblock.sessions`)."""
+        defer = _until_hook(until)
         checked = self.sync._check(
             key,
             blocking=blocking,
@@ -467,7 +496,7 @@ class AsyncLockManager:
             max_hold=max_hold,
             on_lost=on_lost,
         )
-        return AsyncLockRequest(lambda: self._acquire(*checked))
+        return AsyncLockRequest(lambda: self._acquire(*checked), defer)
 
     async def acquire(
         self,
@@ -525,9 +554,12 @@ class AsyncLockManager:
         renew: bool | None = None,
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
+        until: object = None,
     ) -> AsyncLockRequest:
         """``async with alocks.lock_many(keys) as held:`` — every key, taken
-        in one order (see :meth:`dblock.LockManager.lock_many`)."""
+        in one order (see :meth:`dblock.LockManager.lock_many`); ``until`` as
+        for :meth:`lock`."""
+        defer = _until_hook(until)
         _, blocking, wait, lease, opts = self.sync._check(
             "-",
             blocking=blocking,
@@ -538,7 +570,9 @@ class AsyncLockManager:
             on_lost=on_lost,
         )
         ordered = order_keys(keys)
-        return AsyncLockRequest(lambda: self._acquire_many(ordered, blocking, wait, lease, opts))
+        return AsyncLockRequest(
+            lambda: self._acquire_many(ordered, blocking, wait, lease, opts), defer
+        )
 
     async def acquire_many(
         self,
@@ -599,10 +633,12 @@ class AsyncLockManager:
         max_hold: float | None = None,
         on_lost: OnLost | None = None,
         on_busy: OnBusy = "raise",
+        until: object = None,
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
         """Decorate an ``async def`` function or method so each call holds
         the lock named by ``template`` (see :meth:`dblock.LockManager.locked`;
-        an ``on_busy`` handler may be sync or async)."""
+        an ``on_busy`` handler may be sync or async; ``until`` as for
+        :meth:`lock`, an ``async_scoped_session`` resolved at each exit)."""
         return decorators.alocked(
             lambda: self,
             template,
@@ -613,6 +649,7 @@ class AsyncLockManager:
             max_hold=max_hold,
             on_lost=on_lost,
             on_busy=on_busy,
+            defer=_until_hook(until),
         )
 
     # -- schema and shutdown -----------------------------------------------
@@ -622,6 +659,7 @@ class AsyncLockManager:
 
     async def close(self, timeout: float = 0.0) -> None:
         """Close the async engine, and the wrapped manager if this one made it."""
+        _amanagers.discard(self)
         await self._astore.close()
         if self._owns:
             await asyncio.to_thread(self.sync.close, timeout)
@@ -636,3 +674,17 @@ class AsyncLockManager:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+# After os.fork() the child's managers (the wrapped LockManager is reset by
+# its own hook) drop their async connections without touching them.
+_amanagers: weakref.WeakSet[AsyncLockManager] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for amanager in list(_amanagers):
+        amanager._astore.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

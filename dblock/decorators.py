@@ -177,9 +177,11 @@ def alocked(
     max_hold: float | None = None,
     on_lost: OnLost | None = None,
     on_busy: OnBusy = "raise",
+    defer: DeferHook | None = None,
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
     """:func:`locked` for coroutine functions (``async def``), on an
-    :class:`~dblock.AsyncLockManager`; ``on_busy`` may be a coroutine function."""
+    :class:`~dblock.AsyncLockManager`; ``on_busy`` may be a coroutine function.
+    ``defer`` as for :func:`locked` (see :mod:`dblock.adeferral`)."""
     options = _checked_options(
         blocking=blocking,
         timeout=timeout,
@@ -220,6 +222,10 @@ def alocked(
                 if inspect.isawaitable(result):
                     result = await result
                 return result  # type: ignore[no-any-return]
+            if defer is not None:
+                from .adeferral import acall_deferring
+
+                return await acall_deferring(held, defer, func, args, kwargs)
             async with held:
                 return await func(*args, **kwargs)
 

@@ -38,13 +38,13 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
-from ._store.base import never_sent
+from ._store.base import Lease, never_sent
 from .config import Config, OnLost, check_ttl
 from .errors import (
     BackendError,
@@ -914,12 +914,22 @@ class Locker:
                 self._leave(entry)
 
     def extend(self, held: HeldLock, ttl: float) -> None:
+        self.check_extend(held)
+        sent_at = _monotonic()
+        self.extended(held, self.store.renew([(held.key, held.token, ttl)]), sent_at)
+
+    def check_extend(self, held: HeldLock) -> None:
+        """Before ``extend()`` sends its statement (no SQL): the lock must be
+        held and not known to be lost."""
         if held._released:
-            self.release(held)  # raises the right error
+            self.release(held)  # raises the right error, without SQL
         if held._lost is not None:
             raise LockLost(held.key, held._lost)
-        sent_at = _monotonic()
-        lease = self.store.renew([(held.key, held.token, ttl)]).get(held.token)
+
+    def extended(self, held: HeldLock, leases: Mapping[str, Lease], sent_at: float) -> None:
+        """What the renew statement sent at ``sent_at`` answered for ``held``
+        (written once for ``HeldLock.extend`` and the awaited one)."""
+        lease = leases.get(held.token)
         if lease is None:
             self.renewer.lose(held, "its row was gone or held by another owner at extend()")
             raise LockLost(held.key, held._lost or "its row was gone or held by another owner")

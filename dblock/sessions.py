@@ -32,7 +32,12 @@ _DROPPED = (
 
 def session_hook(until: object) -> DeferHook:
     """The defer hook for ``until``: a :class:`~sqlalchemy.orm.Session` or a
-    :class:`~sqlalchemy.orm.scoped_session` (resolved at each exit)."""
+    :class:`~sqlalchemy.orm.scoped_session` (resolved at each exit), or their
+    asyncio forms, an ``AsyncSession`` or ``async_scoped_session`` (whose
+    transaction is their sync session's: the same events end it)."""
+    found = _async_session_hook(until)
+    if found is not None:
+        return found
     if isinstance(until, Session):
         session = until
         return lambda deferred, result: _defer(session, deferred, result)
@@ -47,8 +52,30 @@ def session_hook(until: object) -> DeferHook:
         return from_scope
     raise LockArgumentError(
         "until must be a SQLAlchemy Session or scoped_session (Flask-SQLAlchemy's "
-        f"db.session), got {until!r}"
+        f"db.session), or an AsyncSession or async_scoped_session, got {until!r}"
     )
+
+
+def _async_session_hook(until: object) -> DeferHook | None:
+    """The hook for an ``AsyncSession`` or ``async_scoped_session``; None for
+    anything else (and without SQLAlchemy's asyncio extension installed)."""
+    try:
+        from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session
+    except ImportError:  # pragma: no cover - no greenlet: no async sessions either
+        return None
+    if isinstance(until, AsyncSession):
+        session = until.sync_session
+        return lambda deferred, result: _defer(session, deferred, result)
+    if isinstance(until, async_scoped_session):
+        scoped = until
+
+        def from_scope(deferred: Deferred, result: Any) -> Any:
+            if not scoped.registry.has():
+                return result
+            return _defer(scoped().sync_session, deferred, result)
+
+        return from_scope
+    return None
 
 
 def _defer(session: Session, deferred: Deferred, result: Any) -> Any:

@@ -388,12 +388,19 @@ def test_middleware_leaves_other_errors_alone() -> None:
 
 
 @pytest.mark.django_db(transaction=False)
-def test_async_views_are_refused_at_decoration() -> None:
-    with pytest.raises(LockArgumentError, match="coroutine"):
+def test_async_views_get_the_async_decorator() -> None:
+    """(tests/test_django_async.py runs them.)"""
+
+    @dj.locked_view("user:{user_id}")
+    async def view(request: HttpRequest, user_id: int) -> None:
+        await asyncio.sleep(0)
+
+    assert asyncio.iscoroutinefunction(view)
+    with pytest.raises(LockArgumentError, match="generator function"):
 
         @dj.locked_view("user:{user_id}")
-        async def view(request: HttpRequest, user_id: int) -> None:
-            await asyncio.sleep(0)
+        def stream(request: HttpRequest, user_id: int) -> Iterator[int]:
+            yield 1
 
 
 @pytest.mark.django_db(transaction=False)

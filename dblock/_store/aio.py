@@ -22,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
+import os
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -37,6 +40,8 @@ from ..errors import BackendError, LockArgumentError
 from .base import IDLE_SECONDS, Params, Result, Steps, Store, T, _mark_unsent
 
 __all__ = ["ASYNC_DRIVERS", "AsyncStore", "async_url"]
+
+log = logging.getLogger("dblock")
 
 #: dialect -> the asyncio driver dblock speaks it through, and its extra.
 ASYNC_DRIVERS: Mapping[str, tuple[str, str]] = {
@@ -62,7 +67,6 @@ class AsyncStore:
         "_error",
         "_finish",
         "_idle",
-        "_idle_loop",
         "_max_idle",
         "_sync_engine",
         "engine",
@@ -97,6 +101,9 @@ class AsyncStore:
                 f"the asyncio driver for {backend} is not installed: "
                 f"pip install 'dblock[{extra}]' ({exc})"
             ) from exc
+        pool_events = self.engine.sync_engine
+        event.listen(pool_events, "connect", _born)
+        event.listen(pool_events, "checkout", _check_home)
         self._sync_engine = self.engine.sync_engine
         # Per connection, as on the blocking engine: WAL and NORMAL sync on
         # SQLite (without them every commit waits for an fsync, ~2 ms here),
@@ -111,8 +118,8 @@ class AsyncStore:
         # the parameter style of the driver's blocking twin, which it shares).
         self._direct = _EXECUTE[backend]
         self._error: type[Exception] = self._sync_engine.dialect.loaded_dbapi.Error
-        self._idle: list[tuple[PoolProxiedConnection, float]] = []
-        self._idle_loop: asyncio.AbstractEventLoop | None = None
+        # (connection, checked in at, its event loop), newest last
+        self._idle: list[tuple[PoolProxiedConnection, float, asyncio.AbstractEventLoop]] = []
         size = getattr(self._sync_engine.pool, "size", None)
         self._max_idle = size() if callable(size) else 4
 
@@ -209,16 +216,18 @@ class AsyncStore:
 
     async def _checkout(self) -> PoolProxiedConnection:
         loop = asyncio.get_running_loop()
-        if self._idle_loop is not loop:
-            # Another event loop's connections: back to the pool with them.
-            await self._release_idle()
-            self._idle_loop = loop
         idle = self._idle
         while idle:
-            conn, since = idle.pop()
-            if time.monotonic() - since < IDLE_SECONDS:
+            try:
+                conn, since, home = idle.pop()
+            except IndexError:  # a task of another thread's loop took the last one
+                break
+            if home is loop and time.monotonic() - since < IDLE_SECONDS:
                 return conn
-            await _close(conn)  # back to the pool, which recycles or pings it
+            # Another loop's (one manager may serve a loop per thread or one
+            # asyncio.run after another), or idle too long: back to the pool,
+            # whose checkout decides where it may serve, recycles or pings it.
+            await _close(conn)
         try:
             return await self.engine.raw_connection()
         except sa_exc.DBAPIError as exc:
@@ -231,7 +240,7 @@ class AsyncStore:
 
     def _checkin(self, conn: PoolProxiedConnection) -> None:
         if len(self._idle) < self._max_idle:
-            self._idle.append((conn, time.monotonic()))
+            self._idle.append((conn, time.monotonic(), asyncio.get_running_loop()))
         else:
             # Rare (more tasks in statements at once than the pool's size):
             # the pool's return runs driver calls, on a task of its own.
@@ -244,7 +253,7 @@ class AsyncStore:
 
     async def _release_idle(self) -> None:
         idle, self._idle = self._idle, []
-        for conn, _ in idle:
+        for conn, _, _ in idle:
             await _close(conn)
 
     async def drive(self, steps: Steps[T]) -> T:
@@ -260,6 +269,85 @@ class AsyncStore:
     async def close(self) -> None:
         await self._release_idle()
         await self.engine.dispose()
+
+    def after_fork(self) -> None:
+        """In a forked child: never use, close or collect the parent's connections."""
+        _forsaken.append(self.engine.sync_engine.pool)  # see _forsaken
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every pooled connection without touching it (no I/O, no
+        loop needed): when the loops they belong to may be gone."""
+        # The direct path's idle ones too: kept referenced, never collected
+        # (collected, a checked-out connection goes back through the pool).
+        _forsaken.append(self._idle)
+        self._idle = []
+        self.engine.sync_engine.dispose(close=False)
+
+
+# -- where a pooled connection may be used ------------------------------------------
+#
+# An asyncio connection belongs to the process and, for most drivers, to the
+# event loop that opened it (aiomysql's streams, aiosqlite's thread). The pool
+# would hand it to whoever asks next: a forked child (whose statements would
+# interleave with the parent's on one socket, or wait forever for a thread
+# that did not survive the fork), or a new loop after ``asyncio.run`` returned
+# (Django's async views served under WSGI get a loop per request). At
+# checkout a parent's connection is dropped *without touching it* (closing it
+# would end the parent's server session), one of a closed loop is closed as
+# well as it can be, and the pool opens a new one. A few attribute reads per
+# checkout.
+
+_pid = os.getpid()
+
+# What a forked child dropped of its parent's, kept referenced until the child
+# exits: collected, a driver's connection would close its transport, and
+# unregistering its socket from the parent's event loop (an epoll instance
+# shared across the fork) would leave the parent's loop deaf to it.
+_forsaken: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _born(dbapi_connection: Any, record: Any) -> None:
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        record.info["dblock.home"] = (_pid, weakref.ref(loop))
+
+
+def _check_home(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    home = record.info.get("dblock.home")
+    if home is None:
+        return
+    pid, loop_ref = home
+    if pid != _pid:
+        # The parent's: dropped untouched (a close would end its session).
+        _forsaken.append(record.dbapi_connection)
+        record.dbapi_connection = proxy.dbapi_connection = None
+        raise sa_exc.DisconnectionError("an asyncio connection of the parent process")
+    loop = loop_ref()
+    if loop is asyncio._get_running_loop() or (loop is not None and not loop.is_closed()):
+        # Its own loop, or another loop still running (psycopg and aiosqlite
+        # connections serve any loop; a closed one serves none).
+        return
+    # Of a closed loop: closed here as best the driver can from this loop
+    # (psycopg and aiosqlite cleanly; aiomysql sends its QUIT, then fails to
+    # schedule on the dead loop, and its socket closes when collected), quietly,
+    # and the pool opens a new one.
+    dead = record.dbapi_connection
+    record.dbapi_connection = proxy.dbapi_connection = None
+    try:
+        dead.close()
+    except Exception as exc:
+        log.debug("dblock: closing a connection of a closed event loop: %r", exc)
+    raise sa_exc.DisconnectionError("an asyncio connection of a closed event loop")
 
 
 def _never_prepare_async(dbapi_connection: Any, _record: Any) -> None:

@@ -499,12 +499,16 @@ class Store:
         """Extend each ``(key, token, ttl)`` whose row is still ours, in as few
         statements as the dialect allows; returns the new lease per token.
         A token missing from the result was not ours any more."""
+        return self.drive(self.renew_steps(locks))
+
+    def renew_steps(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
+        """:meth:`renew`, written once for blocking and async connections."""
         leases: dict[str, Lease] = {}
         for start in range(0, len(locks), RENEW_CHUNK):
-            leases.update(self._renew_chunk(locks[start : start + RENEW_CHUNK]))
+            leases.update((yield from self._renew_chunk(locks[start : start + RENEW_CHUNK])))
         return leases
 
-    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
         raise NotImplementedError
 
     def waiter(self, key: str, since: float) -> Wait:

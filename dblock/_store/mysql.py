@@ -191,7 +191,7 @@ class MySQLStore(Store):
     def release_steps(self, key: str, token: str) -> Steps[bool]:
         return (yield self._release_sql, {"key": key, "token": token}, False, False).rowcount > 0
 
-    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
         # No UPDATE ... RETURNING here: one UPDATE joined to the batch, then
         # one SELECT (by primary key) to see which rows carry our tokens.
         params: dict[str, object] = {}
@@ -200,18 +200,15 @@ class MySQLStore(Store):
             params[f"k{i}"], params[f"t{i}"], params[f"l{i}"] = key, token, round(ttl * 1e6)
             rows_sql.append(f"SELECT %(k{i})s AS lock_key, %(t{i})s AS token, %(l{i})s AS ttl_us")
         now = "UTC_TIMESTAMP(6)"
-        self.run(
+        update = (
             f"UPDATE {self._t} AS t JOIN ({' UNION ALL '.join(rows_sql)}) AS v "
             f"ON t.lock_key = v.lock_key AND t.token = v.token "
-            f"SET t.expires_at = {now} + INTERVAL v.ttl_us MICROSECOND",
-            params,
+            f"SET t.expires_at = {now} + INTERVAL v.ttl_us MICROSECOND"
         )
+        yield update, params, False, False
         keys = ", ".join(f"%(k{i})s" for i in range(len(locks)))
-        rows = self.run(
-            f"SELECT token, expires_at, {now} FROM {self._t} WHERE lock_key IN ({keys})",
-            params,
-            fetch=True,
-        ).rows
+        select = f"SELECT token, expires_at, {now} FROM {self._t} WHERE lock_key IN ({keys})"
+        rows = (yield select, params, True, False).rows
         ours = {token for _, token, _ in locks}
         return {
             token: Lease(expires_at.replace(tzinfo=_UTC), (expires_at - now).total_seconds())

@@ -124,13 +124,10 @@ class PostgresStore(Store):
         fence, expires_at, now = rows[0]
         return Grant(fence, expires_at, (expires_at - now).total_seconds())
 
-    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
         keys, tokens, ttls = zip(*locks, strict=True)
-        rows = self.run(
-            self._renew_sql,
-            {"keys": list(keys), "tokens": list(tokens), "ttls": list(ttls)},
-            fetch=True,
-        ).rows
+        params = {"keys": list(keys), "tokens": list(tokens), "ttls": list(ttls)}
+        rows = (yield self._renew_sql, params, True, False).rows
         return {
             token: Lease(expires_at, (expires_at - now).total_seconds())
             for token, expires_at, now in rows

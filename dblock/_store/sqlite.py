@@ -84,20 +84,19 @@ class SQLiteStore(Store):
         rows = (yield self._transfer_sql, params, True, False).rows
         return _grant(rows[0]) if rows else None
 
-    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+    def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
         params: dict[str, object] = {}
         values = []
         for i, (key, token, ttl) in enumerate(locks):
             params[f"k{i}"], params[f"t{i}"], params[f"l{i}"] = key, token, ttl
             values.append(f"(:k{i}, :t{i}, :l{i})")
-        rows = self.run(
+        sql = (
             f"UPDATE {self._t} SET expires_at = {NOW} + v.column3 "
             f"FROM (VALUES {', '.join(values)}) AS v "
             f"WHERE {self._t}.lock_key = v.column1 AND {self._t}.token = v.column2 "
-            f"RETURNING token, expires_at, {NOW}",
-            params,
-            fetch=True,
-        ).rows
+            f"RETURNING token, expires_at, {NOW}"
+        )
+        rows = (yield sql, params, True, False).rows
         return {
             token: Lease(datetime.fromtimestamp(expires_at, _UTC), expires_at - now - _CLOCK_STEP)
             for token, expires_at, now in rows

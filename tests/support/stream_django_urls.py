@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.db import transaction
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.urls import path
 
@@ -28,3 +29,12 @@ urlpatterns = [
     path("stream/<str:key>", streamed),
     path("stream-async/<str:key>", streamed_async),
 ]
+
+
+@transaction.non_atomic_requests  # Django refuses ATOMIC_REQUESTS for async views
+@locked_view("{key}", blocking=False)
+async def streamed_by_async_view(request: HttpRequest, key: str) -> StreamingHttpResponse:
+    return StreamingHttpResponse(async_body(key), content_type="text/plain")
+
+
+urlpatterns.append(path("async-view-stream/<str:key>", streamed_by_async_view))

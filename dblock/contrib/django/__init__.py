@@ -12,6 +12,9 @@
     @locked_view("user:{user_id}", blocking=False)   # a view: 409 on busy
     def statement(request, user_id): ...
 
+    @locked_view("user:{user_id}", blocking=False)   # async views too
+    async def summary(request, user_id): ...
+
 Settings are the ``DBLOCK`` dict: every :class:`~dblock.Config` field under
 its upper-case name (``TABLE``, ``TTL``, ``TIMEOUT``, ...), plus ``URL``,
 ``ENGINE_OPTIONS`` (for dblock's own engine and pool; checked at start-up),
@@ -27,6 +30,12 @@ back; a view's lock whose response is streamed (``StreamingHttpResponse``,
 ``FileResponse``) is held until the body has been sent and the response
 closed.
 
+``locked`` and ``locked_view`` decorate ``async def`` functions and views as
+well (same options, same busy response): their locks are taken through an
+:class:`~dblock.AsyncLockManager` (:func:`get_async_manager`) that shares the
+process's level 1 with the synchronous views' threads, and ``alock`` /
+``alock_many`` are ``lock`` / ``lock_many`` for ``async with``.
+
 ``manage.py migrate`` creates the lock table (the schema of dblock's alembic
 revision); ``dblock_list``, ``dblock_sweep`` and ``dblock_release --force``
 are management commands; the admin shows held locks read-only with a
@@ -36,9 +45,10 @@ answers 409 for a busy lock raised anywhere in a view.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ... import decorators
 from ...decorators import KeySpec, OnBusy
@@ -47,13 +57,27 @@ from ...lock import UNSET, HeldLock, Unset
 from ...manager import LockManager, LockRequest
 from ...multi import HeldLocks
 
-__all__ = ["get_manager", "lock", "lock_many", "locked", "locked_view", "reset_manager"]
+if TYPE_CHECKING:
+    from ...aio import AsyncLockManager, AsyncLockRequest
+
+__all__ = [
+    "alock",
+    "alock_many",
+    "get_async_manager",
+    "get_manager",
+    "lock",
+    "lock_many",
+    "locked",
+    "locked_view",
+    "reset_manager",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 _lock = threading.Lock()
 _manager: LockManager | None = None
+_amanager: AsyncLockManager | None = None
 
 
 def get_manager() -> LockManager:
@@ -69,17 +93,51 @@ def get_manager() -> LockManager:
     return manager
 
 
+def get_async_manager() -> AsyncLockManager:
+    """The process's :class:`~dblock.AsyncLockManager` for async views and
+    functions: it wraps :func:`get_manager`'s manager, so threads and tasks
+    of the process share one level 1 (and one table, one renewal thread)."""
+    global _amanager
+    manager = get_manager()
+    amanager = _amanager
+    if amanager is None or amanager.sync is not manager:
+        from ...aio import AsyncLockManager
+
+        with _lock:
+            if _amanager is None or _amanager.sync is not manager:
+                _amanager = AsyncLockManager(manager)
+            amanager = _amanager
+    return amanager
+
+
 def reset_manager() -> None:
     """Close the manager; the next lock makes a new one from the settings
     (done automatically when ``DBLOCK`` or ``DATABASES`` change in tests)."""
-    global _manager
+    global _manager, _amanager
     with _lock:
         manager, _manager = _manager, None
+        amanager, _amanager = _amanager, None
+    if amanager is not None:
+        _close_async(amanager)
     if manager is not None:
         from .apps import stop_sweeper
 
         stop_sweeper()
         manager.close()
+
+
+def _close_async(amanager: AsyncLockManager) -> None:
+    """Close the async manager's connections from sync code: on a loop of
+    our own when this thread runs none, else drop them untouched."""
+    import asyncio
+
+    if asyncio._get_running_loop() is not None:
+        amanager._astore.forget()
+        return
+    try:
+        asyncio.run(amanager._astore.close())
+    except Exception:  # a connection of a dead loop that cannot close: let it go
+        amanager._astore.forget()
 
 
 def _make_manager() -> LockManager:
@@ -99,16 +157,40 @@ def locked(
     on_busy: OnBusy = "raise",
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """``LockManager.locked`` on the project's manager (looked up per call,
-    so it can decorate at import time)."""
-    return decorators.locked(
-        get_manager,
-        template,
-        blocking=blocking,
-        timeout=timeout,
-        ttl=ttl,
-        on_busy=on_busy,
-        defer=defer_release,
+    so it can decorate at import time); on an ``async def`` function,
+    ``AsyncLockManager.locked`` on :func:`get_async_manager`."""
+    return _either(
+        decorators.locked(
+            get_manager,
+            template,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            on_busy=on_busy,
+            defer=defer_release,
+        ),
+        decorators.alocked(
+            get_async_manager,
+            template,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            on_busy=on_busy,
+            defer=defer_release,
+        ),
     )
+
+
+def _either(sync: Callable[[Any], Any], asyn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The decorator for what it is applied to: ``asyn`` for coroutine
+    functions (``async def``), ``sync`` for everything else (which refuses
+    what it cannot lock, as ``LockManager.locked`` does)."""
+
+    def decorate(func: Any) -> Any:
+        inner = func.__func__ if isinstance(func, (classmethod, staticmethod)) else func
+        return (asyn if inspect.iscoroutinefunction(inner) else sync)(func)
+
+    return decorate
 
 
 def locked_view(
@@ -118,23 +200,35 @@ def locked_view(
     timeout: float | Unset | None = UNSET,
     ttl: float | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Like :func:`locked` for a view: the template names the view's
-    arguments (``"user:{user_id}"``, ``"user:{request.user.pk}"``), and a
-    busy lock answers 409 (``DBLOCK["BUSY_STATUS"]``) instead of raising."""
+    """Like :func:`locked` for a view (sync or ``async def``): the template
+    names the view's arguments (``"user:{user_id}"``,
+    ``"user:{request.user.pk}"``), and a busy lock answers 409
+    (``DBLOCK["BUSY_STATUS"]``) instead of raising."""
 
     def busy(error: Any, *args: Any, **kwargs: Any) -> Any:
         from .views import busy_response, find_request
 
         return busy_response(find_request(args), error)
 
-    return decorators.locked(
-        get_manager,
-        template,
-        blocking=blocking,
-        timeout=timeout,
-        ttl=ttl,
-        on_busy=busy,
-        defer=defer_release,
+    return _either(
+        decorators.locked(
+            get_manager,
+            template,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            on_busy=busy,
+            defer=defer_release,
+        ),
+        decorators.alocked(
+            get_async_manager,
+            template,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            on_busy=busy,
+            defer=defer_release,
+        ),
     )
 
 
@@ -169,6 +263,36 @@ def lock_many(
     )
 
 
+def alock(
+    key: str,
+    *,
+    blocking: bool = True,
+    timeout: float | Unset | None = UNSET,
+    ttl: float | None = None,
+) -> AsyncLockRequest:
+    """:func:`lock` for async code: ``async with alock("user:42"):``."""
+    return (
+        get_async_manager()
+        .lock(key, blocking=blocking, timeout=timeout, ttl=ttl)
+        .deferred_by(defer_release)
+    )
+
+
+def alock_many(
+    keys: Iterable[str],
+    *,
+    blocking: bool = True,
+    timeout: float | Unset | None = UNSET,
+    ttl: float | None = None,
+) -> AsyncLockRequest:
+    """:func:`lock_many` for async code."""
+    return (
+        get_async_manager()
+        .lock_many(keys, blocking=blocking, timeout=timeout, ttl=ttl)
+        .deferred_by(defer_release)
+    )
+
+
 _NEVER_CLOSED = (
     "its streamed response was garbage-collected without being closed (a server that "
     "never calls close() on the response)"
@@ -177,7 +301,9 @@ _NEVER_CLOSED = (
 
 def defer_release(deferred: Deferred, result: Any) -> Any:
     """Hold the lock until every open transaction of this thread's database
-    connections has ended, and until a streamed response is closed."""
+    connections has ended, and until a streamed response is closed. (An
+    async view's ORM work runs on other threads, in transactions that end
+    before it returns: Django refuses ``ATOMIC_REQUESTS`` for async views.)"""
     from django.db import connections
     from django.http.response import HttpResponseBase
 
