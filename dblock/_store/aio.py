@@ -273,15 +273,19 @@ class AsyncStore:
     def after_fork(self) -> None:
         """In a forked child: never use, close or collect the parent's connections."""
         _forsaken.append(self.engine.sync_engine.pool)  # see _forsaken
-        self.forget()
+        _forsaken.append(self._idle)  # the direct path's, checked out of it
+        self._idle = []
+        self.engine.sync_engine.dispose(close=False)
 
     def forget(self) -> None:
         """Drop every pooled connection without touching it (no I/O, no
         loop needed): when the loops they belong to may be gone."""
-        # The direct path's idle ones too: kept referenced, never collected
-        # (collected, a checked-out connection goes back through the pool).
-        _forsaken.append(self._idle)
-        self._idle = []
+        idle, self._idle = self._idle, []
+        for conn, _, _ in idle:
+            # Back into the pool first (no driver call: the pool resets
+            # nothing on return), so that the pool drops them with the rest.
+            with contextlib.suppress(Exception):
+                conn.close()
         self.engine.sync_engine.dispose(close=False)
 
 
