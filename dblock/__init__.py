@@ -14,6 +14,8 @@ from .decorators import returns
 from .errors import (
     BackendError,
     DBLockError,
+    DowngradeRefused,
+    KindMismatch,
     LockArgumentError,
     LockBusy,
     LockLost,
@@ -22,6 +24,7 @@ from .errors import (
     LockTimeout,
     ManagerClosed,
     SchemaMissing,
+    UpgradeRefused,
 )
 from .lock import HeldLock
 from .manager import LockManager, LockRequest
@@ -35,8 +38,10 @@ __all__ = [
     "BackendError",
     "Config",
     "DBLockError",
+    "DowngradeRefused",
     "HeldLock",
     "HeldLocks",
+    "KindMismatch",
     "LockArgumentError",
     "LockBusy",
     "LockLost",
@@ -47,6 +52,7 @@ __all__ = [
     "LockTimeout",
     "ManagerClosed",
     "SchemaMissing",
+    "UpgradeRefused",
     "returns",
 ]
 

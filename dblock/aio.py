@@ -45,7 +45,14 @@ from .adeferral import aexit_deferring
 from .config import Config, OnLost, check_ttl
 from .decorators import KeySpec, OnBusy
 from .deferral import DeferHook
-from .errors import LockArgumentError, LockLost, LockTimeout
+from .errors import (
+    KindMismatch,
+    LockArgumentError,
+    LockBusy,
+    LockLost,
+    LockNotAcquired,
+    LockTimeout,
+)
 from .lock import (
     _CLEAN,
     _RELEASE,
@@ -221,6 +228,7 @@ class _Notified:
 
 def _waiter(store: Store, key: str, since: float) -> _Backoff | _Notified:
     config = store.config
+    key = store.notify_key(key)
     listener = getattr(store, "listener", None)
     found = listener() if listener is not None else None
     if found is None:
@@ -228,12 +236,15 @@ def _waiter(store: Store, key: str, since: float) -> _Backoff | _Notified:
     return _Notified(found, key, since, config)
 
 
-async def _drive(manager: AsyncLockManager, steps: Op[T]) -> T:  # noqa: PLR0912 - one branch per op
+async def _drive(  # noqa: PLR0912 - one branch per op
+    manager: AsyncLockManager, steps: Op[T], locker: Locker | None = None
+) -> T:
     """Carry out a lock operation's ops with asyncio (the blocking side's
-    driver is :meth:`dblock.lock.Locker.run`)."""
+    driver is :meth:`dblock.lock.Locker.run`), for ``locker`` (default: the
+    exclusive lock's; a semaphore's has a store of its own)."""
     store = manager._astore
-    sync = store.store
-    locker = manager._locker
+    locker = locker or manager._locker
+    sync = locker.store
     wait: _Backoff | _Notified | None = None
     try:
         op = next(steps)
@@ -297,17 +308,19 @@ class AsyncHeldLock:
         self.held.check()
 
     async def release(self, *, force: bool = False) -> bool:
-        return await _drive(self._manager, self._manager._locker.release_steps(self.held, force))
+        locker = self.held._locker  # the exclusive lock's, or a semaphore's
+        return await _drive(self._manager, locker.release_steps(self.held, force), locker)
 
     async def extend(self, ttl: float | None = None) -> None:
         """Push the lease end to ``ttl`` seconds from now (database time):
         the renewal thread's statement, awaited on the async engine."""
         lease = self.held.ttl if ttl is None else check_ttl(ttl)
         manager, held = self._manager, self.held
-        locker = manager._locker
+        locker = held._locker  # the exclusive lock's, or a semaphore's
         locker.check_extend(held)
         sent_at = time.monotonic()
         store = manager._astore
+        # Renewal matches (key, token) whatever the slot: the base store's statement.
         leases = await store.drive(store.store.renew_steps([(held.key, held.token, lease)]))
         locker.extended(held, leases, sent_at)
 
@@ -543,6 +556,69 @@ class AsyncLockManager:
             waiter_type=AsyncWaiter,
         )
         return AsyncHeldLock(self, await _drive(self, steps))
+
+    def semaphore(
+        self,
+        key: str,
+        *,
+        permits: int,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> AsyncLockRequest:
+        """``async with alocks.semaphore(key, permits=N) as permit:`` — a
+        permit of :meth:`dblock.LockManager.semaphore`'s semaphore (the same
+        options, checked now; tasks and threads of the process share its N
+        local permits)."""
+        from .kinds.semaphore import check_permits
+
+        n = check_permits(permits)
+        checked = self.sync._check(
+            key,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return AsyncLockRequest(lambda: self._acquire_permit(n, checked))
+
+    async def _acquire_permit(
+        self, n: int, checked: tuple[str, bool, float | None, float, Any]
+    ) -> AsyncHeldLock:
+        key, blocking, timeout, ttl, options = checked
+        from .kinds.semaphore import HeldPermit
+
+        semaphores = self.sync._semaphores_()
+        semaphores._size(key, n)
+        locker = semaphores.locker
+        me = current_owner()
+        try:
+            for sub in semaphores.plan(key, n, blocking=blocking):
+                steps = locker.acquire_steps(
+                    sub,
+                    me,
+                    blocking=blocking,
+                    timeout=timeout,
+                    ttl=ttl,
+                    opts=options or locker.defaults,
+                    waiter_type=AsyncWaiter,
+                )
+                try:
+                    held = await _drive(self, steps, locker)
+                except LockBusy as exc:
+                    if exc.level == 2:
+                        raise
+                    continue  # another task or thread claimed it an instant ago
+                assert isinstance(held, HeldPermit)
+                return AsyncHeldLock(self, held)
+            raise LockBusy(key, level=1)
+        except (LockNotAcquired, KindMismatch) as exc:
+            raise semaphores.renamed(exc, key, n) from None
 
     def lock_many(
         self,

@@ -337,15 +337,23 @@ def _rows_summary(rows: list[LockRow], stats: LockStats | None) -> str:
 
 
 def _table(rows: list[LockRow]) -> str:
-    lines = [("KEY", "OWNER", "AGE", "LEASE LEFT", "FENCE")]
+    lines = [("KEY", "KIND", "OWNER", "AGE", "LEASE LEFT", "FENCE")]
     lines += [
-        (row.key, row.owner, span(row.age), _lease(row.lease_left), str(row.fence)) for row in rows
+        (
+            row.key,
+            row.kind_label,
+            row.owner,
+            span(row.age),
+            _lease(row.lease_left),
+            str(row.fence),
+        )
+        for row in rows
     ]
-    widths = [max(len(line[i]) for line in lines) for i in range(4)]
+    widths = [max(len(line[i]) for line in lines) for i in range(5)]
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(line[:4], widths, strict=True))
+        "  ".join(cell.ljust(width) for cell, width in zip(line[:5], widths, strict=True))
         + "  "
-        + line[4]
+        + line[5]
         for line in lines
     )
 
@@ -399,19 +407,23 @@ def cmd_release(args: argparse.Namespace) -> int:
         if not found:
             print(f"dblock: no lock {args.key!r} in {manager.config.table} on {manager.url}")
             return 1
-        row = found[0]
-        what = (
-            f"{row.key!r} held by {row.owner} for {span(row.age)} "
-            f"(lease: {_lease(row.lease_left)}, fence {row.fence})"
-        )
+        what = "; ".join(_describe(row) for row in found)
+        if len(found) > 1:
+            what = f"{len(found)} rows of {args.key!r}: {what}"
         if not args.yes and not _confirm(f"force-release {what}? [y/N] "):
             print("dblock: not released")
             return 1
-        # Only the row we showed: if it changed hands meanwhile, it is not the
-        # lock the operator agreed to take away.
-        if not manager.store.release(row.key, row.token):
-            print(f"dblock: {row.key!r} changed hands meanwhile; nothing released")
+        # Only the rows we showed (every row of the key: the exclusive holder,
+        # each semaphore permit, read-write rows), each by its token: a row
+        # that changed hands meanwhile is not what the operator agreed to take away.
+        gone = [r for r in found if manager.store.release_row(r.key, r.slot, r.token)]
+        if not gone:
+            print(f"dblock: {args.key!r} changed hands meanwhile; nothing released")
             return 1
+        if len(gone) < len(found):
+            kept = ", ".join(r.slot for r in found if r not in gone)
+            print(f"dblock: rows {kept} of {args.key!r} changed hands meanwhile; kept")
+            what = "; ".join(_describe(row) for row in gone)
         log.warning(
             "dblock: %s force-released %s in %s on %s",
             _who(),
@@ -421,6 +433,14 @@ def cmd_release(args: argparse.Namespace) -> int:
         )
     print(f"released {what}")
     return 0
+
+
+def _describe(row: LockRow) -> str:
+    kind = "" if row.kind == "exclusive" and not row.slot else f" [{row.kind_label}]"
+    return (
+        f"{row.key!r}{kind} held by {row.owner} for {span(row.age)} "
+        f"(lease: {_lease(row.lease_left)}, fence {row.fence})"
+    )
 
 
 def _confirm(prompt: str) -> bool:

@@ -10,8 +10,12 @@
      ├── LockNotHeld              release of a lock that is not held, or not by this
      │                            thread / task (also RuntimeError)
      ├── LockArgumentError        bad key or option, refused before any SQL (also ValueError)
+     │    └── KindMismatch        a key used as another kind of lock (or semaphore size)
+     ├── UpgradeRefused           a read lock's holder asked for the write lock of its key
+     │                            (also RuntimeError)
      ├── BackendError             the database is unreachable or failed a statement
      ├── SchemaMissing            the lock table does not exist: run ``dblock migrate``
+     ├── DowngradeRefused         a schema downgrade would drop live rows of other kinds
      └── ManagerClosed            the LockManager was closed (new requests and waiters)
 
 The classes live here and are re-exported from :mod:`dblock`; they report
@@ -23,6 +27,8 @@ from __future__ import annotations
 __all__ = [
     "BackendError",
     "DBLockError",
+    "DowngradeRefused",
+    "KindMismatch",
     "LockArgumentError",
     "LockBusy",
     "LockLost",
@@ -31,6 +37,7 @@ __all__ = [
     "LockTimeout",
     "ManagerClosed",
     "SchemaMissing",
+    "UpgradeRefused",
 ]
 
 
@@ -108,6 +115,34 @@ class LockArgumentError(DBLockError, ValueError):
     __module__ = "dblock"
 
 
+class KindMismatch(LockArgumentError):
+    """A key is used with one kind of lock (exclusive, rw, semaphore of N
+    permits); a request of another kind for it, or a semaphore request with
+    another N, is refused. ``requested`` and ``existing`` name both, as
+    ``"exclusive"``, ``"rw"`` or ``"semaphore(N)"``."""
+
+    __module__ = "dblock"
+
+    def __init__(self, key: str, *, requested: str, existing: str, where: str = "") -> None:
+        at = f" {where}" if where else ""
+        super().__init__(
+            f"lock {key!r} is used as {existing}{at}; a request for it as {requested} "
+            f"is refused (a key is used with one kind of lock)"
+        )
+        self.key = key
+        self.requested = requested
+        self.existing = existing
+
+
+class UpgradeRefused(DBLockError, RuntimeError):
+    """A holder of a key's read lock asked for its write lock. Two readers
+    upgrading at once would each wait for the other to leave, so dblock refuses
+    at once (no SQL) instead: release the read lock first, or take the write
+    lock from the start (a writer may take its own key's read lock)."""
+
+    __module__ = "dblock"
+
+
 class BackendError(DBLockError):
     """The database could not be reached or failed a statement.
 
@@ -130,6 +165,25 @@ class SchemaMissing(DBLockError):
         )
         self.table = table
         self.url = url
+
+
+class DowngradeRefused(DBLockError):
+    """A schema downgrade to a revision without multi-row kinds found live
+    rows it would have to drop (semaphore permits, read-write or queued
+    rows): ``keys`` lists them. Release them, or let their leases run out."""
+
+    __module__ = "dblock"
+
+    def __init__(self, table: str, revision: str, keys: list[str]) -> None:
+        shown = ", ".join(repr(k) for k in keys[:10]) + (" …" if len(keys) > 10 else "")
+        super().__init__(
+            f"cannot downgrade {table!r} to revision {revision}: it holds live rows of "
+            f"kinds that revision cannot store, for the keys {shown}; release them "
+            f"(`dblock release --force KEY`) or wait for their leases to end, then retry"
+        )
+        self.table = table
+        self.revision = revision
+        self.keys = keys
 
 
 class ManagerClosed(DBLockError):

@@ -48,6 +48,7 @@ from ._store.base import Lease, never_sent
 from .config import Config, OnLost, check_ttl
 from .errors import (
     BackendError,
+    KindMismatch,
     LockArgumentError,
     LockBusy,
     LockLost,
@@ -369,6 +370,14 @@ class Locker:
         )
         self.renewer = Renewer(store, idle_tick=config.ttl * RENEW_AT, abandon=self._abandon)
         self._closing = False
+        #: The ``kind`` of the rows this locker writes; a holder row of another
+        #: kind means the key is used as another kind of lock.
+        self.kind = "exclusive"
+        #: What a grant becomes (a subclass for other kinds of lock).
+        self.held_type: type[HeldLock] = HeldLock
+        #: Called with each key a request asks for, before level 1: refuses
+        #: (``KindMismatch``) a key this process uses as another kind of lock.
+        self.kind_guard: Callable[[str], None] | None = None
         self._client_id = ""
         self._set_client_id()
         self.telemetry: Recorder | None = recorder_for(config.telemetry, config.table)
@@ -422,6 +431,8 @@ class Locker:
     ) -> HeldLock:
         opts = options or self.defaults
         me = current_owner()
+        if self.kind_guard is not None:
+            self.kind_guard(key)
         if self._local:
             entry = self.registry.get(key)
             if entry is not None:
@@ -689,7 +700,7 @@ class Locker:
                     continue
                 outage = None
                 if isinstance(result, Grant):
-                    return HeldLock(
+                    return self.held_type(
                         self,
                         entry,
                         token=token,
@@ -698,6 +709,10 @@ class Locker:
                         grant=result,
                         sent_at=sent_at,
                         options=opts,
+                    )
+                if result.kind is not None and result.kind != self.kind:
+                    raise KindMismatch(
+                        key, requested=self.kind, existing=result.kind, where="in the table"
                     )
                 if not blocking:
                     raise LockBusy(key, level=2, holder=result.owner)

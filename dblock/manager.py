@@ -14,9 +14,10 @@ and the store, and hands out locks::
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from functools import partial
+from functools import partial, wraps
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
 
@@ -46,10 +47,12 @@ from .schema import TableNames
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from .kinds.rw import RwHeld, RwLocker
+    from .kinds.semaphore import HeldPermit, Semaphores  # noqa: F401 - HeldPermit: a string below
     from .sweeper import Sweeper
     from .telemetry import Recorder
 
-__all__ = ["LockManager", "LockRequest"]
+__all__ = ["LockManager", "LockRequest", "SemaphoreRequest"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -118,6 +121,44 @@ class LockRequest(Generic[H]):
             exit_deferring(held, self._defer, None, exc_type)  # type: ignore[arg-type]
 
 
+class SemaphoreRequest(LockRequest["HeldPermit"]):
+    """What ``LockManager.semaphore()`` returns: a context manager yielding a
+    :class:`~dblock.kinds.semaphore.HeldPermit`, and a decorator holding a
+    permit for each call of the function."""
+
+    __slots__ = ()
+
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        acquire = self._acquire
+
+        @wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            with LockRequest(acquire):
+                return func(*args, **kwargs)
+
+        return wrapper
+
+
+_kinds_lock = threading.Lock()
+
+
+class DecoratingRequest(LockRequest[H]):
+    """A :class:`LockRequest` that also decorates a function: each call of the
+    decorated function holds a fresh request's lock (``@locks.read_lock("cfg")``)."""
+
+    __slots__ = ()
+
+    def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
+        acquire, defer = self._acquire, self._defer
+
+        @wraps(func)
+        def locked_call(*args: P.args, **kwargs: P.kwargs) -> R:
+            with LockRequest(acquire, defer):
+                return func(*args, **kwargs)
+
+        return locked_call
+
+
 class LockManager:
     """Distributed locks on a relational database, filtered per process.
 
@@ -161,6 +202,8 @@ class LockManager:
                 engine.dispose()
             raise
         self._locker = Locker(self._store, self.config)
+        self._semaphores: Semaphores | None = None
+        self._rw: RwLocker | None = None  # made on the first read/write lock
         self._closed = False
         self._sweeper: Sweeper | None = None
         _managers.add(self)
@@ -263,6 +306,141 @@ class LockManager:
             on_lost=on_lost,
         )
         return self._locker.acquire(key, blocking=blocking, timeout=wait, ttl=lease, options=opts)
+
+    def semaphore(
+        self,
+        key: str,
+        *,
+        permits: int,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+    ) -> SemaphoreRequest:
+        """A permit of the semaphore ``key``: at most ``permits`` holders at
+        once across every process. Each permit is its own row with its own
+        lease, token and fence (strictly growing per key); N is fixed per key
+        (a request with another N while the key is in use raises
+        :class:`~dblock.KindMismatch`, as does a key used as an exclusive
+        lock). The options are those of :meth:`lock`; use it in ``with``
+        (yielding a :class:`~dblock.kinds.semaphore.HeldPermit`) or as a
+        decorator. Not re-entrant: each request takes another permit."""
+        from .kinds.semaphore import check_permits
+
+        check_permits(permits)
+        key, blocking, wait, lease, opts = self._check(
+            key,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        return SemaphoreRequest(
+            partial(
+                self._semaphores_().acquire,
+                key,
+                permits,
+                blocking=blocking,
+                timeout=wait,
+                ttl=lease,
+                options=opts,
+            )
+        )
+
+    def read_lock(
+        self,
+        key: str,
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+        until: object = None,
+    ) -> DecoratingRequest[RwHeld]:
+        """The shared side of ``key``'s read-write lock, for a ``with`` block
+        (or as a decorator): any number of readers in any processes at once,
+        never together with a writer; a waiting writer holds new readers back.
+        Re-entrant per thread (or task). Options as for :meth:`lock`; the
+        :class:`~dblock.kinds.rw.RwHeld` it yields is a :class:`~dblock.HeldLock`.
+        See docs/kinds/read-write.md."""
+        return self._rw_request(
+            "read", key, blocking, timeout, ttl, renew, max_hold, on_lost, until
+        )
+
+    def write_lock(
+        self,
+        key: str,
+        *,
+        blocking: bool = True,
+        timeout: float | Unset | None = UNSET,
+        ttl: float | None = None,
+        renew: bool | None = None,
+        max_hold: float | None = None,
+        on_lost: OnLost | None = None,
+        until: object = None,
+    ) -> DecoratingRequest[RwHeld]:
+        """The exclusive side of ``key``'s read-write lock: one writer, no
+        readers. The writer may take the read lock of its key too (and keeps
+        it after releasing the write lock: a downgrade); a reader asking for
+        the write lock gets :class:`~dblock.UpgradeRefused`. Options as for
+        :meth:`lock`."""
+        return self._rw_request(
+            "write", key, blocking, timeout, ttl, renew, max_hold, on_lost, until
+        )
+
+    def _rw_request(  # noqa: PLR0917 - the public options, passed through in order
+        self,
+        mode: str,
+        key: str,
+        blocking: bool,
+        timeout: float | Unset | None,
+        ttl: float | None,
+        renew: bool | None,
+        max_hold: float | None,
+        on_lost: OnLost | None,
+        until: object,
+    ) -> DecoratingRequest[RwHeld]:
+        defer = _until_hook(until)
+        key, blocking, wait, lease, opts = self._check(
+            key,
+            blocking=blocking,
+            timeout=timeout,
+            ttl=ttl,
+            renew=renew,
+            max_hold=max_hold,
+            on_lost=on_lost,
+        )
+        rw = self._rw_locker()
+        acquire = partial(
+            rw.acquire, key, mode, blocking=blocking, timeout=wait, ttl=lease, options=opts
+        )
+        return DecoratingRequest(acquire, defer)
+
+    def _rw_locker(self) -> RwLocker:
+        rw = self._rw
+        if rw is None:
+            from .kinds.rw import RwLocker
+
+            with _kinds_lock:
+                if self._rw is None:
+                    self._rw = RwLocker(self._store, self.config, self._locker)
+                rw = self._rw
+        return rw
+
+    def _semaphores_(self) -> Semaphores:
+        if self._semaphores is None:
+            from .kinds.semaphore import Semaphores
+
+            with _kinds_lock:
+                if self._semaphores is None:
+                    self._semaphores = Semaphores(self._store, self.config, self._locker)
+        return self._semaphores
 
     def locked(
         self,
@@ -370,6 +548,10 @@ class LockManager:
             self._sweeper.stop()  # before: its last run may still take its own lock
         self._closed = True
         _managers.discard(self)
+        if self._semaphores is not None:
+            self._semaphores.close(float("inf") if wait is None else wait)
+        if self._rw is not None:
+            self._rw.close(float("inf") if wait is None else wait)
         self._locker.close(float("inf") if wait is None else wait)
         self._store.close()
 
@@ -402,6 +584,10 @@ class LockManager:
         return sweeper
 
     def _after_fork(self) -> None:
+        if self._semaphores is not None:
+            self._semaphores.after_fork()
+        if self._rw is not None:
+            self._rw.after_fork()
         self._locker.after_fork()
         self._store.after_fork()
 

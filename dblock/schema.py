@@ -5,8 +5,17 @@ alembic revision shipped in the wheel, the check against the Django migration)
 builds it from :func:`create_statements`, so the three dialects and the
 configurable names stay in one place.
 
-Columns (see DESIGN.md): ``lock_key`` (primary key), ``owner``, ``token``,
-``fence``, ``acquired_at``, ``expires_at`` (indexed for the sweeper).
+Columns (see DESIGN.md): ``lock_key``, ``owner``, ``token``, ``fence``,
+``acquired_at``, ``expires_at`` (indexed for the sweeper); since revision
+0002 also ``slot`` (the primary key is ``(lock_key, slot)``), ``kind``,
+``mode``, ``holders`` and ``permits``, so one key may have several rows
+(semaphore permits, read-write and queue rows; see docs/kinds/index.md).
+The exclusive lock's row is the key's head row, ``slot = ''``.
+
+The layout of each revision is kept (``revision=``): the 0001 revision
+creates the old layout and 0002 upgrades it in place
+(:mod:`dblock.schema_upgrade`), so a fresh install and an upgraded one end
+with the same table, columns in the same order.
 
 The fencing number must grow for every acquisition of any key, and each
 dialect has its own idiom for a counter that survives deleted rows:
@@ -61,6 +70,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from .config import Config
 
 __all__ = [
+    "HEAD_REVISION",
     "MAX_IDENTIFIER",
     "TableNames",
     "UTCDateTime",
@@ -71,6 +81,11 @@ __all__ = [
 ]
 
 MYSQL_FAMILY = ("mysql", "mariadb")
+
+#: The newest schema revision (``alembic/versions``).
+HEAD_REVISION = "0002"
+#: The revisions whose table layout :func:`lock_table` can build.
+REVISIONS = ("0001", "0002")
 _UTC = timezone.utc
 
 
@@ -192,14 +207,35 @@ def to_utc(value: Any) -> datetime | None:
     raise TypeError(f"not a time: {value!r}")
 
 
-def lock_table(names: TableNames, metadata: MetaData | None = None) -> Table:
-    """The lock table for ``names``, on ``metadata`` (a fresh one by default)."""
-    metadata = metadata if metadata is not None else MetaData()
+def _exact(length: int) -> TypeEngine[str]:
     # utf8mb4_bin: keys compare exactly as they do in PostgreSQL and SQLite
     # (the server default collation would make "User:1" and "user:1" one lock).
-    key_type = String(255).with_variant(
-        mysql.VARCHAR(255, charset="utf8mb4", collation="utf8mb4_bin"), *MYSQL_FAMILY
+    return String(length).with_variant(
+        mysql.VARCHAR(length, charset="utf8mb4", collation="utf8mb4_bin"), *MYSQL_FAMILY
     )
+
+
+def kind_columns() -> list[Column[Any]]:
+    """The columns revision 0002 adds, in table order (after ``expires_at``)."""
+    return [
+        Column("slot", _exact(64), primary_key=True, server_default=""),
+        Column("kind", String(16), nullable=False, server_default="exclusive"),
+        Column("mode", String(16), nullable=False, server_default="exclusive"),
+        Column("holders", Integer, nullable=False, server_default=text("1")),
+        Column("permits", Integer, nullable=True),
+    ]
+
+
+def lock_table(
+    names: TableNames, metadata: MetaData | None = None, *, revision: str = HEAD_REVISION
+) -> Table:
+    """The lock table for ``names``, on ``metadata`` (a fresh one by default),
+    as ``revision`` lays it out."""
+    if revision not in REVISIONS:
+        raise ValueError(f"unknown dblock schema revision {revision!r}")
+    metadata = metadata if metadata is not None else MetaData()
+    key_type = _exact(255)
+    extra = kind_columns() if revision >= "0002" else []
     return Table(
         names.table,
         metadata,
@@ -215,6 +251,7 @@ def lock_table(names: TableNames, metadata: MetaData | None = None) -> Table:
         ),
         Column("acquired_at", UTCDateTime(), nullable=False),
         Column("expires_at", UTCDateTime(), nullable=False),
+        *extra,
         # AUTO_INCREMENT needs an index led by the column; elsewhere the
         # sequence or counter already guarantees uniqueness for free.
         UniqueConstraint("fence", name=names.fence_key).ddl_if(
@@ -244,10 +281,13 @@ def _auto_increment_fence(element: CreateColumn, compiler: Any, **kw: Any) -> st
     return sql
 
 
-def create_statements(names: TableNames, dialect: str) -> list[Executable]:
-    """DDL creating dblock's schema on ``dialect`` (a SQLAlchemy dialect name)."""
+def create_statements(
+    names: TableNames, dialect: str, *, revision: str = HEAD_REVISION
+) -> list[Executable]:
+    """DDL creating dblock's schema (as of ``revision``) on ``dialect`` (a
+    SQLAlchemy dialect name)."""
     metadata = MetaData()
-    table = lock_table(names, metadata)
+    table = lock_table(names, metadata, revision=revision)
     index = next(iter(table.indexes))
     out: list[Executable] = []
     if dialect == "postgresql":
@@ -258,14 +298,16 @@ def create_statements(names: TableNames, dialect: str) -> list[Executable]:
     return out
 
 
-def drop_statements(names: TableNames, dialect: str) -> list[ExecutableDDLElement | TextClause]:
+def drop_statements(
+    names: TableNames, dialect: str, *, revision: str = HEAD_REVISION
+) -> list[ExecutableDDLElement | TextClause]:
     """DDL removing what :func:`create_statements` created."""
     metadata = MetaData()
-    table = lock_table(names, metadata)
+    table = lock_table(names, metadata, revision=revision)
     index = next(iter(table.indexes))
     out: list[ExecutableDDLElement | TextClause] = []
     if dialect == "sqlite":
-        quote = _sqlite_quote
+        quote = sqlite_quote
         out += [text(f"DROP TRIGGER IF EXISTS {quote(trigger)}") for trigger in names.triggers]
         out.append(DropTable(fence_table(names, metadata)))
     out += [DropIndex(index), DropTable(table)]
@@ -274,13 +316,26 @@ def drop_statements(names: TableNames, dialect: str) -> list[ExecutableDDLElemen
     return out
 
 
-def _sqlite_quote(name: str) -> str:
+def sqlite_quote(name: str) -> str:
     """Always quoted: a table may be called ``order`` or ``select``."""
     return '"' + name.replace('"', '""') + '"'
 
 
+def sqlite_triggers(names: TableNames) -> list[TextClause]:
+    """SQLite: the triggers keeping the fence counter current."""
+    quote = sqlite_quote
+    t = quote(names.table)
+    on_insert, on_update = map(quote, names.triggers)
+    f = quote(names.fence_table)
+    bump = f"UPDATE {f} SET value = NEW.fence WHERE id = 1 AND value < NEW.fence;"
+    return [
+        text(f"CREATE TRIGGER {on_insert} AFTER INSERT ON {t} BEGIN {bump} END"),
+        text(f"CREATE TRIGGER {on_update} AFTER UPDATE OF fence ON {t} BEGIN {bump} END"),
+    ]
+
+
 def _sqlite_fence_ddl(names: TableNames) -> list[Executable]:
-    quote = _sqlite_quote
+    quote = sqlite_quote
     t, f = quote(names.table), quote(names.fence_table)
     on_insert, on_update = map(quote, names.triggers)
     bump = f"UPDATE {f} SET value = NEW.fence WHERE id = 1 AND value < NEW.fence;"

@@ -177,6 +177,7 @@ def render(state: TopState, where: str) -> RenderableType:
 
     table = Table(expand=True, show_edge=False, pad_edge=False)
     table.add_column("KEY", overflow="fold", ratio=3)
+    table.add_column("KIND", overflow="ellipsis", ratio=1)
     table.add_column("OWNER", overflow="ellipsis", ratio=2)
     table.add_column("AGE", justify="right", no_wrap=True)
     table.add_column("LEASE", justify="right", no_wrap=True)
@@ -186,7 +187,7 @@ def render(state: TopState, where: str) -> RenderableType:
             lease = Text(f"EXPIRED {_span(row.lease_left)} ago", style="bold red")
         else:
             lease = Text(_span(row.lease_left))
-        table.add_row(row.key, row.owner, _span(row.age), lease, str(row.fence))
+        table.add_row(row.key, row.kind_label, row.owner, _span(row.age), lease, str(row.fence))
     lines.append(table)
     lines.append(
         Text(

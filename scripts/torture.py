@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/torture.py                 # PostgreSQL, MariaDB, SQLite; 60 s each
     .venv/bin/python scripts/torture.py --db sqlite --seconds 20 --json out.json
+    .venv/bin/python scripts/torture.py --kind rw       # the read-write lock instead
 
 Run from the repository root. Every database is a PRIVATE instance this
 script starts itself in a temporary directory on a free port (PostgreSQL via
@@ -60,12 +61,33 @@ The checker then reads every ledger and reports:
   plus one poll interval (``--ttl`` + ``--poll-max``), plus ``--slack`` for
   scheduling on a loaded machine.
 
+With ``--kind semaphore --permits N`` the workers take permits of N-permit
+semaphores on the hot keys instead of exclusive locks. Each permit row (its
+slot) is an exclusive lock of its own, so the checks above run per slot, and
+two more run per key:
+
+* more than N holders at once: at the start of each section, the sections of
+  its key still inside their leases (valid, as above) are counted; more than
+  N is a violation (``over capacity``);
+* fences in grant order: a section whose request was sent (``t_asked``) after
+  another section of its key had started must have the larger fence, since
+  its row was written after that one's (``fence decreased``).
+
+With ``--kind rw`` the workers take each key's read lock, or (a
+``--write-share`` of the time) its write lock. Sections record their mode;
+two read sections may overlap (that is the point), any overlap with a write
+section is judged as above. Fences: a write section's must be above every
+earlier section's of its key, a read section's above every earlier write
+section's (readers of one read phase are granted in some order, and readers
+of one process share their process's grant, and so its fence).
+
 Exit code 0 when every check passed.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import heapq
@@ -118,7 +140,8 @@ LEDGER_DDL = (
     " id INTEGER PRIMARY KEY, lock_key TEXT NOT NULL, fence INTEGER NOT NULL,"
     " token TEXT NOT NULL, pid INTEGER NOT NULL, thread TEXT NOT NULL,"
     " t_start REAL NOT NULL, lease_end REAL NOT NULL, wall_start REAL NOT NULL,"
-    " t_end REAL, lease_end_at_end REAL, outcome TEXT)",
+    " t_end REAL, lease_end_at_end REAL, outcome TEXT, slot TEXT NOT NULL DEFAULT '',"
+    " t_asked REAL, mode TEXT NOT NULL DEFAULT 'exclusive')",
     "CREATE TABLE IF NOT EXISTS stats ("
     " pid INTEGER, requests INTEGER, grants INTEGER, busy INTEGER, timeouts INTEGER,"
     " backend_errors INTEGER, lost INTEGER, release_failed INTEGER)",
@@ -151,6 +174,18 @@ def worker(spec: dict[str, Any]) -> None:
     )
     keys = spec["keys"]
     deadline = spec["deadline"]
+    permits = spec.get("permits")
+    rw = spec.get("kind") == "rw"
+    write_share = spec.get("write_share", 0.3)
+
+    def acquire(key: str, mode: str, **options: Any) -> Any:
+        if rw:
+            request = manager.write_lock if mode == "write" else manager.read_lock
+            return request(key, **options).__enter__()
+        if permits is None:
+            return manager.acquire(key, **options)
+        return manager.semaphore(key, permits=permits, **options).__enter__()
+
     totals: dict[str, int] = defaultdict(int)
     totals_lock = threading.Lock()
 
@@ -162,11 +197,15 @@ def worker(spec: dict[str, Any]) -> None:
         while time.monotonic() < deadline:
             key = rng.choice(keys)
             counts["requests"] += 1
+            mode = "exclusive"
+            if rw:
+                mode = "write" if rng.random() < write_share else "read"
+            t_asked = time.monotonic()
             try:
                 if rng.random() < 0.7:
-                    held = manager.acquire(key, timeout=rng.uniform(0.2, 2.0))
+                    held = acquire(key, mode, timeout=rng.uniform(0.2, 2.0))
                 else:
-                    held = manager.acquire(key, blocking=False)
+                    held = acquire(key, mode, blocking=False)
             except (LockBusy, LockTimeout) as exc:
                 counts["busy" if isinstance(exc, LockBusy) else "timeouts"] += 1
                 time.sleep(rng.uniform(0.001, 0.01))
@@ -179,9 +218,11 @@ def worker(spec: dict[str, Any]) -> None:
             lease_end = t_start + held.remaining
             row = ledger.execute(
                 "INSERT INTO sections (lock_key, fence, token, pid, thread, t_start,"
-                " lease_end, wall_start) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (key, held.fence, held.token, pid, name, t_start, lease_end, time.time()),
-            ).lastrowid
+                " lease_end, wall_start, slot, t_asked, mode)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (key, held.fence, held.token, pid, name, t_start, lease_end, time.time(),
+                 getattr(held, "slot", ""), t_asked, mode),
+            ).lastrowid  # fmt: skip
             counts["grants"] += 1
             time.sleep(rng.uniform(0.001, 0.02))  # the work
             t_end = time.monotonic()
@@ -320,6 +361,9 @@ class Run:
             "ttl": self.args.ttl,
             "poll_max": self.args.poll_max,
             "deadline": self.deadline,
+            "permits": self.args.permits if self.args.kind == "semaphore" else None,
+            "kind": self.args.kind,
+            "write_share": self.args.write_share,
         }
         log = open(self.run_dir / f"worker-{len(self.workers)}.log", "ab")  # noqa: SIM115
         self.workers.append(
@@ -474,6 +518,9 @@ class Section:
     outcome: str | None
     thread: str = ""
     token: str = ""
+    slot: str = ""
+    t_asked: float | None = None
+    mode: str = "exclusive"
 
 
 def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
@@ -481,13 +528,18 @@ def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
     stats: dict[str, int] = defaultdict(int)
     for path in sorted(run_dir.glob("ledger-*.sqlite3")):
         conn = sqlite3.connect(path)
-        for key, fence, pid, t0, lease, lease2, t1, outcome, thread, token in conn.execute(
+        for row in conn.execute(
             "SELECT lock_key, fence, pid, t_start, lease_end, lease_end_at_end, t_end, outcome,"
-            " thread, token FROM sections"
+            " thread, token, slot, t_asked, mode FROM sections"
         ):
+            key, fence, pid, t0, lease, lease2, t1, outcome, thread, token, slot, asked, mode = row
             # A lease renewed during the section ends later; the later end counts.
             end_of_lease = max(lease, lease2) if lease2 is not None else lease
-            sections.append(Section(key, fence, pid, t0, end_of_lease, t1, outcome, thread, token))
+            sections.append(
+                Section(
+                    key, fence, pid, t0, end_of_lease, t1, outcome, thread, token, slot, asked, mode
+                )
+            )
         names = ("requests", "grants", "busy", "timeouts", "backend_errors", "lost",
                  "release_failed")  # fmt: skip
         for row in conn.execute(f"SELECT {', '.join(names)} FROM stats"):
@@ -501,6 +553,8 @@ def read_ledgers(run_dir: Path) -> tuple[list[Section], dict[str, int]]:
 REAL = "real overlap"
 STALE_FENCE = "stale overlap, fences the wrong way"
 ORDER_FENCE = "fence decreased between sections inside their leases"
+OVER_CAPACITY = "over capacity: more than N permit holders inside their leases"
+GRANT_FENCE = "fence decreased: asked after another section started, got a smaller fence"
 
 
 def check(
@@ -511,6 +565,7 @@ def check(
     poll_max: float,
     slack: float,
     t0: float = 0.0,
+    permits: int | None = None,
 ) -> dict[str, Any]:
     """The verdicts; ``t0`` (the run's start, ``time.monotonic()``) only makes
     the times in the violation reports relative to it."""
@@ -581,11 +636,56 @@ def check(
     by_key: dict[str, list[Section]] = defaultdict(list)
     for s in sections:
         by_key[s.key].append(s)
+    # A semaphore's permit rows (slots) are each an exclusive lock: the
+    # overlap and fence checks below run per slot; capacity and grant order per key.
+    by_row: dict[str, list[Section]] = defaultdict(list)
+    for s in sections:
+        by_row[f"{s.key} {s.slot}" if permits is not None else s.key].append(s)
+    over = grant_order = 0
+    if permits is not None:
+        for key, group in by_key.items():
+            group.sort(key=lambda s: s.t_start)
+            inside: list[tuple[float, int, Section]] = []  # valid sections, by validity end
+            for i, b in enumerate(group):
+                at = b.t_start
+                while inside and inside[0][0] <= at + EPSILON:
+                    heapq.heappop(inside)
+                if at >= valid_until(b) - EPSILON:
+                    continue
+                if len(inside) + 1 > permits:
+                    over += 1
+                    report(OVER_CAPACITY, key, inside[0][2], b, at)
+                heapq.heappush(inside, (valid_until(b), i, b))
+            starts = [s.t_start for s in group]
+            best: list[Section] = []  # best[i]: largest fence among group[: i + 1]
+            for s in group:
+                best.append(s if not best or s.fence > best[-1].fence else best[-1])
+            for b in group:
+                if b.t_asked is None:
+                    continue
+                n = bisect.bisect_left(starts, b.t_asked)  # sections started before b asked
+                if n and best[n - 1].fence >= b.fence:
+                    grant_order += 1
+                    report(GRANT_FENCE, key, best[n - 1], b, None)
     real = stale = fence_violations = order_violations = 0
-    for key, group in by_key.items():
+    for key, group in by_row.items():
         group.sort(key=lambda s: s.t_start)
         valid = [s for s in group if s.t_start < valid_until(s) - EPSILON]
-        for x, y in itertools.pairwise(valid):
+        if any(s.mode != "exclusive" for s in group):
+            # Read-write: a write's fence is above every earlier section's, a
+            # read's above every earlier write's (see the module docstring).
+            top: Section | None = None
+            top_write: Section | None = None
+            for y in valid:
+                x = top_write if y.mode == "read" else top
+                if x is not None and y.fence <= x.fence:
+                    order_violations += 1
+                    report(ORDER_FENCE, key, x, y, None)
+                if top is None or y.fence > top.fence:
+                    top = y
+                if y.mode != "read" and (top_write is None or y.fence > top_write.fence):
+                    top_write = y
+        for x, y in itertools.pairwise(valid if group[0].mode == "exclusive" else ()):
             if y.fence <= x.fence:
                 order_violations += 1
                 report(ORDER_FENCE, key, x, y, None)
@@ -595,6 +695,8 @@ def check(
                 heapq.heappop(active)
             at = b.t_start  # the overlap begins here; validity only ends after it
             for _, _, a in active:
+                if a.mode == b.mode == "read":
+                    continue  # readers share the lock
                 a_valid = at < valid_until(a) - EPSILON
                 b_valid = at < valid_until(b) - EPSILON
                 if a_valid and b_valid:
@@ -633,7 +735,9 @@ def check(
         "overlaps_stale_fenced": stale,
         "sections_past_lease": sum(1 for s in sections if end(s) > s.lease_end + EPSILON),
         "fence_violations": fence_violations,
-        "fence_order_violations": order_violations,
+        "fence_order_violations": order_violations + grant_order,
+        "over_capacity": over,
+        "permits": permits,
         "faults": dict(counts),
         "blocked_after_kill_max_s": round(longest, 4),
         "blocked_after_kill_count": len(blocked),
@@ -645,7 +749,9 @@ def check(
         "violations_not_reported": max(len(violations) - MAX_REPORTED, 0),
     }
     result["ok"] = (
-        real == 0
+        over == 0
+        and grant_order == 0
+        and real == 0
         and fence_violations == 0
         and order_violations == 0
         and result["sections_completed"] > 0
@@ -686,6 +792,7 @@ def _outcomes(sections: list[Section]) -> dict[str, int]:
 
 
 def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    semaphores = getattr(args, "kind", "exclusive") == "semaphore"
     head = (
         "| database | sections completed | killed inside | overlapping pairs: real / stale "
         "(stale holders) "
@@ -693,7 +800,10 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         "| locks lost | releases failed |"
     )
     lines = [
-        f"Torture: {args.processes} processes × {args.threads} threads, {args.keys} hot keys, "
+        f"Torture: {args.processes} processes × {args.threads} threads, {args.keys} hot keys"
+        + (f" (semaphores of {args.permits} permits)" if semaphores else "")
+        + (" (read-write locks)" if getattr(args, "kind", "") == "rw" else "")
+        + ", "
         f"{args.seconds:g} s per database, lease {args.ttl:g} s, poll cap {args.poll_max:g} s, "
         f"a fault every {args.fault_every:g} s.",
         "",
@@ -711,6 +821,13 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
             f"+ {args.slack:g} s slack) | {outcomes.get('lost', 0)} "
             f"| {outcomes.get('release-failed', 0)} |"
         )
+    if semaphores:
+        lines.append("")
+        for db, r in results.items():
+            lines.append(
+                f"{db}: more than {args.permits} permit holders inside their leases at once: "
+                f"{r['over_capacity']} times"
+            )
     for db, r in results.items():
         if not r["violations"]:
             continue
@@ -736,7 +853,13 @@ def torture(db: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     sections, stats = read_ledgers(run_dir)
     result = check(
-        sections, run.faults, ttl=args.ttl, poll_max=args.poll_max, slack=args.slack, t0=run.t0
+        sections,
+        run.faults,
+        ttl=args.ttl,
+        poll_max=args.poll_max,
+        slack=args.slack,
+        t0=run.t0,
+        permits=args.permits if args.kind == "semaphore" else None,
     )
     result["worker_stats"] = stats
     result["run_dir"] = str(run_dir)
@@ -765,6 +888,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault-every", type=float, help="seconds between faults (ttl + 1)")
     parser.add_argument("--slack", type=float, default=0.5, help="scheduling allowance (0.5 s)")
     parser.add_argument("--seed", type=int, default=6)
+    parser.add_argument(
+        "--kind", choices=("exclusive", "semaphore", "rw"), default="exclusive", help="lock kind"
+    )
+    parser.add_argument(
+        "--write-share", type=float, default=0.3, help="rw: share of write requests (0.3)"
+    )
+    parser.add_argument("--permits", type=int, default=3, help="semaphore permits (3)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
     args = parser.parse_args(argv)

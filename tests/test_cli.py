@@ -49,14 +49,14 @@ def test_migrate_honours_table_and_index_names(db_url: str) -> None:
         done = dblock("migrate", *names)
         assert done.returncode == 0, done.stderr
         assert f"migrated {table}" in done.stdout
-        assert "empty -> 0001" in done.stdout
+        assert "empty -> 0002" in done.stdout
         inspector = sa.inspect(engine)
         assert inspector.has_table(table)
         assert inspector.has_table(f"{table}_version")
         assert index in {ix["name"] for ix in inspector.get_indexes(table)}
         again = dblock("migrate", *names)
         assert again.returncode == 0, again.stderr
-        assert "up to date (revision 0001)" in again.stdout
+        assert "up to date (revision 0002)" in again.stdout
         with LockManager(db_url, table=table, index=index) as m, m.lock("k", blocking=False):
             pass
     finally:
@@ -93,7 +93,7 @@ def test_list_and_stats(db_url: str, private: LockManager, keys: object) -> None
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].endswith(": 2 rows, 1 expired")
-    assert lines[2].split() == ["KEY", "OWNER", "AGE", "LEASE", "LEFT", "FENCE"]
+    assert lines[2].split() == ["KEY", "KIND", "OWNER", "AGE", "LEASE", "LEFT", "FENCE"]
     dead_line, live_line = lines[3], lines[4]  # oldest first
     assert dead_line.startswith(dead_key)
     assert "crashed:1:MainThread" in dead_line
@@ -110,6 +110,7 @@ def test_list_and_stats(db_url: str, private: LockManager, keys: object) -> None
     assert rows[1]["fence"] == live.fence
     assert rows[1]["expired"] is False
     assert 30 < rows[1]["lease_left"] <= 60
+    assert (rows[1]["kind"], rows[1]["mode"], rows[1]["slot"]) == ("exclusive", "exclusive", "")
     assert rows[0]["expired"] is True
     assert rows[0]["age"] > 3600
     assert "token" not in rows[0]

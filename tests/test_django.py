@@ -170,6 +170,41 @@ def test_migrate_backwards_and_over_an_alembic_table() -> None:
         assert migrations.current(m.engine, names) == migrations.head()
 
 
+def test_migration_0002_upgrades_a_0001_table_in_place_and_back() -> None:
+    """A deployment at 0001 holding locks: `manage.py migrate` brings the
+    table to 0002 with the locks still held; back to 0001 is refused while a
+    semaphore permit is live, and keeps the exclusive lock once it is not."""
+    from dblock import DowngradeRefused
+
+    names = conf.table_names()
+    call_command("migrate", "dblock", "zero", verbosity=0)
+    with other_manager() as m:
+        migrations.upgrade(m.engine, names, "0001")
+        token = uuid.uuid4().hex
+        with m.engine.begin() as conn:
+            conn.exec_driver_sql(
+                f"INSERT INTO {names.table} (lock_key, owner, token, fence, acquired_at, "
+                f"expires_at) VALUES ('dj:old', 'old:1:T', '{token}', "
+                f"nextval('{names.sequence}'), now(), now() + interval '5 minutes')"
+            )
+        call_command("migrate", "dblock", "0001", "--fake", verbosity=0)
+        call_command("migrate", "dblock", verbosity=0)
+        assert migrations.current(m.engine, names) == "0002"
+        with pytest.raises(LockBusy), other_manager() as other:
+            other.acquire("dj:old", blocking=False)
+        permit = m.semaphore("dj:sem", permits=2).__enter__()
+        with pytest.raises(DowngradeRefused, match="dj:sem"):
+            call_command("migrate", "dblock", "0001", verbosity=0)
+        permit.release()
+        call_command("migrate", "dblock", "0001", verbosity=0)
+        assert migrations.current(m.engine, names) == "0001"
+        assert [r[0] for r in m.engine.connect().exec_driver_sql(
+            f"SELECT token FROM {names.table}"
+        ).all()] == [token]  # fmt: skip
+        call_command("migrate", "dblock", verbosity=0)
+        assert m.store.release("dj:old", token)
+
+
 # -- settings -----------------------------------------------------------------------
 
 

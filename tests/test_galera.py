@@ -183,3 +183,19 @@ def test_sweep_through_another_node(galera: PrivateGalera) -> None:
         writer.dispose()
         sweeper.drop_schema()
         sweeper.close()
+
+
+def test_semaphore_across_nodes(node_managers: list[LockManager], key: str) -> None:
+    """N = 2 permits, asked for through all three nodes: two granted, the
+    third busy; fences grow per key whichever node writes the row."""
+    first, second, third = node_managers
+    a = first.semaphore(key, permits=2).__enter__()
+    b = second.semaphore(key, permits=2).__enter__()
+    assert {a.slot, b.slot} == {"p0", "p1"}
+    assert b.fence > a.fence
+    with pytest.raises(LockBusy):
+        third.semaphore(key, permits=2, blocking=False).__enter__()
+    a.release()
+    with third.semaphore(key, permits=2, timeout=30) as c:
+        assert c.fence > b.fence
+    b.release()

@@ -65,6 +65,32 @@ def test_torture_run(db: str, tmp_path: Path) -> None:
     assert "| " + db + " |" in done.stdout
 
 
+@pytest.mark.slow
+def test_torture_run_semaphores(db: str, tmp_path: Path) -> None:
+    """The same faults on 2-permit semaphores: never more than 2 valid holders
+    of a key, no permit row held twice, fences in grant order."""
+    out = tmp_path / "torture.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--db", db, *SHORT, "--kind", "semaphore", "--permits",
+         "2", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())[db]
+    assert result["permits"] == 2
+    assert result["over_capacity"] == 0
+    assert result["overlaps_real"] == 0
+    assert result["fence_violations"] == 0
+    assert result["fence_order_violations"] == 0
+    assert result["sections_completed"] > 100
+    assert result["blocked_after_kill_max_s"] <= result["blocked_allowed_s"]
+    assert "more than 2 permit holders" in done.stdout
+
+
 def _section(torture: ModuleType, fence: int, pid: int, start: float, lease: float,
              end: float | None) -> object:  # fmt: skip
     return torture.Section("k", fence, pid, start, lease, end, "released")
@@ -193,3 +219,98 @@ def test_torture_run_on_a_cluster(topology: str, tmp_path: Path) -> None:
     assert {"kill", "cut", special} <= set(result["faults"]), result["faults"]
     assert result["blocked_after_kill_max_s"] <= result["blocked_allowed_s"]
     assert "| " + topology + " |" in done.stdout
+
+
+@pytest.mark.slow
+def test_torture_run_rw(db: str, tmp_path: Path) -> None:
+    """The same run with the read-write lock (a third of the requests write)."""
+    out = tmp_path / "torture.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kind", "rw", "--db", db, *SHORT, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())[db]
+    assert result["overlaps_real"] == 0
+    assert result["fence_violations"] == 0
+    assert result["fence_order_violations"] == 0
+    assert result["sections_completed"] > 100
+    assert result["blocked_after_kill_max_s"] <= result["blocked_allowed_s"]
+    assert "(read-write locks)" in done.stdout
+
+
+def _rw_section(torture: ModuleType, mode: str, fence: int, pid: int, start: float,
+                end: float) -> object:  # fmt: skip
+    return torture.Section("k", fence, pid, start, start + 1.0, end, "released", mode=mode)
+
+
+def test_checker_rw_readers_may_overlap_a_writer_may_not() -> None:
+    t = _torture()
+    readers = [_rw_section(t, "read", 3, 10, 10.0, 10.5), _rw_section(t, "read", 4, 11, 10.1, 10.6)]
+    result = _check(t, readers)
+    assert result["overlaps_real"] == 0
+    assert result["ok"]
+    writer_inside = _rw_section(t, "write", 5, 12, 10.2, 10.3)
+    result = _check(t, [*readers, writer_inside])
+    assert result["overlaps_real"] == 2
+    assert not result["ok"]
+
+
+def test_checker_rw_fence_order() -> None:
+    t = _torture()
+    # Readers of one read phase may start in any fence order, or share one fence.
+    phase = [_rw_section(t, "read", 4, 10, 10.0, 10.5), _rw_section(t, "read", 3, 11, 10.1, 10.6),
+             _rw_section(t, "read", 4, 10, 10.2, 10.4)]  # fmt: skip
+    after = _rw_section(t, "write", 5, 12, 11.0, 11.1)
+    assert _check(t, [*phase, after])["ok"]
+    # A writer's fence must be above every earlier reader's, a reader's above the writer's.
+    low_writer = _rw_section(t, "write", 4, 12, 11.0, 11.1)
+    assert _check(t, [*phase, low_writer])["fence_order_violations"] == 1
+    low_reader = _rw_section(t, "read", 5, 13, 11.2, 11.3)
+    assert _check(t, [*phase, after, low_reader])["fence_order_violations"] == 1
+
+
+# -- semaphores (--kind semaphore) ---------------------------------------------
+
+
+def _permit(
+    torture: ModuleType, fence: int, slot: str, start: float, end: float, asked: float
+) -> object:
+    return torture.Section(
+        "k", fence, 1, start, start + 5.0, end, "released", "w0", f"t{fence}", slot, asked
+    )
+
+
+def _check_sem(torture: ModuleType, sections: list[object], permits: int) -> dict:  # type: ignore[type-arg]
+    return torture.check(sections, [], ttl=1.0, poll_max=0.1, slack=0.5, permits=permits)  # type: ignore[no-any-return]
+
+
+def test_checker_counts_permit_holders() -> None:
+    t = _torture()
+    two = [_permit(t, 1, "p0", 10.0, 12.0, 9.9), _permit(t, 2, "p1", 10.5, 12.0, 10.4)]
+    assert _check_sem(t, two, permits=2)["ok"]
+    three = [*two, _permit(t, 3, "p2", 11.0, 11.5, 10.9)]
+    result = _check_sem(t, three, permits=2)
+    assert result["over_capacity"] == 1
+    assert not result["ok"]
+    assert result["violations"][0]["kind"].startswith("over capacity")
+    # The same slot twice at once is an overlap of that permit's row.
+    same = [_permit(t, 1, "p0", 10.0, 12.0, 9.9), _permit(t, 2, "p0", 10.5, 12.0, 10.4)]
+    assert _check_sem(t, same, permits=2)["overlaps_real"] == 1
+
+
+def test_checker_wants_fences_in_grant_order() -> None:
+    t = _torture()
+    # Granted close together: the later start may carry the smaller fence if
+    # it asked before the other started (its row may have been written first).
+    racing = [_permit(t, 2, "p0", 10.0, 11.0, 9.9), _permit(t, 1, "p1", 10.01, 11.0, 9.95)]
+    assert _check_sem(t, racing, permits=2)["ok"]
+    # Asked after the other had started: its fence must be the larger.
+    late = [_permit(t, 2, "p0", 10.0, 11.0, 9.9), _permit(t, 1, "p1", 10.5, 11.0, 10.2)]
+    result = _check_sem(t, late, permits=2)
+    assert result["fence_order_violations"] == 1
+    assert not result["ok"]

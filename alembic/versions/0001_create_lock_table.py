@@ -22,10 +22,10 @@ depends_on = None
 
 
 def upgrade(names: TableNames = TableNames()) -> None:  # noqa: B008 - frozen value object
-    for statement in create_statements(names, op.get_context().dialect.name):
+    for statement in create_statements(names, op.get_context().dialect.name, revision="0001"):
         op.execute(statement)
 
 
 def downgrade(names: TableNames = TableNames()) -> None:  # noqa: B008
-    for statement in drop_statements(names, op.get_context().dialect.name):
+    for statement in drop_statements(names, op.get_context().dialect.name, revision="0001"):
         op.execute(statement)

@@ -20,7 +20,9 @@ __all__ = ["LockRow", "LockStats", "SweepReason", "lock_row"]
 
 # The columns every admin statement selects (or returns), in this order,
 # followed by the database's current time.
-COLUMNS = "lock_key, owner, token, fence, acquired_at, expires_at"
+COLUMNS = (
+    "lock_key, owner, token, fence, acquired_at, expires_at, slot, kind, mode, holders, permits"
+)
 
 
 class SweepReason(enum.Enum):
@@ -48,6 +50,27 @@ class LockRow:
     acquired_at: datetime
     expires_at: datetime
     now: datetime
+    #: Which row of the key (``''``: the head row; ``p0``…: semaphore permits; ``q…``: queued).
+    slot: str = ""
+    #: ``exclusive``, ``rw`` or ``semaphore``.
+    kind: str = "exclusive"
+    #: What the row stands for within its kind (``exclusive``, ``read``, ``permit``, …).
+    mode: str = "exclusive"
+    #: rw read phase: shared holds counted on the head row.
+    holders: int = 1
+    #: semaphore: N, the key's number of permits.
+    permits: int | None = None
+
+    @property
+    def kind_label(self) -> str:
+        """What the row is, for people: ``exclusive``, ``semaphore p1/3``,
+        ``rw read x2``, ``exclusive queued q…``."""
+        if self.kind == "semaphore":
+            return f"semaphore {self.slot}/{self.permits}"
+        mode = "" if self.mode == self.kind else f" {self.mode}"
+        holders = f" x{self.holders}" if self.kind == "rw" and self.holders != 1 else ""
+        slot = f" {self.slot}" if self.slot else ""
+        return f"{self.kind}{mode}{holders}{slot}"
 
     @property
     def age(self) -> float:
@@ -67,6 +90,11 @@ class LockRow:
         """For ``dblock list --json``: no token (it is the holder's, not the operator's)."""
         return {
             "key": self.key,
+            "slot": self.slot,
+            "kind": self.kind,
+            "mode": self.mode,
+            "holders": self.holders,
+            "permits": self.permits,
             "owner": self.owner,
             "fence": self.fence,
             "acquired_at": self.acquired_at.isoformat(),
@@ -101,7 +129,8 @@ class LockStats:
 
 def lock_row(row: Sequence[Any]) -> LockRow:
     """A :class:`LockRow` from ``COLUMNS`` and the database's now, as any dialect returns them."""
-    key, owner, token, fence, acquired_at, expires_at, now = row[:7]
+    key, owner, token, fence, acquired_at, expires_at = row[:6]
+    slot, kind, mode, holders, permits, now = row[6:12]
     return LockRow(
         key=key,
         owner=owner,
@@ -110,6 +139,11 @@ def lock_row(row: Sequence[Any]) -> LockRow:
         acquired_at=_utc(acquired_at),
         expires_at=_utc(expires_at),
         now=_utc(now),
+        slot=slot,
+        kind=kind,
+        mode=mode,
+        holders=int(holders),
+        permits=None if permits is None else int(permits),
     )
 
 

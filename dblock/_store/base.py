@@ -71,6 +71,8 @@ class Grant:
     # statement, so the caller can turn it into a local deadline without
     # trusting the client clock.
     expires_in: float
+    #: Which row of the key we hold (``''``: the head row; ``p3``: a semaphore permit).
+    slot: str = ""
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,6 +90,10 @@ class Holder:
     owner: str | None
     token: str | None
     expires_in: float | None
+    #: The kind of lock the key's head row is (``"exclusive"``, ``"rw"``, …),
+    #: when the statement read it; another kind than requested means the key
+    #: is used as another kind of lock (``KindMismatch``).
+    kind: str | None = None
 
 
 class Interrupted(BackendError):
@@ -519,6 +525,10 @@ class Store:
     def is_missing_table(self, exc: BaseException) -> bool:
         raise NotImplementedError
 
+    def notify_key(self, key: str) -> str:
+        """The key a release of ``key`` is announced under (see the semaphore's store)."""
+        return key
+
     def close(self) -> None:
         self.clean_orphans()
         self.executor.release_idle()
@@ -643,9 +653,25 @@ class Store:
         bound = f" LIMIT {int(limit)}" if limit is not None else ""
         sql = (
             f"SELECT {COLUMNS}, {self.now_sql} FROM {self.quoted(self.names.table)} "
-            f"{where}ORDER BY acquired_at, lock_key{bound}"
+            f"{where}ORDER BY acquired_at, lock_key, slot{bound}"
         )
         return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
+
+    def release_row(self, key: str, slot: str, token: str) -> bool:
+        """Delete one row of ``key`` of any kind (``dblock release --force``,
+        the admin pages), by its slot and the token read: False if it changed
+        hands meanwhile. Waiters are woken as by a release."""
+        bind = self.param_style.format
+        sql = (
+            f"DELETE FROM {self.quoted(self.names.table)} WHERE lock_key = {bind('key')} "
+            f"AND slot = {bind('slot')} AND token = {bind('token')}"
+        )
+        return self.run(sql, {"key": key, "slot": slot, "token": token}).rowcount > 0
+
+    def release_key(self, key: str) -> list[LockRow]:
+        """Delete every row of ``key`` (each by the token read, so a row that
+        changes hands meanwhile stays) and return those deleted."""
+        return [r for r in self.rows(key=key) if self.release_row(r.key, r.slot, r.token)]
 
     def stats(self) -> LockStats:
         """How many rows, how many of them expired, and the oldest."""

@@ -81,19 +81,22 @@ class MySQLStore(Store):
         t = self.quoted(self.names.table)
         now = "UTC_TIMESTAMP(6)"
         self._insert_sql = (
-            f"INSERT IGNORE INTO {t} (lock_key, owner, token, acquired_at, expires_at) "
-            f"SELECT %(key)s, %(owner)s, %(token)s, {now}, "
+            f"INSERT IGNORE INTO {t} (lock_key, slot, owner, token, acquired_at, expires_at) "
+            f"SELECT %(key)s, '', %(owner)s, %(token)s, {now}, "
             f"{now} + INTERVAL %(ttl_us)s MICROSECOND"
         )
         self._insert_returning_sql = self._insert_sql + " RETURNING fence, expires_at, acquired_at"
         self._holder_sql = (
-            f"SELECT token, owner, fence, expires_at, {now} FROM {t} WHERE lock_key = %(key)s"
+            f"SELECT token, owner, fence, expires_at, {now}, kind FROM {t} "
+            f"WHERE lock_key = %(key)s AND slot = ''"
         )
         self._takeover_sql = (
-            f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
+            f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "
             f"AND expires_at <= {now}"
         )
-        self._release_sql = f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s"
+        self._release_sql = (
+            f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s"
+        )
         self._now_sql = f"SELECT {now}"
         self._t = t
         # Capabilities are read from the server on first use, not at import.
@@ -177,8 +180,10 @@ class MySQLStore(Store):
         rows = (yield self._holder_sql, {"key": key}, True, False).rows
         if not rows:
             return None
-        row_token, row_owner, fence, expires_at, now = rows[0]
+        row_token, row_owner, fence, expires_at, now, kind = rows[0]
         expires_in = (expires_at - now).total_seconds()
+        if kind != "exclusive":
+            return Holder(row_owner, row_token, expires_in, kind)
         if row_token == token:
             # Our own row: an earlier attempt with this token committed although
             # its answer was lost.

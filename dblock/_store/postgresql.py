@@ -4,6 +4,9 @@ Acquire is one statement: ``INSERT … ON CONFLICT DO UPDATE … WHERE expired``
 takes a free or expired key; when the key is held the same statement reads
 the holder instead, so a waiter learns the holder's lease without a second
 round trip. ON CONFLICT never raises, so contention leaves the server log clean.
+The lock is the key's head row (``slot = ''``); the INSERT is skipped while
+the key has rows of another kind (semaphore permits, rw rows), and the read
+then returns one of those, so the caller raises ``KindMismatch``.
 
 The fence is drawn from the sequence under a transaction-scoped advisory
 lock on the key (two-int form: one class per lock table, the key's hash), so
@@ -64,26 +67,29 @@ class PostgresStore(Store):
             f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
             f"{_lock_class(self.names.table)}, hashtext(%(key)s))), "
             f"ins AS ("
-            f"INSERT INTO {t} AS t (lock_key, owner, token, fence, acquired_at, expires_at) "
-            f"SELECT %(key)s, %(owner)s, %(token)s, nextval('{seq}'), now(), {lease} FROM lk "
-            f"ON CONFLICT (lock_key) DO UPDATE SET owner = excluded.owner, "
+            f"INSERT INTO {t} AS t (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
+            f"SELECT %(key)s, '', %(owner)s, %(token)s, nextval('{seq}'), now(), {lease} FROM lk "
+            f"WHERE NOT EXISTS (SELECT FROM {t} WHERE lock_key = %(key)s AND kind <> 'exclusive') "
+            f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
-            f"WHERE t.expires_at <= now() "
-            f"RETURNING t.token, t.owner, t.fence, t.expires_at) "
-            f"SELECT token, owner, fence, expires_at, now() FROM ins "
+            f"WHERE t.expires_at <= now() AND t.kind = 'exclusive' "
+            f"RETURNING t.token, t.owner, t.fence, t.expires_at, t.kind) "
+            f"SELECT token, owner, fence, expires_at, now(), kind FROM ins "
             f"UNION ALL "
-            f"SELECT token, owner, fence, expires_at, now() FROM {t} "
-            f"WHERE lock_key = %(key)s AND NOT EXISTS (SELECT FROM ins)"
+            f"(SELECT token, owner, fence, expires_at, now(), kind FROM {t} "
+            f"WHERE lock_key = %(key)s AND NOT EXISTS (SELECT FROM ins) "
+            f"ORDER BY kind = 'exclusive', slot LIMIT 1)"
         )
         self._release_sql = (
-            f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
-            f"RETURNING lock_key) SELECT pg_notify(%(channel)s, lock_key) FROM gone"
+            f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' "
+            f"AND token = %(token)s RETURNING lock_key) "
+            f"SELECT pg_notify(%(channel)s, lock_key) FROM gone"
         )
         self._transfer_sql = (
             f"UPDATE {t} SET token = %(new_token)s, owner = %(owner)s, "
             f"fence = nextval('{seq}'), acquired_at = now(), expires_at = {lease} "
-            f"WHERE lock_key = %(key)s AND token = %(token)s "
+            f"WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "
             f"RETURNING fence, expires_at, now()"
         )
         self._renew_sql = (
@@ -104,11 +110,11 @@ class PostgresStore(Store):
         if not rows:
             # Held by a row our snapshot cannot see yet (committed an instant ago).
             return Holder(None, None, None)
-        row_token, row_owner, fence, expires_at, now = rows[0]
+        row_token, row_owner, fence, expires_at, now, kind = rows[0]
         expires_in = (expires_at - now).total_seconds()
         if row_token == token:
             return Grant(fence, expires_at, expires_in)
-        return Holder(row_owner, row_token, expires_in)
+        return Holder(row_owner, row_token, expires_in, kind)
 
     def release_steps(self, key: str, token: str) -> Steps[bool]:
         params = {"key": key, "token": token, "channel": self._channel}
@@ -189,6 +195,16 @@ class PostgresStore(Store):
 
     now_sql: ClassVar[str] = "now()"
 
+    def release_row(self, key: str, slot: str, token: str) -> bool:
+        t = self.quoted(self.names.table)
+        sql = (
+            f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s "
+            f"AND token = %(token)s RETURNING lock_key) "
+            f"SELECT pg_notify(%(channel)s, lock_key) FROM gone"
+        )
+        params = {"key": key, "slot": slot, "token": token, "channel": self._channel}
+        return bool(self.run(sql, params, fetch=True).rows)
+
     def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
         # SKIP LOCKED: a row being taken over or handed on right now is left
         # for the next batch instead of making the sweeper wait on it. The
@@ -198,8 +214,8 @@ class PostgresStore(Store):
         column = reason.column
         old = f"{column} <= now() - make_interval(secs => %(older_than)s)"
         sql = (
-            f"WITH gone AS (DELETE FROM {t} WHERE lock_key IN ("
-            f"SELECT lock_key FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
+            f"WITH gone AS (DELETE FROM {t} WHERE (lock_key, slot) IN ("
+            f"SELECT lock_key, slot FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
             f"FOR UPDATE SKIP LOCKED) AND {old} RETURNING {COLUMNS}) "
             f"SELECT {COLUMNS}, now(), pg_notify(%(channel)s, lock_key) FROM gone"
         )

@@ -40,22 +40,27 @@ class SQLiteStore(Store):
         t = self._t = self.quoted(self.names.table)
         fence = f"(SELECT value + 1 FROM {self.quoted(self.names.fence_table)} WHERE id = 1)"
         self._acquire_sql = (
-            f"INSERT INTO {t} (lock_key, owner, token, fence, acquired_at, expires_at) "
-            f"VALUES (:key, :owner, :token, {fence}, {NOW}, {NOW} + :ttl) "
-            f"ON CONFLICT (lock_key) DO UPDATE SET owner = excluded.owner, "
+            f"INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
+            f"SELECT :key, '', :owner, :token, {fence}, {NOW}, {NOW} + :ttl "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {t} AS b "
+            f"WHERE b.lock_key = :key AND b.kind <> 'exclusive') "
+            f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
-            f"WHERE {t}.expires_at <= excluded.acquired_at "
+            f"WHERE {t}.expires_at <= excluded.acquired_at AND {t}.kind = 'exclusive' "
             f"RETURNING fence, expires_at, acquired_at"
         )
         self._holder_sql = (
-            f"SELECT token, owner, fence, expires_at, {NOW} FROM {t} WHERE lock_key = :key"
+            f"SELECT token, owner, fence, expires_at, {NOW}, kind FROM {t} "
+            f"WHERE lock_key = :key ORDER BY kind = 'exclusive', slot LIMIT 1"
         )
-        self._release_sql = f"DELETE FROM {t} WHERE lock_key = :key AND token = :token"
+        self._release_sql = (
+            f"DELETE FROM {t} WHERE lock_key = :key AND slot = '' AND token = :token"
+        )
         self._transfer_sql = (
             f"UPDATE {t} SET token = :new_token, owner = :owner, fence = {fence}, "
             f"acquired_at = {NOW}, expires_at = {NOW} + :ttl "
-            f"WHERE lock_key = :key AND token = :token "
+            f"WHERE lock_key = :key AND slot = '' AND token = :token "
             f"RETURNING fence, expires_at, acquired_at"
         )
 
@@ -67,10 +72,10 @@ class SQLiteStore(Store):
                 return _grant(rows[0])
             rows = (yield self._holder_sql, {"key": key}, True, False).rows
             if rows:
-                row_token, row_owner, fence, expires_at, now = rows[0]
-                if row_token == token:
+                row_token, row_owner, fence, expires_at, now, kind = rows[0]
+                if row_token == token and kind == "exclusive":
                     return _grant((fence, expires_at, now))
-                return Holder(row_owner, row_token, expires_at - now)
+                return Holder(row_owner, row_token, expires_at - now, kind)
             # released between the two statements: try once more
         return Holder(None, None, None)
 

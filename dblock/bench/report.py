@@ -10,6 +10,7 @@ from typing import Any
 
 from .aio import TICK
 from .runner import Results
+from .uncontended import READ_LOCK
 
 __all__ = ["Target", "render_markdown", "targets", "write_chart"]
 
@@ -63,6 +64,19 @@ def targets(results: Results) -> list[Target]:
                 f"{_f(pg.cpu_ratio, 2)}× client CPU",
                 ratio <= 1.10,
                 "" if ratio <= 1.10 else f"missed by {(ratio / 1.10 - 1) * 100:.1f}%",
+            )
+        )
+    read = cycle.get(("postgresql", READ_LOCK))
+    if read is not None and read.ratio_exclusive is not None:
+        ratio = read.ratio_exclusive[1]
+        out.append(
+            Target(
+                "uncontended read_lock cycle vs the exclusive lock's (same run, paired per round)",
+                "≤ 1.20×",
+                f"{ratio:.3f}× wall (p10–p90 {read.ratio_exclusive[0]:.2f}–"
+                f"{read.ratio_exclusive[2]:.2f}), {_f(read.cpu_ratio_exclusive, 2)}× client CPU",
+                ratio <= 1.20,
+                "" if ratio <= 1.20 else f"missed by {(ratio / 1.20 - 1) * 100:.1f}%",
             )
         )
     for l1 in results.level1:

@@ -39,6 +39,7 @@ from .options import BenchOptions
 from .stats import percentile, spread
 
 __all__ = [
+    "READ_LOCK",
     "Contender",
     "CycleResult",
     "Level1Result",
@@ -87,6 +88,10 @@ class CycleResult:
     ratio_plain: float | None  # median wall over the plain INSERT/DELETE's median
     cpu_ratio: float | None  # median client CPU over the raw driver's
     error: str = ""
+    # The read lock only: to the exclusive dblock lock of the same database,
+    # paired per round like ``ratio`` (wall; and median client CPU).
+    ratio_exclusive: tuple[float, float, float] | None = None
+    cpu_ratio_exclusive: float | None = None
 
 
 def _owner() -> str:
@@ -148,6 +153,7 @@ def make_contenders(
         return Contender(db, name, cycle, manager.close, "dblock")
 
     made.append(dblock_contender("dblock", LockManager(bench.url, table=bench.table)))
+    made.append(_read_lock_contender(db, run, LockManager(bench.url, table=bench.table)))
     for variant in options.variants:
         manager = LockManager(bench.url, table=bench.table, **variant.manager_options())
         made.append(dblock_contender(f"dblock {variant.name}", manager))
@@ -160,6 +166,21 @@ def make_contenders(
             name = build.__doc__ or build.__name__
             missing.append(Unavailable(db, name.strip(), _reason(exc)))
     return made, missing
+
+
+#: The read-write lock's shared side, measured beside the exclusive lock.
+READ_LOCK = "dblock read_lock"
+
+
+def _read_lock_contender(db: str, run: str, manager: LockManager) -> Contender:
+    prefix = f"bench:{run}:read:"
+    read_lock = manager.read_lock
+
+    def cycle(i: int) -> None:
+        with read_lock(prefix + str(i)):
+            pass
+
+    return Contender(db, READ_LOCK, cycle, manager.close, "dblock")
 
 
 def _reason(exc: BaseException) -> str:
@@ -397,6 +418,7 @@ def _summarise(
     block: int,
 ) -> list[CycleResult]:
     by_kind: dict[tuple[str, str], Contender] = {(c.database, c.kind): c for c in contenders}
+    by_name: dict[tuple[str, str], Contender] = {(c.database, c.name): c for c in contenders}
     results = []
     for c in contenders:
         base_db = c.baseline_of or c.database
@@ -410,6 +432,11 @@ def _summarise(
             cpu_ratio = percentile(cpus[c.name], 50) / percentile(cpus[raw.name], 50)
         if plain is not None and plain is not c and mine and walls[plain.name]:
             ratio_plain = percentile(mine, 50) / percentile(walls[plain.name], 50)
+        ratio_ex = cpu_ex = None
+        exclusive = by_name.get((c.database, "dblock"))
+        if c.name == READ_LOCK and exclusive is not None and mine and walls[exclusive.name]:
+            ratio_ex = spread([a / b for a, b in zip(mine, walls[exclusive.name], strict=False)])
+            cpu_ex = percentile(cpus[c.name], 50) / percentile(cpus[exclusive.name], 50)
         results.append(
             CycleResult(
                 database=c.database,
@@ -420,6 +447,8 @@ def _summarise(
                 cpu_us=spread(cpus[c.name]),
                 ratio=ratio,
                 ratio_plain=ratio_plain,
+                ratio_exclusive=ratio_ex,
+                cpu_ratio_exclusive=cpu_ex,
                 cpu_ratio=cpu_ratio,
                 error=errors.get(c.name, ""),
             )

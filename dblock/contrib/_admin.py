@@ -75,7 +75,8 @@ def _drain(manager: LockManager, reason: SweepReason, older_than: float) -> int:
 
 
 def force_release(manager: LockManager, key: str) -> bool:
-    """Delete the row of ``key`` whoever holds it. True if there was one.
+    """Delete every row of ``key`` (the exclusive holder's, every semaphore
+    permit, read-write rows) whoever holds them. True if there was one.
 
     The holder is not told: its work goes on without mutual exclusion until
     it finds out on release (:class:`~dblock.LockLost`). Meant for locks whose
@@ -87,7 +88,7 @@ def force_release(manager: LockManager, key: str) -> bool:
         if not found:
             return False
         # By the token read: a row that changed hands meanwhile is read again.
-        if manager.store.release(key, found[0].token):
+        if manager.store.release_key(key):
             return True
     return False
 

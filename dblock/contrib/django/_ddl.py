@@ -15,12 +15,20 @@ from sqlalchemy import Column, MetaData, PrimaryKeyConstraint, String, Table
 from sqlalchemy.engine import Dialect
 from sqlalchemy.schema import CreateTable, DropTable
 
-from ...schema import TableNames, create_statements, drop_statements
+from ...errors import DowngradeRefused
+from ...schema import HEAD_REVISION, TableNames, create_statements, drop_statements
+from ...schema_upgrade import downgrade_0002, live_other_kinds_sql, upgrade_0002
 
-__all__ = ["ALEMBIC_REVISION", "create_sql", "drop_sql"]
+__all__ = [
+    "ALEMBIC_REVISION",
+    "create_sql",
+    "downgrade_0002_sql",
+    "drop_sql",
+    "upgrade_0002_sql",
+]
 
-#: The alembic revision this migration's schema is (``alembic/versions``).
-ALEMBIC_REVISION = "0001"
+#: The alembic revision the schema made by :func:`create_sql` is (``alembic/versions``).
+ALEMBIC_REVISION = HEAD_REVISION
 
 
 def _dialect(vendor: str) -> Dialect:
@@ -70,3 +78,50 @@ def drop_sql(vendor: str, names: TableNames) -> list[str]:
     dialect = _dialect(vendor)
     sql = [_compile(DropTable(_version_table(names)), dialect)]
     return sql + [_compile(s, dialect) for s in drop_statements(names, dialect.name)]
+
+
+def _pk_name(connection: Any, table: str) -> str | None:
+    with connection.cursor() as cursor:
+        constraints = connection.introspection.get_constraints(cursor, table)
+    for name, info in constraints.items():
+        if info.get("primary_key"):
+            return str(name)
+    return None
+
+
+def version_of(connection: Any, names: TableNames) -> str | None:
+    """The alembic revision recorded for the lock table, if any."""
+    if names.version_table not in connection.introspection.table_names():
+        return None
+    quote = _dialect(connection.vendor).identifier_preparer.quote
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT version_num FROM {quote(names.version_table)}")
+        row = cursor.fetchone()
+    return None if row is None else str(row[0])
+
+
+def _set_version(dialect: Dialect, names: TableNames, revision: str) -> str:
+    quote = dialect.identifier_preparer.quote
+    return f"UPDATE {quote(names.version_table)} SET version_num = '{revision}'"
+
+
+def upgrade_0002_sql(connection: Any, names: TableNames) -> list[str]:
+    """Statements bringing a 0001 lock table on Django's ``connection`` to 0002, in place."""
+    dialect = _dialect(connection.vendor)
+    pk = _pk_name(connection, names.table) if connection.vendor == "postgresql" else None
+    sql = [_compile(s, dialect) for s in upgrade_0002(names, dialect, None, pk_name=pk)]
+    return [*sql, _set_version(dialect, names, "0002")]
+
+
+def downgrade_0002_sql(connection: Any, names: TableNames) -> list[str]:
+    """Statements bringing the lock table back to 0001; refuses
+    (:class:`~dblock.errors.DowngradeRefused`) while live rows of other kinds exist."""
+    dialect = _dialect(connection.vendor)
+    with connection.cursor() as cursor:
+        cursor.execute(live_other_kinds_sql(names, dialect))
+        live = [str(r[0]) for r in cursor.fetchall()]
+    if live:
+        raise DowngradeRefused(names.table, "0001", live)
+    pk = _pk_name(connection, names.table) if connection.vendor == "postgresql" else None
+    sql = [_compile(s, dialect) for s in downgrade_0002(names, dialect, None, pk_name=pk)]
+    return [*sql, _set_version(dialect, names, "0001")]

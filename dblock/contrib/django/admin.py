@@ -84,15 +84,50 @@ class KeyPrefixFilter(admin.SimpleListFilter):
 
 @admin.register(Lock)
 class LockAdmin(admin.ModelAdmin):
-    list_display = ("lock_key", "owner", "fence", "held_for", "lease", "acquired_at", "expires_at")
-    list_filter = (KeyPrefixFilter, LeaseFilter, AgeFilter)
+    list_display = (
+        "lock_key",
+        "kind",
+        "mode",
+        "slot",
+        "owner",
+        "fence",
+        "held_for",
+        "lease",
+        "acquired_at",
+        "expires_at",
+    )
+    list_filter = (KeyPrefixFilter, "kind", LeaseFilter, AgeFilter)
     search_fields = ("lock_key", "owner")
-    readonly_fields = ("lock_key", "owner", "fence", "acquired_at", "expires_at")
+    readonly_fields = (
+        "lock_key",
+        "kind",
+        "mode",
+        "slot",
+        "holders",
+        "permits",
+        "owner",
+        "fence",
+        "acquired_at",
+        "expires_at",
+    )
     exclude = ("token",)  # what release matches on: not for display
     actions = ("force_release",)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Lock]:
         return super().get_queryset(request).using(conf.database_alias())
+
+    def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
+        # A key may have several rows (semaphore permits, read-write rows):
+        # the page of a key shows its first row; the list shows them all.
+        queryset = self.get_queryset(request)
+        field = (
+            self.model._meta.pk if from_field is None else self.model._meta.get_field(from_field)
+        )
+        try:
+            value = field.to_python(object_id)
+        except Exception:  # what ModelAdmin.get_object does with a malformed id
+            return None
+        return queryset.filter(**{field.name: value}).order_by("slot").first()
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -120,12 +155,15 @@ class LockAdmin(admin.ModelAdmin):
             return marked
         return _span(left)
 
-    @admin.action(description="Force-release the selected locks", permissions=["force_release"])
+    @admin.action(
+        description="Force-release the selected locks (every row of their keys)",
+        permissions=["force_release"],
+    )
     def force_release(self, request: HttpRequest, queryset: QuerySet[Lock]) -> None:
         manager = get_manager()
         released = []
         try:
-            for key in queryset.values_list("lock_key", flat=True):
+            for key in sorted(set(queryset.values_list("lock_key", flat=True))):
                 if _admin.force_release(manager, key):
                     released.append(key)
         except DBLockError as exc:

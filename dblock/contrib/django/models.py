@@ -41,7 +41,15 @@ class LockTimeField(models.DateTimeField):
 
 
 class Lock(models.Model):
+    # Not the table's whole primary key since revision 0002 (that is
+    # ``(lock_key, slot)``): a key may have several rows (semaphore permits,
+    # read-write rows); the admin reads rows by key and acts on whole keys.
     lock_key = models.CharField("key", max_length=255, primary_key=True)
+    slot = models.CharField(max_length=64, default="")
+    kind = models.CharField(max_length=16, default="exclusive")
+    mode = models.CharField(max_length=16, default="exclusive")
+    holders = models.IntegerField(default=1)
+    permits = models.IntegerField(null=True)
     owner = models.CharField(max_length=255)
     token = models.CharField(max_length=32)
     fence = models.BigIntegerField()

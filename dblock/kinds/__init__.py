@@ -1,0 +1,31 @@
+"""More kinds of lock than the exclusive one (issue 12): one module each.
+
+* :mod:`dblock.kinds.semaphore`: N permits per key (``LockManager.semaphore``).
+* read-write locks and the fair queue are added here as ``rw.py`` and ``fair.py``.
+
+Shared conventions (the table since revision 0002, see ``dblock.schema``):
+every row has ``(lock_key, slot)`` as its key and carries ``kind``,
+``mode``, ``holders`` and ``permits`` next to owner, token, fence and lease.
+Slot ``''`` is a key's head row (the exclusive holder, the rw head, the fair
+queue's holder); semaphore permits use ``p0`` … ``p{N-1}``; fair-queue
+waiters ``q`` + the ticket zero-padded to 20 digits; a rw writer-intent row
+``w`` + something. A key is used with one kind: :data:`KINDS` names them,
+and a request of another kind raises :class:`~dblock.errors.KindMismatch`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EXCLUSIVE", "HEAD_SLOT", "KINDS", "RW", "SEMAPHORE", "describe"]
+
+EXCLUSIVE = "exclusive"
+RW = "rw"
+SEMAPHORE = "semaphore"
+#: Every value of the ``kind`` column.
+KINDS = (EXCLUSIVE, RW, SEMAPHORE)
+#: The slot of a key's head row.
+HEAD_SLOT = ""
+
+
+def describe(kind: str, permits: int | None = None) -> str:
+    """How :class:`~dblock.errors.KindMismatch` names a kind: ``semaphore(3)``, ``rw``."""
+    return f"{kind}({permits})" if kind == SEMAPHORE and permits is not None else kind

@@ -1,0 +1,727 @@
+"""The read-write lock: ``locks.read_lock(key)`` and ``locks.write_lock(key)``.
+
+Two levels, as for the exclusive lock:
+
+Level 1 (this process). One :class:`_Entry` per key in use. Readers of a
+key share ONE database-level hold: the first local reader takes it, later
+ones join it locally (no SQL), the last one releases it. A local writer
+queues behind the holders; once a writer queues, new local readers queue
+behind it (writer preference), and a read hold is shared locally at most
+``handoff_limit`` times before new readers wait for it to drain, so a
+writer of another process (whose intent the database-level grant respects)
+is not starved by a stream of overlapping readers here. Re-entrant per
+owner (thread or asyncio task); a writer may read its own key (and keeps
+the read when it releases the write: a downgrade, done in one statement);
+a reader asking to write is refused (:class:`~dblock.UpgradeRefused`)
+instead of deadlocking.
+
+Level 2 (the database): see :mod:`dblock._store.rw`. The head row decides
+every grant in one statement.
+
+Every local holder has its own :class:`RwHeld` (a :class:`~dblock.HeldLock`:
+fence, expires_at, lost, extend(), release()), tracked by a renewal thread of
+its own; holders sharing one database hold are renewed by one statement.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, cast
+
+from .._store import Backoff, Lease, Store
+from .._store.base import Interrupted, never_sent
+from .._store.rw import READ, WRITE, RwStatements, rw_statements
+from ..config import Config
+from ..errors import (
+    BackendError,
+    KindMismatch,
+    LockBusy,
+    LockLost,
+    LockNotHeld,
+    LockTimeout,
+    ManagerClosed,
+    UpgradeRefused,
+)
+from ..lock import HeldLock, Locker, LockOptions, _refuse_on_event_loop
+from ..registry import current_owner, owner_name, thread_owner
+from ..renewal import RENEW_AT, Renewer
+
+if TYPE_CHECKING:
+    from .._store import Grant
+
+__all__ = ["RwHeld", "RwLocker"]
+
+log = logging.getLogger("dblock")
+_monotonic = time.monotonic
+
+# Wake this long after the holder's lease ends, so the takeover finds it expired.
+_EXPIRY_MARGIN = 0.002
+# A waiting writer renews its intent row when this fraction of its lease has passed.
+_INTENT_RENEW = 1 / 3
+_DEADLOCK = (1213, 1205)
+# A waiting request that loses the database retries after 50 ms, doubling up to 1 s.
+_OUTAGE_INITIAL = 0.05
+_OUTAGE_MAX = 1.0
+#: A turn at level 1 that must first look for writers of other processes.
+_CHECK: Any = object()
+_TOKEN_LEN = 32
+
+
+class _Hold:
+    """One database-level grant of this process: a read phase joined (or
+    started), or a write hold. ``token`` is the head row's token (the read
+    phase's epoch, or the writer's). ``expires_mono`` is the end of its lease
+    by this process's clock, counted from before the statement was sent."""
+
+    __slots__ = ("expires_at", "expires_mono", "fence", "lost", "mode", "token")
+
+    def __init__(
+        self, mode: str, token: str, fence: int, expires_at: datetime, expires_mono: float
+    ) -> None:
+        self.mode = mode
+        self.token = token
+        self.fence = fence
+        self.expires_at = expires_at
+        self.expires_mono = expires_mono
+        self.lost: str | None = None
+
+
+class _Who:
+    """What HeldLock reads from a registry entry: the key and the owner."""
+
+    __slots__ = ("key", "owner")
+
+    def __init__(self, key: str, owner: object) -> None:
+        self.key = key
+        self.owner = owner
+
+
+class _Request:
+    __slots__ = ("mode", "owner")
+
+    def __init__(self, mode: str, owner: object) -> None:
+        self.mode = mode
+        self.owner = owner
+
+
+class _Entry:
+    """Level 1 for one key: who holds it here, and who waits."""
+
+    __slots__ = ("busy", "draining", "hold", "joins", "key", "queue", "readers", "writer")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.readers: dict[object, RwHeld] = {}
+        self.writer: RwHeld | None = None
+        self.hold: _Hold | None = None
+        # A statement on the hold is under way (acquire, release, downgrade):
+        # nobody else may start one or join meanwhile.
+        self.busy = False
+        self.queue: list[_Request] = []
+        # Local shares of the read hold since it was taken or last checked, and
+        # whether it is draining (a writer of another process waits).
+        self.joins = 0
+        self.draining = False
+
+    @property
+    def empty(self) -> bool:
+        return not self.readers and self.writer is None and not self.busy and not self.queue
+
+
+class RwHeld(HeldLock):
+    """A read or write lock held by one owner (``mode`` says which)."""
+
+    __slots__ = ("_depth", "_hold", "_rw", "mode")
+
+    _locker: Any
+
+    def __init__(
+        self,
+        rw: RwLocker,
+        entry: _Entry,
+        owner: object,
+        hold: _Hold,
+        *,
+        mode: str,
+        label: str,
+        ttl: float,
+        options: LockOptions,
+    ) -> None:
+        rw._serial += 1
+        now = _monotonic()
+        super().__init__(
+            cast(Locker, rw),
+            cast(Any, _Who(entry.key, owner)),
+            token=f"{hold.token}:{rw._serial}",
+            owner=label,
+            ttl=ttl,
+            grant=cast("Grant", _GrantView(hold, now)),
+            sent_at=now,
+            options=options,
+        )
+        self.mode = mode
+        self._hold = hold
+        self._rw = entry
+        self._depth = 1
+
+    def _renewed(self, expires_at: datetime, expires_mono: float) -> None:
+        super()._renewed(expires_at, expires_mono)
+        hold = self._hold
+        if expires_mono > hold.expires_mono:  # local holders joining later start from it
+            hold.expires_at, hold.expires_mono = expires_at, expires_mono
+
+    def _mark_lost(self, reason: str) -> bool:
+        if not super()._mark_lost(reason):
+            return False
+        # Nobody of this process joins a hold one of its holders lost.
+        self._hold.lost = self._hold.lost or reason
+        return True
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"expires_at={self.expires_at.isoformat()}"
+        return f"<RwHeld {self.mode} {self.key!r} fence={self.fence} {state}>"
+
+
+class _GrantView:
+    """A hold seen as a store Grant (what HeldLock is built from)."""
+
+    __slots__ = ("expires_at", "expires_in", "fence")
+
+    def __init__(self, hold: _Hold, now: float) -> None:
+        self.fence = hold.fence
+        self.expires_at = hold.expires_at
+        self.expires_in = hold.expires_mono - now
+
+
+class _Renewals:
+    """The store face the renewal thread sees: renews the head rows of the
+    holds behind the handles it is given (one row per hold, however many
+    local holders share it)."""
+
+    def __init__(self, store: Store, statements: RwStatements) -> None:
+        self._store = store
+        self._statements = statements
+
+    @property
+    def has_orphans(self) -> bool:
+        return self._store.has_orphans
+
+    def clean_orphans(self) -> None:
+        self._store.clean_orphans()
+
+    def renew(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+        rows: dict[tuple[str, str], float] = {}
+        for key, token, ttl in locks:
+            row = (key, token[:_TOKEN_LEN])
+            rows[row] = max(rows.get(row, 0.0), ttl)
+        leases = self._statements.renew([(k, t, ttl) for (k, t), ttl in rows.items()])
+        out: dict[str, Lease] = {}
+        for _, token, _ in locks:
+            lease = leases.get(token[:_TOKEN_LEN])
+            if lease is not None:
+                out[token] = lease
+        return out
+
+
+class RwLocker:
+    """Read-write locks over one store; made by the manager on first use."""
+
+    def __init__(self, store: Store, config: Config, locker: Locker) -> None:
+        self.store = store
+        self.config = config
+        self._locker = locker
+        self.statements = rw_statements(store)
+        self.defaults = locker.defaults
+        self._entries: dict[str, _Entry] = {}
+        self._mutex = threading.Lock()
+        self._changed = threading.Condition(self._mutex)
+        self._join_limit = max(config.handoff_limit, 1)
+        self._serial = 0
+        self._closing = False
+        self.renewer = Renewer(
+            cast(Store, _Renewals(store, self.statements)),
+            idle_tick=config.ttl * RENEW_AT,
+            abandon=self._abandon,
+        )
+
+    # -- what HeldLock asks of its locker ------------------------------------
+
+    def _collected(self, ref: object) -> None:
+        """Handles are kept by their entry until released: never collected held."""
+
+    def extend(self, held: HeldLock, ttl: float) -> None:
+        assert isinstance(held, RwHeld)
+        if held._released:
+            raise LockNotHeld(f"lock {held.key!r} is not held (already released)")
+        if held._lost is not None:
+            raise LockLost(held.key, held._lost)
+        sent_at = _monotonic()
+        token = held._hold.token
+        lease = self.statements.renew([(held.key, token, ttl)]).get(token)
+        if lease is None:
+            self.renewer.lose(held, "its row was gone or held by another owner at extend()")
+            raise LockLost(held.key, held._lost or "its row was gone or held by another owner")
+        held._renewed(lease.expires_at, sent_at + lease.expires_in)
+
+    # -- acquire -------------------------------------------------------------
+
+    def acquire(
+        self,
+        key: str,
+        mode: str,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        ttl: float,
+        options: LockOptions | None = None,
+    ) -> RwHeld:
+        opts = options or self.defaults
+        me = current_owner()
+        deadline = None if timeout is None else _monotonic() + timeout
+        with self._mutex:
+            if self._closing:
+                raise ManagerClosed("this LockManager is closed")
+            entry = self._entries.get(key)
+            if entry is None:
+                # Nobody here holds or wants the key: straight to the database.
+                if self._locker.registry.get(key) is not None:
+                    raise KindMismatch(
+                        key, requested="rw", existing="exclusive", where="in this process"
+                    )
+                entry = self._entries[key] = _Entry(key)
+            else:
+                mine = self._reenter(entry, me, mode, ttl, opts)
+                if mine is not None:
+                    return mine
+                lead = self._queue(entry, _Request(mode, me), blocking, deadline, timeout)
+                if not lead:  # shared the read hold of this process
+                    assert entry.hold is not None
+                    label = self._locker.owner_label(me)
+                    return self._new_holder(entry, me, entry.hold, READ, label, ttl, opts)
+            entry.busy = True
+        # Level 2: this request alone talks to the database for this key.
+        label = self._locker.owner_label(me)
+        hold: _Hold | None = None
+        try:
+            hold = self._acquire_row(key, mode, label, blocking, deadline, timeout, ttl)
+        finally:
+            with self._mutex:
+                entry.busy = False
+                if hold is not None:
+                    entry.hold = hold
+                    entry.joins = 0
+                    entry.draining = False
+                    held = self._new_holder(entry, me, hold, mode, label, ttl, opts)
+                else:
+                    self._forget(entry)
+                if entry.queue:
+                    self._changed.notify_all()
+        return held
+
+    def _reenter(
+        self, entry: _Entry, me: object, mode: str, ttl: float, opts: LockOptions
+    ) -> RwHeld | None:
+        """Under the mutex: what ``me`` already holds answers at once."""
+        writer = entry.writer
+        if mode == READ:
+            mine = entry.readers.get(me)
+            if mine is not None:
+                if mine._lost is not None:
+                    raise LockLost(entry.key, mine._lost)
+                mine._depth += 1
+                return mine
+            if writer is not None and writer._owner is me:
+                # A writer reads its own key: no SQL (the write hold covers it).
+                label = self._locker.owner_label(me)
+                return self._new_holder(entry, me, writer._hold, READ, label, ttl, opts)
+            return None
+        if writer is not None and writer._owner is me:
+            if writer._lost is not None:
+                raise LockLost(entry.key, writer._lost)
+            writer._depth += 1
+            return writer
+        if me in entry.readers:
+            raise UpgradeRefused(
+                f"{owner_name(me)} holds a read lock on {entry.key!r} and asked for its write "
+                "lock: an upgrade could deadlock (two readers upgrading wait for each other), "
+                "so it is refused; release the read lock first, or take the write lock from "
+                "the start (a writer may take the read lock of its own key)"
+            )
+        return None
+
+    def _queue(
+        self,
+        entry: _Entry,
+        request: _Request,
+        blocking: bool,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> bool:
+        """Under the mutex: queue behind this process's holders and earlier
+        requests; True to lead (talk to the database), False to share the read hold."""
+        entry.queue.append(request)
+        try:
+            while True:
+                turn = self._wait_turn(entry, request, blocking, deadline, timeout)
+                if turn is not _CHECK:
+                    return bool(turn)
+                self._check_writers(entry)
+        except BaseException:
+            if request in entry.queue:
+                entry.queue.remove(request)
+            self._changed.notify_all()
+            self._forget(entry)
+            raise
+
+    def _check_writers(self, entry: _Entry) -> None:
+        """Under the mutex, which it lets go meanwhile: the read hold of this
+        process was shared ``handoff_limit`` times; if a writer of another
+        process waits for the key, let the hold drain (new local readers wait
+        for it to be released and taken again at the database, where the
+        writer's intent holds them back); else share on."""
+        entry.busy = True
+        waiting = True
+        self._mutex.release()
+        try:
+            waiting = self.store.drive(self.statements.writer_waiting_steps(entry.key))
+        except BackendError as exc:
+            log.warning("dblock: could not look for writers waiting on %r: %s", entry.key, exc)
+        finally:
+            self._mutex.acquire()
+            entry.busy = False
+        if waiting:
+            entry.draining = True
+        else:
+            entry.joins = 0
+        self._changed.notify_all()
+
+    def _wait_turn(
+        self,
+        entry: _Entry,
+        request: _Request,
+        blocking: bool,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> object:
+        """Under the mutex: wait until ``request`` may share this process's read
+        hold (False), talk to the database itself (True), or must first look
+        for writers of other processes (:data:`_CHECK`)."""
+        waited = False
+        while True:
+            if self._closing:
+                raise ManagerClosed(f"the LockManager was closed while waiting for {entry.key!r}")
+            turn = self._turn(entry, request)
+            if turn is _CHECK:
+                return turn
+            if turn is not None:
+                entry.queue.remove(request)
+                if turn is False:
+                    entry.joins += 1
+                return turn
+            if not blocking:
+                raise LockBusy(entry.key, level=1)
+            left = None if deadline is None else deadline - _monotonic()
+            if left is not None and left <= 0:
+                raise LockTimeout(entry.key, timeout=timeout or 0.0, level=1)
+            if not waited and left != 0:
+                _refuse_on_event_loop(entry.key)
+                waited = True
+            self._changed.wait(left)
+
+    def _turn(self, entry: _Entry, request: _Request) -> object:
+        """True: lead (talk to the database); False: share the read hold;
+        :data:`_CHECK`: look for writers elsewhere first; None: wait."""
+        if entry.busy or entry.writer is not None:
+            return None
+        at = entry.queue.index(request)
+        hold = entry.hold
+        if request.mode == WRITE:
+            return True if at == 0 and not entry.readers and hold is None else None
+        if any(r.mode == WRITE for r in entry.queue[:at]):
+            return None  # a writer queued first: no overtaking
+        if hold is None:
+            return True
+        if hold.mode != READ or hold.lost is not None or entry.draining:
+            return None
+        return False if entry.joins < self._join_limit else _CHECK
+
+    def _new_holder(  # noqa: PLR0917 - private, called in three places
+        self,
+        entry: _Entry,
+        me: object,
+        hold: _Hold,
+        mode: str,
+        label: str,
+        ttl: float,
+        opts: LockOptions,
+    ) -> RwHeld:
+        held = RwHeld(
+            self,
+            entry,
+            me,
+            hold,
+            mode=mode,
+            label=label,
+            ttl=ttl,
+            options=opts,
+        )
+        if mode == READ:
+            entry.readers[me] = held
+        else:
+            entry.writer = held
+        self.renewer.track(held)
+        held._ref.tracked = True
+        return held
+
+    def _acquire_row(  # noqa: PLR0912, PLR0915, PLR0917 - one loop, so one `finally` owns the clean-up
+        self,
+        key: str,
+        mode: str,
+        owner: str,
+        blocking: bool,
+        deadline: float | None,
+        timeout: float | None,
+        ttl: float,
+    ) -> _Hold:
+        """Level 2: grant statements until granted (or refused, or out of time).
+        A waiting writer keeps an intent row, so new readers hold back."""
+        store, statements = self.store, self.statements
+        token = intent = os.urandom(16).hex()
+        wait = None
+        intent_at: float | None = None
+        outage: Backoff | None = None
+        try:
+            while True:
+                if self._closing:
+                    raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
+                if wait is not None:
+                    wait.prepare()
+                sent_at = _monotonic()
+                try:
+                    row = store.drive(statements.grant_steps(mode, key, token, owner, ttl))
+                except BackendError as exc:
+                    if _deadlocked(exc):
+                        row = None  # an InnoDB deadlock victim: contention, try again
+                    else:
+                        if mode == WRITE and isinstance(exc, Interrupted):
+                            self._orphan(key, token)
+                            token = os.urandom(16).hex()  # that one may be in the row now
+                        outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
+                        self._ride_out(key, exc, deadline, outage, waiting=wait is not None)
+                        continue
+                except BaseException as exc:
+                    if mode == WRITE and not never_sent(exc):
+                        self._orphan(key, token)
+                    raise
+                outage = None
+                if row is not None and row.granted:
+                    epoch = token if mode == WRITE else row.token
+                    expires_mono = sent_at + row.expires_in
+                    return _Hold(mode, epoch, row.fence, row.expires_at, expires_mono)
+                if row is not None and row.kind != "rw":
+                    raise KindMismatch(
+                        key,
+                        requested="rw",
+                        existing=row.kind,
+                        where="in the table",
+                    )
+                holder = None if row is None else row.owner
+                if not blocking:
+                    raise LockBusy(key, level=2, holder=holder)
+                limit = float("inf") if deadline is None else deadline - _monotonic()
+                if limit <= 0:
+                    raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=holder)
+                if mode == WRITE and (
+                    intent_at is None or _monotonic() - intent_at > ttl * _INTENT_RENEW
+                ):
+                    intent_at = _monotonic()
+                    store.drive(statements.intent_steps(key, intent, owner, ttl))
+                if row is not None:
+                    limit = min(limit, max(row.expires_in, 0.0) + _EXPIRY_MARGIN)
+                if mode == WRITE:
+                    limit = min(limit, ttl * _INTENT_RENEW)
+                if wait is None:
+                    _refuse_on_event_loop(key)
+                    wait = store.waiter(key, sent_at)
+                wait.sleep(limit)
+        finally:
+            if wait is not None:
+                wait.close()
+            if intent_at is not None:
+                try:
+                    store.drive(statements.drop_intent_steps(key, intent))
+                except BackendError as exc:
+                    log.warning("dblock: could not drop the write intent on %r: %s", key, exc)
+
+    @staticmethod
+    def _ride_out(
+        key: str, exc: BackendError, deadline: float | None, outage: Backoff, *, waiting: bool
+    ) -> None:
+        """A waiting request that lost the database (a restart, a failover)
+        waits and tries again until its own deadline, then raises what it saw;
+        one that was not waiting yet (a wrong URL, a dead server) raises at once.
+        A read grant whose outcome stayed unknown may have been counted: that
+        count is a crashed reader's, ended by the read phase's lease."""
+        limit = float("inf") if deadline is None else deadline - _monotonic()
+        if limit <= 0 or not waiting:
+            raise exc
+        log.warning("dblock: waiting for %r; the database is unreachable, retrying: %s", key, exc)
+        time.sleep(outage.step(limit))
+
+    def _orphan(self, key: str, token: str) -> None:
+        """A write grant that may have committed unseen: its row (slot '', our
+        token) is deleted as soon as the database answers, by the renewal thread."""
+        self.store.add_orphan(key, token)
+        self.renewer.post(_noop)
+
+    # -- release -------------------------------------------------------------
+
+    def release(self, held: HeldLock, *, force: bool = False) -> bool:
+        assert isinstance(held, RwHeld)
+        if held._released:
+            if held._revoked and held._lost is not None:
+                raise LockLost(held.key, held._lost)
+            raise LockNotHeld(f"lock {held.key!r} is not held (already released)")
+        if not force and held._owner is not thread_owner():
+            self._locker.check_owner(held)
+        with self._mutex:
+            if held._released:
+                raise LockNotHeld(f"lock {held.key!r} is not held (already released)")
+            if held._depth > 1 and not force:
+                held._depth -= 1
+                return True
+        return self._let_go(held, None)
+
+    def _let_go(self, held: RwHeld, revoked: str | None) -> bool:
+        """Release every level of ``held``; the statement it takes, if any."""
+        entry = held._rw
+        hold = held._hold
+        with self._mutex:
+            if held._released:
+                return False
+            held._released = True
+            held._ref.live = False
+            self.renewer.untrack(held)
+            if revoked is not None:
+                held._revoked = True
+                if held._lost is None:
+                    held._lost = revoked
+                    self.renewer.notify_lost(held)
+            statement = self._leave(entry, held)
+        if statement is None:
+            return self._outcome(held, True)
+        key, statements, drive = held.key, self.statements, self.store.drive
+        try:
+            if statement == "release_read":
+                ok = drive(statements.release_read_steps(key, hold.token))
+            elif statement == "release_write":
+                ok = drive(statements.release_write_steps(key, hold.token))
+            else:
+                ok = drive(statements.downgrade_steps(key, hold.token))
+        except BackendError as exc:
+            log.error(
+                "dblock: releasing %r failed; the row stays until its lease ends or the "
+                "sweeper removes it: %s",
+                key,
+                exc,
+            )
+            if statement == "release_write":
+                # Deleted (if still ours) as soon as the database answers again.
+                self.store.add_orphan(key, hold.token, released=True)
+            self._finish(entry, held, hold, statement, statement != "downgrade")
+            return False
+        except BaseException:
+            self._finish(entry, held, hold, statement, statement != "downgrade")
+            raise
+        self._finish(entry, held, hold, statement, ok)
+        if not ok and held._lost is None:
+            held._lost = "its row was gone or held by another owner at release"
+        return self._outcome(held, True)
+
+    @staticmethod
+    def _leave(entry: _Entry, held: RwHeld) -> str | None:
+        """Under the mutex: take ``held`` out of level 1; the statement its
+        database hold needs now, if any (and the entry is busy until it ran)."""
+        me = held._owner
+        if held.mode == READ:
+            entry.readers.pop(me, None)
+            if entry.writer is not None or entry.readers:
+                return None  # the hold is still someone else's here
+            statement = "release_read"
+        else:
+            entry.writer = None
+            statement = "downgrade" if me in entry.readers else "release_write"
+        entry.busy = True
+        if statement != "downgrade":
+            entry.hold = None
+            entry.draining = False
+        return statement
+
+    def _finish(self, entry: _Entry, held: RwHeld, hold: _Hold, statement: str, ok: bool) -> None:
+        lost_readers: list[RwHeld] = []
+        with self._mutex:
+            entry.busy = False
+            if statement == "downgrade":
+                hold.mode = READ
+                entry.hold = hold
+                entry.joins = 1
+                if not ok:
+                    hold.lost = "its row was gone or held by another owner at downgrade"
+                    lost_readers = list(entry.readers.values())
+            self._forget(entry)
+            self._changed.notify_all()
+        for reader in lost_readers:
+            self.renewer.lose(reader, hold.lost or "lost")
+
+    @staticmethod
+    def _outcome(held: RwHeld, ok: bool) -> bool:
+        if held._lost is not None and not held._revoked:
+            raise LockLost(held.key, held._lost)
+        return ok
+
+    def _forget(self, entry: _Entry) -> None:
+        """Under the mutex: drop the key's entry once nobody holds or wants it."""
+        if entry.empty and self._entries.get(entry.key) is entry:
+            del self._entries[entry.key]
+
+    def _abandon(self, held: HeldLock, reason: str) -> None:
+        """The renewal thread found the owner gone (or the manager closes)."""
+        assert isinstance(held, RwHeld)
+        log.warning("dblock: lock %r released: %s", held.key, reason)
+        self._let_go(held, reason)
+
+    # -- life cycle ----------------------------------------------------------
+
+    def close(self, timeout: float) -> None:
+        with self._mutex:
+            self._closing = True
+            self._changed.notify_all()
+        deadline = _monotonic() + timeout
+        while self.renewer.tracked and _monotonic() < deadline:
+            time.sleep(min(0.02, max(deadline - _monotonic(), 0.0)))
+        for held in self.renewer.held_locks():
+            assert isinstance(held, RwHeld)
+            log.error("dblock: lock %r released and lost: the LockManager was closed", held.key)
+            self._let_go(held, "the LockManager was closed while it was held")
+        self.renewer.close()
+
+    def after_fork(self) -> None:
+        self._entries = {}
+        self._mutex = threading.Lock()
+        self._changed = threading.Condition(self._mutex)
+        self.renewer.after_fork()
+
+
+def _noop() -> None:
+    """A job that only wakes the renewal thread (which cleans orphans on its pass)."""
+
+
+def _deadlocked(exc: BackendError) -> bool:
+    cause = exc.__cause__
+    args: tuple[object, ...] = getattr(getattr(cause, "orig", None) or cause, "args", ())
+    return bool(args) and args[0] in _DEADLOCK
