@@ -72,7 +72,7 @@ from .lock import (
     _noop,
 )
 from .manager import LockManager, _level2, _until_hook
-from .multi import order_keys
+from .multi import _TAKE, ManySteps, acquire_many_steps, order_keys
 from .registry import Entry, Waiter, current_owner
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ if TYPE_CHECKING:
 __all__ = ["AsyncHeldLock", "AsyncHeldLocks", "AsyncLockManager", "AsyncLockRequest"]
 
 log = logging.getLogger("dblock")
+_running_loop = asyncio._get_running_loop
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -108,6 +109,11 @@ class AsyncWaiter(Waiter):
     def wake(self, grant: Any) -> None:
         self.grant = grant
         self.ready = True
+        if _running_loop() is self._loop:
+            # Handed over by a task of the same loop (the usual case): no
+            # self-pipe write and extra turn of the loop per hand-off.
+            self._resolve()
+            return
         # RuntimeError: the loop is closed, nobody waits any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._resolve)
@@ -704,25 +710,23 @@ class AsyncLockManager:
         ttl: float,
         options: Any,
     ) -> AsyncHeldLocks:
-        # The rule of dblock.multi.acquire_many: one order, one overall
-        # timeout, and everything taken so far given back on failure.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        held: list[AsyncHeldLock] = []
+        # The rule of dblock.multi.acquire_many (one order, one overall
+        # timeout, everything taken so far given back on failure), driven here.
+        steps: ManySteps[AsyncHeldLock] = acquire_many_steps(keys, timeout)
         try:
-            for key in keys:
-                wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-                held.append(await self._acquire(key, blocking, wait, ttl, options))
-        except BaseException as exc:
-            try:
-                await _release_all(held)
-            except LockLost:
-                log.exception("dblock: a lock was lost while giving up on %r", keys)
-            if isinstance(exc, LockTimeout) and timeout is not None:
-                raise LockTimeout(
-                    exc.key, timeout=timeout, level=exc.level, holder=exc.holder
-                ) from None
-            raise
-        return AsyncHeldLocks(held)
+            op = next(steps)
+            while True:
+                try:
+                    if op[0] is _TAKE:
+                        answer: object = await self._acquire(op[1], blocking, op[2], ttl, options)
+                    else:
+                        answer = await _release_all(op[1])
+                except BaseException as exc:
+                    op = steps.throw(exc)
+                else:
+                    op = steps.send(answer)
+        except StopIteration as stop:
+            return AsyncHeldLocks(stop.value)
 
     def locked(
         self,

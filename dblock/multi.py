@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from .errors import LockArgumentError, LockLost, LockTimeout
 from .keys import check_key
@@ -28,7 +28,7 @@ from .lock import HeldLock, Locker, LockOptions, release_on_exit
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["HeldLocks", "acquire_many", "order_keys"]
+__all__ = ["HeldLocks", "ManySteps", "acquire_many", "acquire_many_steps", "order_keys"]
 
 log = logging.getLogger("dblock")
 
@@ -120,6 +120,41 @@ def release_all(held: list[HeldLock], *, force: bool = False) -> bool:
     return ok
 
 
+# What acquire_many_steps asks its driver to do (the first item of each
+# yielded tuple), and what it answers:
+_TAKE: Final = "take"  # (key, timeout): acquire one key -> its held lock
+_GIVE_BACK: Final = "give back"  # (held,): release these, newest first -> ignored
+H = TypeVar("H")
+#: The multi-key rule without I/O: yields what to take or give back,
+#: receives the held locks, returns them all (see :func:`acquire_many_steps`).
+ManySteps = Generator[tuple[Any, ...], Any, list[H]]
+
+
+def acquire_many_steps(keys: tuple[str, ...], timeout: float | None) -> ManySteps[H]:
+    """Take ``keys`` (already ordered by :func:`order_keys`) one by one within
+    one overall ``timeout``; on any failure give back what was taken. Written
+    once for threads and tasks: the blocking driver is :func:`acquire_many`,
+    the asyncio one ``AsyncLockManager``'s (as for the single-key steps)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    held: list[H] = []
+    try:
+        for key in keys:
+            wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            held.append((yield (_TAKE, key, wait)))
+    except BaseException as exc:
+        try:
+            yield (_GIVE_BACK, held)
+        except LockLost:
+            log.exception("dblock: a lock was lost while giving up on %r", keys)
+        if isinstance(exc, LockTimeout) and timeout is not None:
+            # Report the caller's timeout, not the part left for the last key.
+            raise LockTimeout(
+                exc.key, timeout=timeout, level=exc.level, holder=exc.holder
+            ) from None
+        raise
+    return held
+
+
 def acquire_many(
     locker: Locker,
     keys: tuple[str, ...],
@@ -131,23 +166,20 @@ def acquire_many(
 ) -> HeldLocks:
     """Take ``keys`` (already ordered by :func:`order_keys`) one by one within
     one overall ``timeout``; on any failure release what was taken."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    held: list[HeldLock] = []
+    steps: ManySteps[HeldLock] = acquire_many_steps(keys, timeout)
     try:
-        for key in keys:
-            wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            held.append(
-                locker.acquire(key, blocking=blocking, timeout=wait, ttl=ttl, options=options)
-            )
-    except BaseException as exc:
-        try:
-            release_all(held)
-        except LockLost:
-            log.exception("dblock: a lock was lost while giving up on %r", keys)
-        if isinstance(exc, LockTimeout) and timeout is not None:
-            # Report the caller's timeout, not the part left for the last key.
-            raise LockTimeout(
-                exc.key, timeout=timeout, level=exc.level, holder=exc.holder
-            ) from None
-        raise
-    return HeldLocks(held)
+        op = next(steps)
+        while True:
+            try:
+                if op[0] is _TAKE:
+                    answer: object = locker.acquire(
+                        op[1], blocking=blocking, timeout=op[2], ttl=ttl, options=options
+                    )
+                else:
+                    answer = release_all(op[1])
+            except BaseException as exc:
+                op = steps.throw(exc)
+            else:
+                op = steps.send(answer)
+    except StopIteration as stop:
+        return HeldLocks(stop.value)

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,7 +50,8 @@ def test_bench_quick_run_on_all_databases(tmp_path: Path) -> None:
     out = tmp_path / "out"
     text = done.stdout
     for heading in ("**Targets**", "**Uncontended", "**Level 1**", "**Hot key**",
-                    "**Hand-off", "**Memory**"):  # fmt: skip
+                    "**Hand-off", "**Memory**", "**Asyncio: uncontended", "**Asyncio: level 1**",
+                    "**Asyncio: hot key**", "**Asyncio: event-loop lag**"):  # fmt: skip
         assert heading in text
     assert (out / "bench.md").read_text().strip() == text.strip()
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -78,6 +80,38 @@ def test_bench_quick_run_on_all_databases(tmp_path: Path) -> None:
     }
     assert [m["entries_after"] for m in results["memory"]] == [0, 0]
     assert not list(out.glob("bench.sqlite3*"))  # the private SQLite file is gone
+    _check_async_rows(results)
+
+
+def _check_async_rows(results: dict[str, Any]) -> None:
+    """The asyncio rows: each comparison ran on every database, level 1 sent
+    no SQL, and no key ever had two holders inside."""
+    databases = {"postgresql", "mariadb", "sqlite"}
+    cycles = results["async_uncontended"]
+    assert not [c for c in cycles if c["error"]]
+    assert {(c["database"], c["name"]) for c in cycles} == {
+        *((db, "dblock asyncio") for db in databases),
+        ("postgresql", "raw psycopg async, same SQL"),
+        ("mariadb", "raw aiomysql, same SQL"),
+        ("sqlite", "raw aiosqlite, same SQL"),
+    }
+    assert all(c["cycles"] > 0 for c in cycles)
+    assert all(c["ratio"] is not None for c in cycles if c["kind"] == "dblock")
+    level1 = results["async_level1"]
+    assert {a["database"] for a in level1} == databases
+    assert all(a["statements"] == 0 for a in level1)
+    hot = results["async_hotkey"]
+    assert {(h["database"], h["label"]) for h in hot} == {
+        (db, label) for db in databases for label in ("dblock asyncio", "asyncio, level 2 only")
+    }
+    assert all(h["grants"] > 0 and h["max_concurrent"] == 1 and h["errors"] == 0 for h in hot)
+    assert all(h["statements"] >= h["grants"] for h in hot)  # every grant took a statement
+    lag = results["lag"]
+    assert {(g["database"], g["processes"]) for g in lag} == {
+        (db, n) for db in databases for n in (1, 2)
+    }
+    assert all(g["grants"] > 0 and g["ticks"] > 0 for g in lag)
+    assert all(g["max_concurrent"] == 1 and g["errors"] == 0 for g in lag)
 
 
 def test_bench_bad_arguments_are_one_line(tmp_path: Path) -> None:

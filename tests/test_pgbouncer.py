@@ -6,6 +6,7 @@ checks as the direct tests."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import threading
 import time
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from dblock import LockArgumentError, LockBusy, LockManager
+from dblock import AsyncLockManager, LockArgumentError, LockBusy, LockManager
 from tests.support import procs
 from tests.support.counting import StatementCounter
 from tests.support.db import DEFAULT_URLS
@@ -167,3 +168,37 @@ def test_listen_url_is_for_postgresql(tmp_path: object) -> None:
         LockManager(f"sqlite:///{tmp_path}/x.sqlite3", listen_url=DEFAULT_URLS["postgresql"])
     with pytest.raises(LockArgumentError, match="listen_url must be"):
         LockManager(DEFAULT_URLS["postgresql"], listen_url=5)
+
+
+def test_async_tasks_behind_the_pooler_raise_no_errors(bouncer: PgBouncer, key: str) -> None:
+    """The asyncio face sends its statements straight to psycopg's
+    AsyncConnection: with ``pooler=True`` it must not prepare them either."""
+
+    async def main() -> tuple[int, list[object]]:
+        managers = [
+            AsyncLockManager(bouncer.url, local_filter=False, pooler=True) for _ in range(4)
+        ]
+        errors: list[object] = []
+        busy = 0
+
+        async def run(m: AsyncLockManager) -> None:
+            nonlocal busy
+            for _ in range(50):
+                try:
+                    async with m.lock(key, blocking=False):
+                        await asyncio.sleep(0.0005)
+                except LockBusy:
+                    busy += 1
+                except Exception as exc:
+                    errors.append(exc)
+
+        try:
+            await asyncio.gather(*(run(m) for m in managers))
+        finally:
+            for m in managers:
+                await m.close()
+        return busy, errors
+
+    busy, errors = asyncio.run(main())
+    assert busy > 0  # there was contention
+    assert errors == []

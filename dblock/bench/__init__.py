@@ -8,7 +8,10 @@
 * hot key: P processes x T threads on one key, fail-fast and waiting, with and
   without level 1 (:mod:`~dblock.bench.hotkey`);
 * hand-off latency across processes (:mod:`~dblock.bench.handoff`);
-* memory after a million distinct keys (:mod:`~dblock.bench.memory`).
+* memory after a million distinct keys (:mod:`~dblock.bench.memory`);
+* asyncio (:mod:`~dblock.bench.aio`): ``AsyncLockManager`` uncontended
+  against the raw asyncio driver, level 1 for tasks, hot key P processes x
+  T tasks, and the event loop's lag while tasks contend.
 
 It prints Markdown tables (with the PostgreSQL targets judged) and writes
 ``bench.md``, ``bench.json`` and ``bench.png`` to ``--out``. Its own

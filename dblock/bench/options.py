@@ -23,7 +23,7 @@ __all__ = ["CLUSTERS", "DATABASES", "SECTIONS", "BenchOptions", "Variant", "add_
 DATABASES = ("postgresql", "mariadb", "sqlite")
 # Measured only when asked for: a MariaDB Galera cluster, given by its nodes' URLs.
 CLUSTERS = ("galera",)
-SECTIONS = ("uncontended", "level1", "hotkey", "fair", "handoff", "memory")
+SECTIONS = ("uncontended", "level1", "hotkey", "fair", "handoff", "memory", "async")
 
 _DEFAULT_URLS = {
     "postgresql": (
@@ -94,6 +94,10 @@ class BenchOptions:
     seconds: float = 5.0
     hold: float = 0.001
     retry_after: float = 0.001
+    # asyncio: hot key tasks per process; event-loop lag: tasks in all, on lag_keys keys
+    tasks: int = 50
+    lag_tasks: int = 200
+    lag_keys: int = 5
     # hand-off
     handoffs: int = 100
     handoff_hold: float = 0.020
@@ -112,6 +116,8 @@ class BenchOptions:
             "micro_ops": 20_000,
             "processes": 2,
             "threads": 3,
+            "tasks": 5,
+            "lag_tasks": 20,
             "seconds": 1.0,
             "handoffs": 10,
             "memory_keys": 20_000,
@@ -129,6 +135,8 @@ class BenchOptions:
                 "block",
                 "processes",
                 "threads",
+                "tasks",
+                "lag_tasks",
                 "seconds",
                 "handoffs",
                 "memory_keys",
@@ -165,7 +173,17 @@ class BenchOptions:
         return options
 
     def check(self) -> None:
-        for name in ("rounds", "block", "micro_ops", "processes", "threads", "handoffs"):
+        for name in (
+            "rounds",
+            "block",
+            "micro_ops",
+            "processes",
+            "threads",
+            "tasks",
+            "lag_tasks",
+            "lag_keys",
+            "handoffs",
+        ):
             if getattr(self, name) < 1:
                 raise LockArgumentError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.handoffs < 2:
@@ -237,6 +255,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--processes", type=int, help="hot key: processes (4)")
     how.add_argument("--threads", type=int, help="hot key: threads per process (8)")
     how.add_argument("--seconds", type=float, help="hot key: seconds per configuration (5)")
+    how.add_argument("--tasks", type=int, help="asyncio hot key: tasks per process (50)")
+    how.add_argument(
+        "--lag-tasks", type=int, help="asyncio event-loop lag: tasks on 5 keys, in all (200)"
+    )
     how.add_argument("--hold", type=float, help="hot key: critical section in ms (1)")
     how.add_argument("--handoffs", type=int, help="hand-off: measured hand-offs (100)")
     how.add_argument("--memory-keys", type=int, help="memory: distinct keys (1000000)")

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .aio import TICK
 from .runner import Results
 from .uncontended import READ_LOCK
 
@@ -40,6 +41,7 @@ def _mib(n: int) -> str:
 
 
 _MEMORY_SLACK = 1024
+TICK_MS = TICK * 1e3
 
 
 def _verdict(t: Target) -> str:
@@ -179,6 +181,7 @@ def targets(results: Results) -> list[Target]:
                     h.p50_ms < 3,
                 )
             )
+    out += _async_targets(results)
     for m in results.memory:
         if m.what.startswith("registry"):
             # "Baseline" allows a few stray objects (a dict from the interpreter's
@@ -248,6 +251,183 @@ def _fair_lines(results: Results) -> list[str]:
     return lines
 
 
+def _async_targets(results: Results) -> list[Target]:
+    """The asyncio targets of issue 11 (PostgreSQL)."""
+    out: list[Target] = []
+    for r in results.async_uncontended:
+        if r.database == "postgresql" and r.kind == "dblock" and r.ratio is not None:
+            ratio = r.ratio[1]
+            out.append(
+                Target(
+                    "asyncio uncontended lock+unlock vs raw async psycopg (same SQL)",
+                    "≤ 1.15×",
+                    f"{ratio:.3f}× wall (p10–p90 {r.ratio[0]:.2f}–{r.ratio[2]:.2f}), "
+                    f"{_f(r.cpu_ratio, 2)}× client CPU",
+                    ratio <= 1.15,
+                    "" if ratio <= 1.15 else f"missed by {(ratio / 1.15 - 1) * 100:.1f}%",
+                )
+            )
+    for a in results.async_level1:
+        if a.database == "postgresql":
+            slowest = max(a.refusal_us, a.refusal_with_us)
+            out.append(
+                Target(
+                    "asyncio level-1 refusal (another task of the loop), zero SQL",
+                    "≤ 10 µs, 0 statements",
+                    f"{a.refusal_with_us:.2f} µs (`async with lock()`), {a.refusal_us:.2f} µs "
+                    f"(`await acquire()`), {a.statements} statements",
+                    slowest <= 10 and a.statements == 0,
+                )
+            )
+    hot = {(h.database, h.label): h for h in results.async_hotkey}
+    mine = hot.get(("postgresql", "dblock asyncio"))
+    theirs = hot.get(("postgresql", "asyncio, level 2 only"))
+    if mine is not None and theirs is not None:
+        shape = f"{mine.processes}×{mine.threads}"
+        judged = (mine.processes, mine.threads) == (4, 50)
+        note = "" if judged else "the target is for 4×50"
+        speedup = mine.grants_per_s / theirs.grants_per_s if theirs.grants_per_s else math.inf
+        out.append(
+            Target(
+                f"asyncio hot key {shape} tasks, waiting: SQL per grant",
+                "≤ 2.5",
+                f"{mine.statements_per_grant:.2f}",
+                (mine.statements_per_grant <= 2.5) if judged else None,
+                note,
+            )
+        )
+        out.append(
+            Target(
+                f"asyncio hot key {shape} tasks, waiting: grants/s vs level 2 only",
+                "≥ 5×",
+                f"{speedup:.1f}× ({mine.grants_per_s:,.0f} vs {theirs.grants_per_s:,.0f}/s)",
+                (speedup >= 5) if judged else None,
+                note,
+            )
+        )
+    for g in results.lag:
+        if g.database != "postgresql":
+            continue
+        judged = g.tasks == 200
+        met = g.lag_p99_ms <= 5 and g.lag_max_ms <= 20
+        out.append(
+            Target(
+                f"event-loop lag, {g.tasks} tasks on {g.keys} keys in {g.processes} "
+                f"process{'es' if g.processes > 1 else ''}",
+                "p99 ≤ 5 ms, max ≤ 20 ms",
+                f"p99 {g.lag_p99_ms:.2f} ms, max {g.lag_max_ms:.1f} ms (p50 {g.lag_p50_ms:.2f}; "
+                f"without run queue p99 {g.rest_p99_ms:.2f}, max {g.rest_max_ms:.1f})",
+                met if judged else None,
+                "" if judged else "the target is for 200 tasks",
+            )
+        )
+    return out
+
+
+def _cycle_rows(cycles: Iterable[Any], unavailable: Iterable[Any]) -> list[Sequence[object]]:
+    rows: list[Sequence[object]] = []
+    for r in cycles:
+        if r.error:
+            rows.append((r.database, r.name, f"failed: {r.error}", "", "", "", ""))
+            continue
+        ratio = f"{r.ratio[1]:.2f}× [{r.ratio[0]:.2f}–{r.ratio[2]:.2f}]" if r.ratio else "1"
+        if r.kind == "raw":
+            ratio = "1 (baseline)"
+        rows.append(
+            (
+                r.database,
+                r.name,
+                f"{r.wall_us[1]:,.0f} [{r.wall_us[0]:,.0f}–{r.wall_us[2]:,.0f}]",
+                f"{r.cpu_us[1]:,.0f}",
+                ratio,
+                _f(r.cpu_ratio, 2) + ("×" if r.cpu_ratio else ""),
+                _f(r.ratio_plain, 2) + ("×" if r.ratio_plain else ""),
+            )
+        )
+    rows += [(u.database, u.name, f"not measured: {u.reason}", "", "", "", "")
+             for u in unavailable]  # fmt: skip
+    return rows
+
+
+_CYCLE_HEAD = (
+    "database",
+    "contender",
+    "µs/cycle",
+    "client CPU µs",
+    "ratio to raw driver",
+    "CPU ratio",
+    "ratio to plain",
+)
+
+
+def _render_async(results: Results) -> list[str]:
+    o = results.options
+    lines: list[str] = []
+    if results.async_uncontended or results.async_unavailable:
+        lines += [
+            f"**Asyncio: uncontended lock+unlock**, distinct keys, one task: {o['rounds']} "
+            f"interleaved rounds of {o['block']} cycles per contender (a block is one turn "
+            "of a shared event loop), as above.",
+            "",
+        ]
+        lines += _table(
+            _CYCLE_HEAD, _cycle_rows(results.async_uncontended, results.async_unavailable)
+        )
+        lines.append("")
+    if results.async_level1:
+        lines += [
+            "**Asyncio: level 1**, another task of the same loop holds the key (median of "
+            "5 timed runs; no SQL may be sent)",
+            "",
+        ]
+        lines += _table(
+            ["database", "refusal `await acquire()` µs", "refusal `async with lock()` µs",
+             "re-entrant `async with lock()` µs", "SQL statements"],
+            ((a.database, f"{a.refusal_us:.2f}", f"{a.refusal_with_us:.2f}",
+              f"{a.reentrant_with_us:.2f}", a.statements) for a in results.async_level1),
+        )  # fmt: skip
+        lines.append("")
+    if results.async_hotkey:
+        h0 = results.async_hotkey[0]
+        lines += [
+            f"**Asyncio: hot key**, waiting: {h0.processes} processes × {h0.threads} tasks "
+            f"on one key, critical section {float(o['hold']) * 1e3:g} ms "
+            "(`asyncio.sleep`); level 2 only: `local_filter=False`, every task goes to "
+            "the database.",
+            "",
+        ]
+        lines += _table(
+            ["database", "lock", "grants/s", "SQL/grant", "wait p50 ms", "wait p99 ms",
+             "timeouts, errors"],
+            ((h.database, h.label, _f(h.grants_per_s), _f(h.statements_per_grant, 2),
+              _f(h.wait_p50_ms, 2), _f(h.wait_p99_ms, 1), f"{h.timeouts}, {h.errors}")
+             for h in results.async_hotkey),
+        )  # fmt: skip
+        lines.append("")
+    if results.lag:
+        lines += [
+            "**Asyncio: event-loop lag** while tasks contend on a few keys (waiting, "
+            f"critical section {float(o['hold']) * 1e3:g} ms): a ticker task sleeps "
+            f"{TICK_MS:g} ms at a time in every process; lag is its overshoot. Without run "
+            "queue: the lag less the time the loop's thread waited for a CPU (Linux "
+            "schedstat), what the process itself kept the loop from. Loop CPU: the share "
+            "of one core the loop's thread used.",
+            "",
+        ]
+        lines += _table(
+            ["database", "processes × tasks", "keys", "grants/s", "SQL/grant", "ticks",
+             "lag p50 ms", "lag p99 ms", "lag max ms", "without run queue p99 / max ms",
+             "longest GC ms", "loop CPU"],
+            ((g.database, f"{g.processes} × {g.tasks // g.processes}", g.keys,
+              _f(g.grants_per_s), _f(g.statements_per_grant, 2), f"{g.ticks:,}",
+              _f(g.lag_p50_ms, 2), _f(g.lag_p99_ms, 2), _f(g.lag_max_ms, 1),
+              f"{_f(g.rest_p99_ms, 2)} / {_f(g.rest_max_ms, 1)}", _f(g.gc_max_ms, 1),
+              f"{g.loop_cpu * 100:.0f}%") for g in results.lag),
+        )  # fmt: skip
+        lines.append("")
+    return lines
+
+
 def render_markdown(results: Results) -> str:
     o = results.options
     lines = [f"### dblock bench, {results.started}", ""]
@@ -278,39 +458,7 @@ def render_markdown(results: Results) -> str:
             "of the same round (median [p10–p90]); client CPU from `time.thread_time`.",
             "",
         ]
-        rows = []
-        for r in results.uncontended:
-            if r.error:
-                rows.append((r.database, r.name, f"failed: {r.error}", "", "", "", ""))
-                continue
-            ratio = f"{r.ratio[1]:.2f}× [{r.ratio[0]:.2f}–{r.ratio[2]:.2f}]" if r.ratio else "1"
-            if r.kind == "raw":
-                ratio = "1 (baseline)"
-            rows.append(
-                (
-                    r.database,
-                    r.name,
-                    f"{r.wall_us[1]:,.0f} [{r.wall_us[0]:,.0f}–{r.wall_us[2]:,.0f}]",
-                    f"{r.cpu_us[1]:,.0f}",
-                    ratio,
-                    _f(r.cpu_ratio, 2) + ("×" if r.cpu_ratio else ""),
-                    _f(r.ratio_plain, 2) + ("×" if r.ratio_plain else ""),
-                )
-            )
-        rows += [(u.database, u.name, f"not measured: {u.reason}", "", "", "", "")
-                 for u in results.unavailable]  # fmt: skip
-        lines += _table(
-            [
-                "database",
-                "contender",
-                "µs/cycle",
-                "client CPU µs",
-                "ratio to raw driver",
-                "CPU ratio",
-                "ratio to plain",
-            ],
-            rows,
-        )
+        lines += _table(_CYCLE_HEAD, _cycle_rows(results.uncontended, results.unavailable))
         lines.append("")
     if results.level1:
         lines += ["**Level 1**, in-process (median of 5 timed runs; no SQL may be sent)", ""]
@@ -418,6 +566,7 @@ def render_markdown(results: Results) -> str:
             ),
         )
         lines.append("")
+    lines += _render_async(results)
     lines.append(f"Whole run: {results.seconds:.0f} s.")
     return "\n".join(lines)
 

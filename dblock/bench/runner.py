@@ -24,6 +24,17 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..errors import DBLockError
+from .aio import (
+    AsyncBench,
+    AsyncLevel1Result,
+    LagResult,
+    LagSpec,
+    hot_spec,
+    make_async_contenders,
+    measure_async_level1,
+    run_async_hot_key,
+    run_lag,
+)
 from .handoff import HandoffResult, HandoffSpec, run_handoff
 from .hotkey import HotKeyResult, HotKeySpec, run_hot_key
 from .memory import MemoryResult, run_memory
@@ -56,6 +67,11 @@ class Results:
     fair: list[HotKeyResult] = dataclasses.field(default_factory=list)
     handoff: list[HandoffResult] = dataclasses.field(default_factory=list)
     memory: list[MemoryResult] = dataclasses.field(default_factory=list)
+    async_uncontended: list[CycleResult] = dataclasses.field(default_factory=list)
+    async_unavailable: list[Unavailable] = dataclasses.field(default_factory=list)
+    async_level1: list[AsyncLevel1Result] = dataclasses.field(default_factory=list)
+    async_hotkey: list[HotKeyResult] = dataclasses.field(default_factory=list)
+    lag: list[LagResult] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, default=str)
@@ -106,6 +122,8 @@ def _plan(options: BenchOptions) -> float:
         total += (dbs + ("postgresql" in options.databases)) * 3.0
     if "memory" in options.sections:
         total += 4.0
+    if "async" in options.sections:
+        total += dbs * (4.0 + 2.0 + 2 * (options.seconds + 3) + 2 * (options.seconds + 3))
     return total
 
 
@@ -234,6 +252,74 @@ def _memory(
     progress.advance(3.0)
 
 
+def _async(
+    options: BenchOptions, benches: dict[str, Bench], results: Results, progress: _Progress
+) -> None:
+    rng = random.Random(options.seed + 1)
+    loop = AsyncBench()
+    usable: dict[str, Bench] = {}
+    try:
+        for db, bench in benches.items():
+            if db == "galera":
+                continue
+            progress.stage(f"asyncio uncontended, {db}")
+            contenders, missing = make_async_contenders(bench, loop)
+            results.async_unavailable += missing
+            try:
+                results.async_uncontended += measure_interleaved(
+                    contenders,
+                    rounds=options.rounds,
+                    block=options.block,
+                    rng=rng,
+                    tick=lambda: progress.advance(4.0 / options.rounds),
+                )
+            finally:
+                close_all(contenders)
+            if contenders:
+                usable[db] = bench
+                progress.stage(f"asyncio level 1, {db}")
+                results.async_level1.append(measure_async_level1(bench, loop, options.micro_ops))
+            progress.advance(2.0)
+    finally:
+        loop.close()
+    for db, bench in usable.items():
+        for label, opts in (
+            ("dblock asyncio", ()),
+            ("asyncio, level 2 only", (("local_filter", False),)),
+        ):
+            progress.stage(f"asyncio hot key, {db}, {label}")
+            spec = hot_spec(
+                db,
+                bench.url,
+                bench.table,
+                label,
+                opts,
+                processes=options.processes,
+                threads=options.tasks,
+                seconds=options.seconds,
+                hold=options.hold,
+            )
+            results.async_hotkey.append(run_async_hot_key(spec))
+            progress.advance(options.seconds + 3)
+        for processes in dict.fromkeys((1, options.processes)):
+            progress.stage(f"event-loop lag, {db}, {processes} process(es)")
+            results.lag.append(
+                run_lag(
+                    LagSpec(
+                        database=db,
+                        url=bench.url,
+                        table=bench.table,
+                        processes=processes,
+                        tasks=options.lag_tasks,
+                        keys=options.lag_keys,
+                        seconds=options.seconds,
+                        hold=options.hold,
+                    )
+                )
+            )
+            progress.advance(options.seconds + 3)
+
+
 _SECTIONS: dict[str, Callable[[BenchOptions, dict[str, Bench], Results, _Progress], None]] = {
     "uncontended": _uncontended,
     "level1": _level1,
@@ -241,6 +327,7 @@ _SECTIONS: dict[str, Callable[[BenchOptions, dict[str, Bench], Results, _Progres
     "fair": _fair,
     "handoff": _handoff,
     "memory": _memory,
+    "async": _async,
 }
 
 

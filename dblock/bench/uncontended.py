@@ -64,6 +64,9 @@ class Contender:
     # "dblock" (and its variants), "raw" (same SQL), "plain", or "other"
     kind: str
     baseline_of: str = ""  # for "other": which database's raw driver it is compared with
+    # Runs cycles ``start`` .. ``start + n - 1`` at once (an asyncio contender
+    # runs a whole block in one turn of its event loop); default: ``cycle`` each.
+    run_block: Callable[[int, int], None] | None = None
 
 
 @dataclasses.dataclass
@@ -386,11 +389,14 @@ def measure_interleaved(
             if c.name in errors:
                 continue
             start = next_i[c.name]
-            cycle = c.cycle
+            cycle, run_block = c.cycle, c.run_block
             try:
                 t0, c0 = _perf(), _cpu()
-                for i in range(start, start + block):
-                    cycle(i)
+                if run_block is not None:
+                    run_block(start, block)
+                else:
+                    for i in range(start, start + block):
+                        cycle(i)
                 wall, cpu = _perf() - t0, _cpu() - c0
             except Exception as exc:
                 errors[c.name] = _reason(exc)
