@@ -199,3 +199,170 @@ def test_semaphore_across_nodes(node_managers: list[LockManager], key: str) -> N
     with third.semaphore(key, permits=2, timeout=30) as c:
         assert c.fence > b.fence
     b.release()
+
+
+def test_rw_writer_and_readers_on_other_nodes_never_overlap(
+    node_managers: list[LockManager],
+) -> None:
+    """Each round, a writer on node 0 and a reader on each other node race
+    for one key (fail-fast): never the writer together with a reader, and
+    whenever the writer is out, both readers share the key."""
+    prefix = _prefix()
+    rounds = 40
+    outcomes: dict[int, dict[str, object]] = {r: {} for r in range(rounds)}
+    barrier = threading.Barrier(len(node_managers))
+    mutex = threading.Lock()
+
+    def racer(n: int, manager: LockManager) -> None:
+        role = "writer" if n == 0 else f"reader{n}"
+        for r in range(rounds):
+            request = manager.write_lock if n == 0 else manager.read_lock
+            barrier.wait()
+            held = None
+            try:
+                held = request(f"{prefix}:{r}", blocking=False, ttl=60).__enter__()
+                outcome: object = "won"
+            except LockBusy:
+                outcome = "busy"
+            except Exception as exc:  # a BackendError here is a bug
+                outcome = exc
+            with mutex:
+                outcomes[r][role] = outcome
+            barrier.wait()  # everyone's outcome is in before anyone releases
+            if held is not None:
+                held.release()
+
+    threads = [threading.Thread(target=racer, args=(n, m)) for n, m in enumerate(node_managers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    errors = [o for rnd in outcomes.values() for o in rnd.values() if isinstance(o, Exception)]
+    assert errors == []
+    overlaps = {
+        r: o
+        for r, o in outcomes.items()
+        if o["writer"] == "won" and "won" in (o["reader1"], o["reader2"])
+    }
+    assert overlaps == {}, f"{len(overlaps)} of {rounds} rounds let a writer in beside readers"
+    # A reader is only refused by a write hold: readers who lost share nothing else.
+    unshared = {
+        r: o
+        for r, o in outcomes.items()
+        if o["writer"] != "won" and (o["reader1"], o["reader2"]) != ("won", "won")
+    }
+    assert unshared == {}, unshared
+
+
+def test_rw_blocking_writer_and_readers_across_nodes(
+    node_managers: list[LockManager], key: str
+) -> None:
+    """A writer on node 0 and readers on nodes 1 and 2 take turns (waiting):
+    the writer is never inside with a reader; readers of two nodes are
+    inside together at least once."""
+    first, second, third = node_managers
+    # Readers of two nodes share; the writer is refused meanwhile.
+    a = second.read_lock(key, blocking=False).__enter__()
+    b = third.read_lock(key, blocking=False).__enter__()
+    with pytest.raises(LockBusy):
+        first.write_lock(key, blocking=False).__enter__()
+    a.release()
+    b.release()
+
+    inside = {"readers": 0, "writers": 0}
+    mutex = threading.Lock()
+    bad: list[dict[str, int]] = []
+    grants = {"read": 0, "write": 0}
+    stop = time.monotonic() + 5
+
+    def enter(mode: str) -> None:
+        with mutex:
+            inside["writers" if mode == "write" else "readers"] += 1
+            if inside["writers"] > 1 or (inside["writers"] and inside["readers"]):
+                bad.append(dict(inside))
+            grants[mode] += 1
+
+    def leave(mode: str) -> None:
+        with mutex:
+            inside["writers" if mode == "write" else "readers"] -= 1
+
+    def worker(manager: LockManager, mode: str) -> None:
+        request = manager.write_lock if mode == "write" else manager.read_lock
+        while time.monotonic() < stop:
+            with request(key, timeout=60, ttl=30):
+                enter(mode)
+                leave(mode)
+
+    threads = [
+        threading.Thread(target=worker, args=(first, "write")),
+        threading.Thread(target=worker, args=(second, "read")),
+        threading.Thread(target=worker, args=(third, "read")),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == []
+    assert grants["write"] > 0
+    assert grants["read"] > 0
+
+
+def test_fair_grants_in_arrival_order_across_nodes(
+    galera: PrivateGalera, node_managers: list[LockManager], key: str
+) -> None:
+    """While a holder on node 0 keeps the key, waiters queue through the
+    three nodes one after the other (each once the previous one's queue row
+    is visible); released, they are granted in exactly that order, one at a
+    time, with growing fences. Twice, the nodes in another order."""
+    holder_manager = LockManager(galera.urls[0], renew=False)
+    try:
+        for round_, order in enumerate(([1, 2, 0], [2, 0, 1])):
+            _fair_round(holder_manager, node_managers, f"{key}:{round_}", order)
+    finally:
+        holder_manager.close()
+
+
+def _fair_round(
+    holder_manager: LockManager, node_managers: list[LockManager], key: str, order: list[int]
+) -> None:
+    granted: list[tuple[int, int]] = []
+    inside = threading.Lock()
+    overlaps: list[int] = []
+    errors: list[BaseException] = []
+
+    def waiter(n: int) -> None:
+        try:
+            with node_managers[n].lock(key, fair=True, timeout=120, ttl=60) as held:
+                if not inside.acquire(blocking=False):
+                    overlaps.append(n)
+                    return
+                try:
+                    granted.append((n, held.fence))
+                finally:
+                    inside.release()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def queued() -> int:
+        return sum(1 for r in holder_manager.store.rows(key=key) if r.slot.startswith("q"))
+
+    threads = []
+    with holder_manager.lock(key, fair=True, ttl=60) as held:
+        first_fence = held.fence
+        for i, n in enumerate(order):
+            t = threading.Thread(target=waiter, args=(n,))
+            t.start()
+            threads.append(t)
+            deadline = time.monotonic() + 60
+            while queued() < i + 1:
+                assert time.monotonic() < deadline, f"waiter on node {n} never queued"
+                time.sleep(0.02)
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert overlaps == []
+    assert [n for n, _ in granted] == order
+    fences = [first_fence] + [f for _, f in granted]
+    assert fences == sorted(fences), fences
+    assert len(set(fences)) == len(fences), fences

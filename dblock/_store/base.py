@@ -237,6 +237,12 @@ class Executor:
             else:
                 self._checkin(conn)
             raise self._translate(exc, sent=True, interrupted=interrupted) from exc
+        except ValueError as exc:
+            # The driver could not decode the answer (seen on Galera: a row of
+            # empty fields from a statement brute-force aborted as it ran):
+            # the connection's protocol state is unknown, and so is the outcome.
+            conn.invalidate(exc)
+            raise self._translate(exc, sent=True, interrupted=True) from exc
         except BaseException:
             # Interrupted mid-statement (KeyboardInterrupt, a signal handler):
             # the connection's protocol state is unknown.
@@ -353,6 +359,12 @@ class Executor:
             ) from exc
         except self._dbapi_error as exc:
             raise self._translate(exc, sent=sent) from exc
+        except ValueError as exc:
+            if not sent:
+                _mark_unsent(exc)
+                raise
+            # An answer the driver could not decode (see run()).
+            raise self._translate(exc, sent=True, interrupted=True) from exc
         except BaseException as exc:
             if not sent:
                 _mark_unsent(exc)

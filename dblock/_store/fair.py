@@ -482,9 +482,10 @@ class _MySQLFair(FairSQL):
             f"AND NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q} AND fence < %(ticket)s)"
         )
         returning = " RETURNING fence, expires_at, acquired_at"
-        self._returning = {
-            self._head_if_empty_sql: self._head_if_empty_sql + returning,
-            self._head_if_first_sql: self._head_if_first_sql + returning,
+        # Each head INSERT without and with RETURNING (MariaDB 10.5+).
+        self._heads = {
+            sql: (sql, sql + returning)
+            for sql in (self._head_if_empty_sql, self._head_if_first_sql)
         }
         self._head_sql = (
             f"SELECT token, fence, expires_at, {now}, kind FROM {t} "
@@ -512,6 +513,36 @@ class _MySQLFair(FairSQL):
             f"ORDER BY slot <> '' DESC, fence DESC LIMIT 1"
         )
         self._leave_head_sql = f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s"
+        self._plain_heads = dict(self._heads)
+        self._plain = (
+            self._enqueue_sql,
+            self._head_sql,
+            self._blocker_sql,
+        )
+        self._galera = False
+
+    def _on_galera(self, store: Any) -> None:
+        """Galera: every statement that decides or reads the order carries the
+        exclusive lock's prefixes (:meth:`MySQLStore.for_galera`). Taking the
+        head is the exclusive lock's INSERT IGNORE: no silent re-run after a
+        lost certification (which counts as ignored), and it first applies every transaction
+        committed anywhere, so it sees each queue row committed before it
+        started (a waiter on a lagging node would otherwise pass one queued
+        earlier on another node). Queueing waits the same way, so its ticket
+        (the node's ``AUTO_INCREMENT``) is above every ticket handed out
+        before it started, whichever node drew it. The reads of the head and
+        of whom we wait behind see other nodes' rows. Idempotent: computed
+        from the plain statements, so two first uses may race."""
+        on = store.for_galera
+        enqueue, head, blocker = self._plain
+        self._heads = {
+            sql: (on(plain, ignored=True), on(returning, ignored=True))
+            for sql, (plain, returning) in self._plain_heads.items()
+        }
+        self._enqueue_sql = on(enqueue, write=True)
+        self._head_sql = on(head, read=True)
+        self._blocker_sql = on(blocker, read=True)
+        self._galera = True
 
     def _head_steps(
         self, sql: str, params: dict[str, Any], ttl: float
@@ -521,8 +552,11 @@ class _MySQLFair(FairSQL):
         store: Any = self.store  # a MySQLStore: its capabilities and clock offset
         if store.returning is None:
             yield from store._capabilities_steps()
+        if store.galera and not self._galera:
+            self._on_galera(store)
+        plain, returning = self._heads[sql]
         if store.returning:
-            rows = (yield self._returning[sql], params, True, False).rows
+            rows = (yield returning, params, True, False).rows
             if rows:
                 fence, expires_at, now = rows[0]
                 return Grant(
@@ -530,7 +564,7 @@ class _MySQLFair(FairSQL):
                 )
         else:
             sent = time.time()
-            result = yield sql, params, False, True
+            result = yield plain, params, False, True
             if result.rowcount == 1:
                 # As the exclusive lock does on MySQL: the lease's end from
                 # the measured clock offset, erring early.

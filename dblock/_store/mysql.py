@@ -43,6 +43,8 @@ wait, fences of different keys came out of order across nodes; those of one
 key grew even so, since a node can only win a key once it has applied the
 previous holder's row). The holder read after a lost race waits the same way
 (``wsrep_sync_wait=1``), so it sees the winner's row instead of an empty key.
+The other kinds' statements (read-write, fair queue, semaphore) take the same
+prefixes through :meth:`MySQLStore.for_galera`.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from ..config import Config
 from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Lease, Result, Steps, Store, log
+from .base import Grant, Holder, Interrupted, Lease, Result, Steps, Store, log
 
 _NO_SUCH_TABLE = 1146
 _DEADLOCK = (1213, 1205)  # chosen as a deadlock victim, lock wait timeout
@@ -109,6 +111,10 @@ class MySQLStore(Store):
         )
         self._offset: float | None = None  # server UTC minus local time.time()
         self._offset_at = 0.0
+        # Other kinds' INSERT IGNOREs whose certification failure means
+        # "ignored" (see for_galera and retry).
+        self._ignored_on_conflict: set[str] = set()
+        self._galera_writes: set[str] = set()
 
     def _capabilities_steps(self) -> Steps[None]:
         # Read from the server on first use, not at import; idempotent (only
@@ -133,6 +139,28 @@ class MySQLStore(Store):
                 self.executor.engine.url.render_as_string(hide_password=True),
             )
         self.returning = _mariadb_returning(str(version))
+
+    def for_galera(
+        self, sql: str, *, write: bool = False, ignored: bool = False, read: bool = False
+    ) -> str:
+        """``sql`` as it must run on this server, for the other kinds'
+        statements: unchanged unless the server is Galera (known once the
+        capabilities were read). There, a ``write`` whose rows (or
+        ``AUTO_INCREMENT`` value) tell the client what it won carries the
+        exclusive INSERT's prefix: no silent re-run after a lost
+        certification, whose 1213 :meth:`retry` then runs it again (the loser
+        was rolled back whole), and every transaction committed anywhere
+        before it is applied first. An ``ignored`` write's certification
+        failure counts as an empty result instead, as for the exclusive
+        ``INSERT IGNORE`` (someone else took the row). A ``read`` (of who
+        holds, who queues) first applies what other nodes committed."""
+        if not self.galera:
+            return sql
+        if write or ignored:
+            sql = _GALERA_INSERT + sql
+            (self._ignored_on_conflict if ignored else self._galera_writes).add(sql)
+            return sql
+        return _GALERA_READ + sql if read else sql
 
     def _capabilities(self) -> None:
         if self.returning is None:
@@ -272,11 +300,37 @@ class MySQLStore(Store):
         back whole (it is its own transaction), so an INSERT IGNORE victim
         counts as ignored (the caller reads the holder next) and any other
         statement is simply run again."""
-        if not _deadlocked(exc) or attempt == _DEADLOCK_RETRIES:
+        if attempt == _DEADLOCK_RETRIES:
+            return None
+        if not _deadlocked(exc) and not self._garbled(sql, exc):
             return None
         if sql is self._insert_sql or sql is self._insert_returning_sql:
             return Result((), 0, None)
+        if sql in self._ignored_on_conflict:  # the other kinds' (for_galera)
+            return Result((), 0, None)
         return 0.01 * 2.0**attempt
+
+    def _garbled(self, sql: str, exc: BackendError) -> bool:
+        """Galera: a write of :meth:`for_galera` whose answer the driver could
+        not decode. Seen here on the read-write grant (``INSERT … ON DUPLICATE
+        KEY UPDATE … RETURNING``): a node that brute-force aborts the
+        statement as it runs (another node's conflicting write set arrived)
+        sends a row of empty fields before the error. The victim was rolled
+        back, so it is handled as a certification failure. (Were it ever to
+        have committed, running it again is harmless for a write grant, whose
+        token makes it idempotent, and for a read grant only counts one more
+        reader, ended with the read phase's lease, as for a read grant whose
+        outcome was lost.)"""
+        return (
+            bool(self.galera)
+            and isinstance(exc, Interrupted)
+            and isinstance(exc.__cause__, ValueError)
+            and (
+                sql is self._insert_returning_sql
+                or sql in self._galera_writes
+                or sql in self._ignored_on_conflict
+            )
+        )
 
 
 def _mariadb_returning(version: str) -> bool:

@@ -114,12 +114,18 @@ class RwStatements:
     now_sql = "now()"
     param = "%({})s"
 
-    def writer_waiting_steps(self, key: str) -> Steps[bool]:
-        """Whether a writer (of any process) waits for ``key`` now: a live intent row."""
-        sql = (
+    #: The statement of :meth:`writer_waiting_steps`, once a dialect fixed it.
+    _waiting_sql: str | None = None
+
+    def _waiting_statement(self) -> str:
+        return (
             f"SELECT 1 FROM {self.t} WHERE lock_key = {self.param.format('key')} "
             f"AND slot > '' AND mode = 'waiting' AND expires_at > {self.now_sql} LIMIT 1"
         )
+
+    def writer_waiting_steps(self, key: str) -> Steps[bool]:
+        """Whether a writer (of any process) waits for ``key`` now: a live intent row."""
+        sql = self._waiting_sql or self._waiting_statement()
         return bool((yield sql, {"key": key}, True, False).rows)
 
 
@@ -481,6 +487,21 @@ class MySQLRw(RwStatements):
         self._drop_intent_sql = f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s"
         self._holder_sql = f"SELECT 0, {cols} FROM {t} WHERE lock_key = %(key)s AND slot = ''"
         self._now = now
+        # Galera (rw_statements read the capabilities first): the grants carry
+        # the exclusive INSERT's prefix, since their RETURNING rows tell the
+        # client it won: no silent re-run after a lost certification (the
+        # store's retry runs the statement again, up to three times, then the
+        # 1213 counts as busy), and every transaction committed anywhere
+        # before is applied first, so the head row read is current. Every
+        # grant, release and expiry writes the head row, so certification
+        # lets only one of two racing nodes' decisions on it commit (two
+        # readers racing on two nodes: the loser runs again and joins).
+        galera: Any = getattr(store, "for_galera", None)
+        if galera is not None:
+            self._read_sql = galera(self._read_sql, write=True)
+            self._write_sql = galera(self._write_sql, write=True)
+            self._holder_sql = galera(self._holder_sql, read=True)
+            self._waiting_sql = galera(self._waiting_statement(), read=True)
 
     def grant_steps(
         self, mode: str, key: str, token: str, owner: str, ttl: float
