@@ -262,12 +262,10 @@ class PermitStore(Store):
         if base.galera and not self._galera:
             # As the exclusive lock's statements there (see dblock._store.mysql):
             # never report rows of a run Galera rolled back and ran again.
-            from .._store.mysql import _GALERA_INSERT, _GALERA_READ
-
             plain_insert, plain_returning, plain_read = self._plain  # idempotent: may race
-            self._acquire_sql = _GALERA_INSERT + plain_insert
-            self._acquire_returning_sql = _GALERA_INSERT + plain_returning
-            self._rows_sql = _GALERA_READ + plain_read
+            self._acquire_sql = base.for_galera(plain_insert, write=True)
+            self._acquire_returning_sql = base.for_galera(plain_returning, write=True)
+            self._rows_sql = base.for_galera(plain_read, read=True)
             self._galera = True
         if base.returning:
             rows = (yield self._acquire_returning_sql, params, True, False).rows
