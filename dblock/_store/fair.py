@@ -49,8 +49,8 @@ __all__ = [
 ]
 
 _UTC = timezone.utc
-#: Queue rows' slots lie between these (``'q'`` + 20 digits; MySQL's rows are
-#: ``'q~'`` + token for the instant between their INSERT and their renaming).
+#: Queue rows' slots lie between these (``'q'`` + 20 digits; MySQL's are
+#: ``'q~'`` + token: its ticket is only known once the row is in).
 _Q = "slot > 'q' AND slot < 'r'"
 #: Prefix of a notification addressed to one waiter (no key starts with it
 #: in practice; if one did, its waiters would only wake once for nothing).
@@ -480,10 +480,10 @@ class _SQLiteFair(FairSQL):
 
 class _MySQLFair(FairSQL):
     """InnoDB's ``AUTO_INCREMENT`` is only known after the INSERT, so a queue
-    row is inserted as ``'q~' + token`` and renamed to ``'q' + ticket`` by a
-    second statement; the order is the ``fence`` column either way. The
-    ``INSERT … SELECT`` takes shared locks on the queue rows it reads, so a
-    waiter whose INSERT is not committed yet is waited for, not missed."""
+    row's slot is ``'q~' + token`` (not ``'q' + ticket``: renaming it would
+    cost a second write per request); the order is the ``fence`` column. The
+    head's ``INSERT … SELECT`` takes shared locks on the queue rows it reads,
+    so a waiter whose INSERT is not committed yet is waited for, not missed."""
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)
@@ -514,14 +514,13 @@ class _MySQLFair(FairSQL):
             f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "
             f"AND expires_at <= {now} AND kind = 'exclusive'"
         )
+        # A plain VALUES insert: InnoDB draws its AUTO_INCREMENT under a
+        # short mutex, where an INSERT … SELECT would hold the table's
+        # AUTO-INC lock to the statement's end.
         self._enqueue_sql = (
             f"INSERT INTO {t} (lock_key, slot, owner, token, acquired_at, expires_at, mode) "
-            f"SELECT %(key)s, CONCAT('q~', %(token)s), %(owner)s, %(token)s, {now}, {lease}, "
-            f"'queued'"
-        )
-        self._rename_sql = (
-            f"UPDATE {t} SET slot = CONCAT('q', LPAD(fence, 20, '0')) "
-            f"WHERE lock_key = %(key)s AND slot = CONCAT('q~', %(token)s)"
+            f"VALUES (%(key)s, CONCAT('q~', %(token)s), %(owner)s, %(token)s, {now}, {lease}, "
+            f"'queued')"
         )
         self._renew_sql = f"UPDATE {t} SET expires_at = {lease} WHERE {me} AND expires_at > {now}"
         self._drop_queued_sql = f"DELETE FROM {t} WHERE {me}"
@@ -589,7 +588,6 @@ class _MySQLFair(FairSQL):
         if not enqueue:
             return got or Holder(None, None, 0.0)
         ticket = (yield self._enqueue_sql, params, False, True).lastrowid
-        yield self._rename_sql, params, False, False
         assert ticket
         params["ticket"] = ticket
         rows = (yield self._look_sql, params, True, False).rows
