@@ -48,16 +48,19 @@ def test_a_waiter_sees_its_place_and_the_holder(
         try:
             a = store.drive(sql.enter_steps(key, first, "first-owner", TTL, enqueue=True))
             b = store.drive(sql.enter_steps(key, second, "second-owner", TTL, enqueue=True))
-            assert isinstance(a, Queued) and isinstance(b, Queued)
+            assert isinstance(a, Queued)
+            assert isinstance(b, Queued)
             assert a.ticket < b.ticket
             assert (a.first, a.ahead, a.owner) == (True, 0, held.owner)
-            assert a.held is not None and a.held >= 0
+            assert a.held is not None
+            assert a.held >= 0
             assert (b.first, b.ahead, b.owner) == (False, 1, "first-owner")
 
             # A poll that does not take the head (nor needs to renew) is one read.
             with count_statements(m.engine) as c:
                 again = store.drive(sql.turn_steps(key, second, b.ticket, "second-owner", TTL))
-            assert isinstance(again, Queued) and (again.ahead, again.first) == (1, False)
+            assert isinstance(again, Queued)
+            assert (again.ahead, again.first) == (1, False)
             assert c.count == 1
             assert c.statements[0].lstrip().upper().startswith("SELECT")
 
