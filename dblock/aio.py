@@ -52,6 +52,7 @@ from .errors import (
     LockLost,
     LockNotAcquired,
     LockTimeout,
+    ManagerClosed,
 )
 from .lock import (
     _CLEAN,
@@ -647,7 +648,7 @@ class AsyncLockManager:
                 assert isinstance(held, HeldPermit)
                 return AsyncHeldLock(self, held)
             raise LockBusy(key, level=1)
-        except (LockNotAcquired, KindMismatch) as exc:
+        except (LockNotAcquired, KindMismatch, ManagerClosed) as exc:
             raise semaphores.renamed(exc, key, n) from None
 
     def lock_many(

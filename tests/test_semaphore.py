@@ -343,3 +343,40 @@ def test_async_semaphore(db_url: str, make_manager: Any, key: str) -> None:
             await alocks.close()
 
     asyncio.run(main())
+
+
+def test_close_sends_a_permit_waiter_away_naming_the_key(make_manager: Any, key: str) -> None:
+    """close() reaches a thread queued for a permit; its error names the
+    semaphore's key (never the internal per-permit key) and no row stays."""
+    from dblock import ManagerClosed
+    from dblock.kinds.semaphore import local_key
+
+    m = make_manager()
+    held = m.semaphore(key, permits=1).__enter__()
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            with m.semaphore(key, permits=1, timeout=60):
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    registry = m._semaphores_().locker.registry
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        entry = registry.get(local_key(key, 1, 0))
+        if entry is not None and entry.queue:
+            break
+        time.sleep(0.005)
+    m.close()
+    waiter.join(30)
+    assert len(errors) == 1
+    assert isinstance(errors[0], ManagerClosed)
+    assert repr(key) in str(errors[0])
+    assert "\x00" not in str(errors[0])
+    assert held.lost
+    with make_manager() as other, other.semaphore(key, permits=1, blocking=False) as again:
+        assert again.slot == "p0"

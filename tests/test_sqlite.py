@@ -49,3 +49,28 @@ def test_create_schema_is_idempotent(tmp_path: Path) -> None:
             pass
         m.drop_schema()
         assert "my_locks" not in os.popen("true").read()
+
+
+def test_whole_second_times_from_returning_are_accepted() -> None:
+    """SQLite's RETURNING gives a REAL column's whole-number value back as an
+    int. A lease ending on a whole second must still be a grant, not an
+    AssertionError and an orphan row."""
+    import sqlite3
+
+    from dblock._store.rw import _row
+    from dblock._store.sqlite import _grant
+
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE t (k TEXT PRIMARY KEY, expires_at REAL, now REAL)")
+    (returned,) = db.execute(
+        "INSERT INTO t VALUES ('a', 1000.0 + :ttl, 1000.0) RETURNING expires_at, now", {"ttl": 10}
+    ).fetchall()
+    assert returned == (1010, 1000)
+    assert all(type(v) is int for v in returned)  # the premise: ints, not floats
+
+    grant = _grant((7, *returned))
+    assert grant.fence == 7
+    assert grant.expires_at.timestamp() == 1010.0
+    assert 9.9 < grant.expires_in < 10.0
+    row = _row((1, "rw", "read", "tok", "me", 7, returned[0], 1, returned[1]))
+    assert row.expires_at.timestamp() == 1010.0

@@ -37,11 +37,20 @@ from .base import Grant, Holder, Steps
 if TYPE_CHECKING:
     from .base import Store
 
-__all__ = ["DROPPED", "Dropped", "FairSQL", "Queued", "Seat", "address", "statements"]
+__all__ = [
+    "DROPPED",
+    "Dropped",
+    "FairSQL",
+    "Queued",
+    "Seat",
+    "address",
+    "poll_cap",
+    "statements",
+]
 
 _UTC = timezone.utc
-#: Queue rows' slots lie between these (``'q'`` + 20 digits; MySQL's rows are
-#: ``'q~'`` + token for the instant between their INSERT and their renaming).
+#: Queue rows' slots lie between these (``'q'`` + 20 digits; MySQL's are
+#: ``'q~'`` + token: its ticket is only known once the row is in).
 _Q = "slot > 'q' AND slot < 'r'"
 #: Prefix of a notification addressed to one waiter (no key starts with it
 #: in practice; if one did, its waiters would only wake once for nothing).
@@ -67,6 +76,27 @@ class Queued:
     #: Nobody live queues before us: we wait for the holder alone (polling
     #: dialects poll afresh from then on).
     first: bool = False
+    #: Polling dialects: how many live waiters queue before us, and how long
+    #: the holder has held the head (seconds; None: no holder), which bound
+    #: how long we sleep between two looks (see :func:`poll_cap`).
+    ahead: int = 0
+    held: float | None = None
+
+
+def poll_cap(queued: Queued, initial: float, cap: float) -> float:
+    """The longest a polling waiter sleeps before looking again.
+
+    A waiter only learns that it moved up by looking; with a backoff grown
+    while it waited far back, it would notice its turn a whole backoff late,
+    and every grant would wait for that. So the sleep is bounded by the
+    place in the queue (``initial`` x 2^ahead: the first waiter looks every
+    few milliseconds, each one further back half as often), but never below
+    a quarter of how long the holder has held the head already (a long hold
+    is not polled for at that rate), and never above ``cap``.
+    """
+    place = initial / 4 * (1 << min(queued.ahead, 16))
+    held = 0.0 if queued.held is None else queued.held / 4
+    return min(cap, max(place, held))
 
 
 @dataclasses.dataclass(slots=True)
@@ -394,8 +424,8 @@ class _SQLiteFair(FairSQL):
         self._leave_sql = f"DELETE FROM {t} WHERE lock_key = :key AND token = :token RETURNING slot"
         # The head, the live waiters before us, and our own row.
         self._look_sql = (
-            f"SELECT slot, owner, expires_at - {NOW}, kind, token FROM {t} "
-            f"WHERE lock_key = :key AND (slot = '' OR ({_Q} AND fence <= :ticket "
+            f"SELECT slot, owner, expires_at - {NOW}, kind, token, fence, {NOW} - acquired_at "
+            f"FROM {t} WHERE lock_key = :key AND (slot = '' OR ({_Q} AND fence <= :ticket "
             f"AND (expires_at > {NOW} OR token = :token)))"
         )
 
@@ -417,11 +447,9 @@ class _SQLiteFair(FairSQL):
             return Holder(found[0][0], None, found[0][1])
         (ticket,) = (yield self._enqueue_sql, params, True, False).rows[0]
         params["ticket"] = ticket
-        found = (yield self._blocker_sql, params, True, False).rows
-        if not found:
-            return Queued(ticket, None, 0.0, first=True)
-        _check_kind(key, found[0][2])
-        return Queued(ticket, found[0][0], found[0][1], first=found[0][3] == "")
+        rows = (yield self._look_sql, params, True, False).rows
+        look = _Look(key, token, ticket, rows)
+        return look.queued() if look.mine else Queued(ticket, None, 0.0)
 
     def turn_steps(
         self, key: str, token: str, ticket: int, owner: str, ttl: float
@@ -432,26 +460,18 @@ class _SQLiteFair(FairSQL):
         # Look first (a read: WAL readers never wait for the one writer), and
         # write only to take the head or when our row's lease needs renewing.
         rows = (yield self._look_sql, params, True, False).rows
-        mine = [r for r in rows if r[4] == token and r[0] != ""]
-        if not mine or mine[0][2] <= 0:
+        look = _Look(key, token, ticket, rows)
+        if look.mine is None or look.mine <= 0:
             return DROPPED  # gone, or dead: never revived
-        ahead = [r for r in rows if r[0] != "" and r[4] != token]
-        head = [r for r in rows if r[0] == ""]
-        if not ahead and (not head or head[0][2] <= 0):
+        if look.due:
             got = (yield self._head_if_first_sql, params, True, False).rows
             if got:
                 yield self._drop_queued_sql, params, False, False
                 return _grant(got[0])
-        renew = mine[0][2] < ttl * 2 / 3
+        renew = look.mine < ttl * 2 / 3
         if renew and not (yield self._renew_sql, params, False, False).rowcount:
             return DROPPED
-        if ahead:
-            last = max(ahead, key=lambda r: r[0])
-            return Queued(ticket, last[1], last[2], first=False)
-        if not head:
-            return Queued(ticket, None, 0.0, first=True)
-        _check_kind(key, head[0][3])
-        return Queued(ticket, head[0][1], max(head[0][2], 0.0), first=True)
+        return look.queued()
 
     def leave_steps(self, key: str, token: str) -> Steps[bool]:
         rows = (yield self._leave_sql, {"key": key, "token": token}, True, False).rows
@@ -460,10 +480,10 @@ class _SQLiteFair(FairSQL):
 
 class _MySQLFair(FairSQL):
     """InnoDB's ``AUTO_INCREMENT`` is only known after the INSERT, so a queue
-    row is inserted as ``'q~' + token`` and renamed to ``'q' + ticket`` by a
-    second statement; the order is the ``fence`` column either way. The
-    ``INSERT … SELECT`` takes shared locks on the queue rows it reads, so a
-    waiter whose INSERT is not committed yet is waited for, not missed."""
+    row's slot is ``'q~' + token`` (not ``'q' + ticket``: renaming it would
+    cost a second write per request); the order is the ``fence`` column. The
+    head's ``INSERT … SELECT`` takes shared locks on the queue rows it reads,
+    so a waiter whose INSERT is not committed yet is waited for, not missed."""
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)
@@ -495,65 +515,68 @@ class _MySQLFair(FairSQL):
             f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "
             f"AND expires_at <= {now} AND kind = 'exclusive'"
         )
+        # A plain VALUES insert: InnoDB draws its AUTO_INCREMENT under a
+        # short mutex, where an INSERT … SELECT would hold the table's
+        # AUTO-INC lock to the statement's end.
         self._enqueue_sql = (
             f"INSERT INTO {t} (lock_key, slot, owner, token, acquired_at, expires_at, mode) "
-            f"SELECT %(key)s, CONCAT('q~', %(token)s), %(owner)s, %(token)s, {now}, {lease}, "
-            f"'queued'"
-        )
-        self._rename_sql = (
-            f"UPDATE {t} SET slot = CONCAT('q', LPAD(fence, 20, '0')) "
-            f"WHERE lock_key = %(key)s AND slot = CONCAT('q~', %(token)s)"
+            f"VALUES (%(key)s, CONCAT('q~', %(token)s), %(owner)s, %(token)s, {now}, {lease}, "
+            f"'queued')"
         )
         self._renew_sql = f"UPDATE {t} SET expires_at = {lease} WHERE {me} AND expires_at > {now}"
         self._drop_queued_sql = f"DELETE FROM {t} WHERE {me}"
-        self._blocker_sql = (
-            f"SELECT owner, TIMESTAMPDIFF(MICROSECOND, {now}, expires_at), kind, slot FROM {t} "
-            f"WHERE lock_key = %(key)s AND "
-            f"(slot = '' OR ({_Q} AND expires_at > {now} AND fence < %(ticket)s)) "
-            f"ORDER BY slot <> '' DESC, fence DESC LIMIT 1"
-        )
         self._leave_head_sql = f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s"
-        self._plain_heads = dict(self._heads)
-        self._plain = (
-            self._enqueue_sql,
-            self._head_sql,
-            self._blocker_sql,
+        # As SQLite's: the head, the live waiters before us, and our own row
+        # (a consistent read: it takes no lock and waits for nobody).
+        self._look_sql = (
+            f"SELECT slot, owner, TIMESTAMPDIFF(MICROSECOND, {now}, expires_at) / 1e6, kind, "
+            f"token, fence, TIMESTAMPDIFF(MICROSECOND, acquired_at, {now}) / 1e6 FROM {t} "
+            f"WHERE lock_key = %(key)s AND (slot = '' OR ({_Q} AND fence <= %(ticket)s "
+            f"AND (expires_at > {now} OR token = %(token)s)))"
         )
+        self._plain_heads = dict(self._heads)
+        self._plain = (self._enqueue_sql, self._head_sql, self._look_sql)
         self._galera = False
 
     def _on_galera(self, store: Any) -> None:
         """Galera: every statement that decides or reads the order carries the
         exclusive lock's prefixes (:meth:`MySQLStore.for_galera`). Taking the
         head is the exclusive lock's INSERT IGNORE: no silent re-run after a
-        lost certification (which counts as ignored), and it first applies every transaction
-        committed anywhere, so it sees each queue row committed before it
-        started (a waiter on a lagging node would otherwise pass one queued
+        lost certification (which counts as ignored), and it first applies
+        every transaction committed anywhere, so it sees each queue row
+        committed before it started (a waiter on a lagging node would otherwise pass one queued
         earlier on another node). Queueing waits the same way, so its ticket
         (the node's ``AUTO_INCREMENT``) is above every ticket handed out
         before it started, whichever node drew it. The reads of the head and
-        of whom we wait behind see other nodes' rows. Idempotent: computed
+        the waiter's look see other nodes' rows. Idempotent: computed
         from the plain statements, so two first uses may race."""
         on = store.for_galera
-        enqueue, head, blocker = self._plain
+        enqueue, head, look = self._plain
         self._heads = {
             sql: (on(plain, ignored=True), on(returning, ignored=True))
             for sql, (plain, returning) in self._plain_heads.items()
         }
         self._enqueue_sql = on(enqueue, write=True)
         self._head_sql = on(head, read=True)
-        self._blocker_sql = on(blocker, read=True)
+        self._look_sql = on(look, read=True)
         self._galera = True
 
-    def _head_steps(
-        self, sql: str, params: dict[str, Any], ttl: float
-    ) -> Steps[Grant | Holder | None]:
-        """Try ``sql`` (an INSERT IGNORE of the head); Grant, or the holder
-        (None: the head was free or expired and we may try again now)."""
-        store: Any = self.store  # a MySQLStore: its capabilities and clock offset
+    def _ready_steps(self) -> Steps[None]:
+        """The store's capabilities known, and the statements fit for them."""
+        store: Any = self.store
         if store.returning is None:
             yield from store._capabilities_steps()
         if store.galera and not self._galera:
             self._on_galera(store)
+
+    def _head_steps(
+        self, sql: str, params: dict[str, Any], ttl: float, *, read: bool = True
+    ) -> Steps[Grant | Holder | None]:
+        """Try ``sql`` (an INSERT IGNORE of the head); Grant, or the holder
+        (None: the head was free or expired and we may try again now; also
+        when ``read`` is false and we did not read the head)."""
+        store: Any = self.store  # a MySQLStore: its capabilities and clock offset
+        yield from self._ready_steps()
         plain, returning = self._heads[sql]
         if store.returning:
             rows = (yield returning, params, True, False).rows
@@ -571,6 +594,8 @@ class _MySQLFair(FairSQL):
                 offset = yield from store._server_offset_steps()
                 start = datetime.fromtimestamp(sent + offset, _UTC)
                 return Grant(int(result.lastrowid or 0), start + timedelta(seconds=ttl), ttl)
+        if not read:
+            return None
         rows = (yield self._head_sql, params, True, False).rows
         if not rows:
             return None
@@ -590,23 +615,19 @@ class _MySQLFair(FairSQL):
             "token": token,
             "ttl_us": round(ttl * 1e6),
         }
-        got = yield from self._head_steps(self._head_if_empty_sql, params, ttl)
+        # Queueing anyway if the head is taken: no need to read who holds it
+        # (an expired head is taken over by the first waiter's turn).
+        got = yield from self._head_steps(self._head_if_empty_sql, params, ttl, read=not enqueue)
         if isinstance(got, Grant):
             return got
         if not enqueue:
             return got or Holder(None, None, 0.0)
         ticket = (yield self._enqueue_sql, params, False, True).lastrowid
-        yield self._rename_sql, params, False, False
         assert ticket
-        return (yield from self._blocker_steps(params, ticket))
-
-    def _blocker_steps(self, params: dict[str, Any], ticket: int) -> Steps[Queued]:
         params["ticket"] = ticket
-        found = (yield self._blocker_sql, params, True, False).rows
-        if not found:
-            return Queued(ticket, None, 0.0, first=True)
-        _check_kind(params["key"], found[0][2])
-        return Queued(ticket, found[0][0], max(found[0][1] / 1e6, 0.0), first=found[0][3] == "")
+        rows = (yield self._look_sql, params, True, False).rows
+        look = _Look(key, token, ticket, rows)
+        return look.queued() if look.mine else Queued(ticket, None, 0.0)
 
     def turn_steps(
         self, key: str, token: str, ticket: int, owner: str, ttl: float
@@ -618,19 +639,70 @@ class _MySQLFair(FairSQL):
             "ttl_us": round(ttl * 1e6),
             "ticket": ticket,
         }
-        got = yield from self._head_steps(self._head_if_first_sql, params, ttl)
-        if isinstance(got, Grant):
-            yield self._drop_queued_sql, params, False, False
-            return got
-        if not (yield self._renew_sql, params, False, False).rowcount:
+        # Look first (one read), and write only to take the head or when our
+        # row's lease needs renewing: a waiter's poll is one statement.
+        yield from self._ready_steps()
+        rows = (yield self._look_sql, params, True, False).rows
+        look = _Look(key, token, ticket, rows)
+        if look.mine is None or look.mine <= 0:
+            return DROPPED  # gone, or dead: never revived
+        if look.due:
+            got = yield from self._head_steps(self._head_if_first_sql, params, ttl)
+            if isinstance(got, Grant):
+                yield self._drop_queued_sql, params, False, False
+                return got
+            if got is None:  # the head was free or just taken over: look again now
+                return Queued(ticket, None, 0.0, first=True)
+        if look.mine < ttl * 2 / 3 and not (yield self._renew_sql, params, False, False).rowcount:
             return DROPPED
-        # (The head free or just taken over: the blocker read says whether a
-        # live waiter before us is due first, else to look again at once.)
-        return (yield from self._blocker_steps(params, ticket))
+        return look.queued()
 
     def leave_steps(self, key: str, token: str) -> Steps[bool]:
         params = {"key": key, "token": token}
         return (yield self._leave_head_sql, params, False, False).rowcount > 0
+
+
+class _Look:
+    """What a waiter's look (one read on SQLite and MySQL) saw: rows of
+    ``(slot, owner, expires_in, kind, token, fence, held)`` for the head, the
+    live queue rows up to our ticket, and our own row (live or not)."""
+
+    __slots__ = ("ahead", "head", "key", "mine", "ticket")
+
+    def __init__(self, key: str, token: str, ticket: int, rows: Any) -> None:
+        self.key = key
+        self.ticket = ticket
+        #: Seconds left on our queue row's lease (None: the row is gone).
+        self.mine: float | None = None
+        self.head: tuple[Any, ...] | None = None
+        #: The live waiters before us, by ticket.
+        self.ahead: list[tuple[Any, ...]] = []
+        for row in rows:
+            if row[0] == "":
+                self.head = tuple(row)
+            elif row[4] == token:
+                self.mine = float(row[2])
+            else:
+                self.ahead.append(tuple(row))
+        self.ahead.sort(key=lambda r: int(r[5]))
+
+    @property
+    def due(self) -> bool:
+        """Nobody live before us and the head free or expired: try to take it."""
+        return not self.ahead and (self.head is None or float(self.head[2]) <= 0)
+
+    def queued(self) -> Queued:
+        """Whom we wait behind: the last live waiter before us, else the holder."""
+        held = None if self.head is None else max(float(self.head[6]), 0.0)
+        n = len(self.ahead)
+        if self.ahead:
+            last = self.ahead[-1]
+            return Queued(self.ticket, last[1], float(last[2]), ahead=n, held=held)
+        if self.head is None:
+            return Queued(self.ticket, None, 0.0, first=True)
+        _check_kind(self.key, self.head[3])
+        left = max(float(self.head[2]), 0.0)
+        return Queued(self.ticket, self.head[1], left, first=True, held=held)
 
 
 def _check_kind(key: str, kind: str | None) -> None:

@@ -275,7 +275,7 @@ class PostgresRw(RwStatements):
 
 def _row(row: Sequence[Any]) -> RwRow:
     granted, kind, mode, token, owner, fence, expires_at, holders, now = row
-    if isinstance(expires_at, float):  # SQLite: unix seconds
+    if isinstance(expires_at, (int, float)):  # SQLite: unix seconds (whole ones as int)
         expires_in = expires_at - now - 0.001  # its 'now' is truncated to the millisecond
         expires_at = datetime.fromtimestamp(expires_at, _UTC)
     else:

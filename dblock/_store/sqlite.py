@@ -132,6 +132,10 @@ class SQLiteStore(Store):
 def _grant(row: tuple[object, ...]) -> Grant:
     fence, expires_at, now = row
     assert isinstance(fence, int)
-    assert isinstance(expires_at, float)
-    assert isinstance(now, float)
+    # RETURNING hands back a REAL column's whole-number value as an int (SQLite
+    # stores those as integers): a lease that ends on a whole second, about
+    # one grant in a thousand (its clock counts milliseconds).
+    assert isinstance(expires_at, (int, float))
+    assert isinstance(now, (int, float))
+    expires_at, now = float(expires_at), float(now)
     return Grant(fence, datetime.fromtimestamp(expires_at, _UTC), expires_at - now - _CLOCK_STEP)

@@ -56,7 +56,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .._store.base import Backoff, Grant, Holder, Interrupted, never_sent
-from .._store.fair import DROPPED, Queued, Seat, address, statements
+from .._store.fair import DROPPED, Queued, Seat, address, poll_cap, statements
 from ..errors import BackendError, LockBusy, LockTimeout, ManagerClosed
 from ..lock import (
     _CLEAN_OP,
@@ -198,6 +198,10 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                 limit = min(limit, max(result.expires_in, 0.0) + _EXPIRY_MARGIN)
             # Look again (and so renew our queue row) well before it runs out.
             limit = min(limit, ttl * RENEW_AT)
+            if not store.can_notify:
+                # Polling: look again soon enough to notice moving up.
+                config = store.config
+                limit = min(limit, poll_cap(result, config.poll_initial, config.poll_max))
             if not waiting:
                 waiting = True
                 if watch is not None:

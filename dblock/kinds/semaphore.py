@@ -48,6 +48,7 @@ from ..errors import (
     LockBusy,
     LockNotAcquired,
     LockTimeout,
+    ManagerClosed,
 )
 from ..lock import HeldLock, Locker, LockOptions
 from ..registry import current_owner
@@ -446,7 +447,7 @@ class Semaphores:
                 assert isinstance(held, HeldPermit)
                 return held
             raise LockBusy(key, level=1)
-        except (LockNotAcquired, KindMismatch) as exc:
+        except (LockNotAcquired, KindMismatch, ManagerClosed) as exc:
             raise self.renamed(exc, key, n) from None
 
     def plan(self, key: str, n: int, *, blocking: bool) -> list[str]:
@@ -476,7 +477,7 @@ class Semaphores:
             return [local_key(key, n, others[self._turn % len(others)])]
 
     @staticmethod
-    def renamed(exc: LockNotAcquired | KindMismatch, key: str, n: int) -> Exception:
+    def renamed(exc: LockNotAcquired | KindMismatch | ManagerClosed, key: str, n: int) -> Exception:
         """The locker's error about a local permit key, about ``key`` instead."""
         if isinstance(exc, KindMismatch):
             if exc.key == key:
@@ -488,6 +489,8 @@ class Semaphores:
             return LockTimeout(key, timeout=exc.timeout, level=exc.level, holder=exc.holder)
         if isinstance(exc, LockBusy):
             return LockBusy(key, level=exc.level, holder=exc.holder)
+        if isinstance(exc, ManagerClosed):
+            return ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
         return exc
 
     def close(self, timeout: float) -> None:
