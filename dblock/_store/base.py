@@ -237,15 +237,17 @@ class Executor:
             else:
                 self._checkin(conn)
             raise self._translate(exc, sent=True, interrupted=interrupted) from exc
-        except ValueError as exc:
-            # The driver could not decode the answer (seen on Galera: a row of
-            # empty fields from a statement brute-force aborted as it ran):
-            # the connection's protocol state is unknown, and so is the outcome.
-            conn.invalidate(exc)
-            raise self._translate(exc, sent=True, interrupted=True) from exc
-        except BaseException:
-            # Interrupted mid-statement (KeyboardInterrupt, a signal handler):
-            # the connection's protocol state is unknown.
+        except BaseException as exc:
+            if _undecodable(exc):
+                # The driver could not decode the answer (seen on Galera: a row
+                # of empty fields from a statement brute-force aborted as it
+                # ran): the connection's protocol state is unknown, and so is
+                # the outcome.
+                conn.invalidate(exc)
+                raise self._translate(exc, sent=True, interrupted=True) from exc
+            # Interrupted mid-statement (KeyboardInterrupt, a signal handler),
+            # or parameters the driver cannot encode: the connection's
+            # protocol state is unknown.
             conn.invalidate()
             raise
         self._checkin(conn)
@@ -359,13 +361,9 @@ class Executor:
             ) from exc
         except self._dbapi_error as exc:
             raise self._translate(exc, sent=sent) from exc
-        except ValueError as exc:
-            if not sent:
-                _mark_unsent(exc)
-                raise
-            # An answer the driver could not decode (see run()).
-            raise self._translate(exc, sent=True, interrupted=True) from exc
         except BaseException as exc:
+            if sent and _undecodable(exc):  # see run()
+                raise self._translate(exc, sent=True, interrupted=True) from exc
             if not sent:
                 _mark_unsent(exc)
             raise
@@ -384,6 +382,13 @@ class Executor:
 
 
 _UNSENT = "_dblock_unsent"
+
+
+def _undecodable(exc: BaseException) -> bool:
+    """An answer the driver failed to decode: a ValueError, but not the
+    UnicodeEncodeError of parameters it cannot encode (those never reach the
+    server, and an orphan with such a key is given up, not retried)."""
+    return isinstance(exc, ValueError) and not isinstance(exc, UnicodeEncodeError)
 
 
 def _mark_unsent(exc: BaseException) -> None:
