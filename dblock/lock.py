@@ -207,11 +207,10 @@ class HeldLock:
         "ttl",
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0917 - positional: called once per lock
         self,
         locker: Locker,
         entry: Entry,
-        *,
         token: str,
         owner: str,
         ttl: float,
@@ -219,6 +218,7 @@ class HeldLock:
         sent_at: float,
         options: LockOptions,
     ) -> None:
+        # (Positional parameters: a class called with keywords gets them as a dict.)
         self._locker = locker
         self._entry = entry
         self._owner = entry.owner
@@ -229,7 +229,7 @@ class HeldLock:
         # Its release waits for a commit or a response (dblock.deferral): the
         # taking thread or task may end first without abandoning it.
         self._deferred = False
-        ref = self._ref = _Ref(self, locker._collected)
+        ref = self._ref = _Ref(self, locker._collect)
         ref.entry = entry
         ref.key = entry.key
         ref.token = token
@@ -343,7 +343,13 @@ class HeldLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        release_on_exit(self.release, exc_type, self.key)
+        # release_on_exit(self.release, exc_type, self.key), inlined: the hot path.
+        try:
+            self.release()
+        except LockLost:
+            if exc_type is None:
+                raise
+            log.exception("dblock: %r was lost while its holder failed", self.key)
 
     def __repr__(self) -> str:
         state = "released" if self._released else f"expires_at={self.expires_at.isoformat()}"
@@ -369,7 +375,7 @@ class _Ticket:
 
     __slots__ = ("options", "owner", "seats", "ttl")
 
-    def __init__(self, owner: str, ttl: float, options: LockOptions, *, seats: bool) -> None:
+    def __init__(self, owner: str, ttl: float, options: LockOptions, seats: bool) -> None:
         self.owner = owner
         self.ttl = ttl
         self.options = options
@@ -402,6 +408,8 @@ class Locker:
         self._set_client_id()
         self.telemetry: Recorder | None = recorder_for(config.telemetry, config.table)
         self.renewer.telemetry = self.telemetry
+        # The weak-reference callback of every held lock, bound once (not per lock).
+        self._collect = self._collected
 
     def _set_client_id(self) -> None:
         self._client_id = self.config.client_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -429,7 +437,9 @@ class Locker:
     def owner_label(self, me: object = None) -> str:
         """Who holds a row, for people reading ``dblock list``: host, pid and
         thread (or asyncio task)."""
-        if me is None or isinstance(me, ThreadOwner):
+        if isinstance(me, ThreadOwner):
+            name = me.thread.name
+        elif me is None:
             name = _current_thread().name
         else:
             get_name = getattr(me, "get_name", None)
@@ -440,10 +450,9 @@ class Locker:
 
     # -- acquire -----------------------------------------------------------
 
-    def acquire(
+    def acquire(  # noqa: PLR0917 - positional: the manager's partial calls it per lock
         self,
         key: str,
-        *,
         blocking: bool,
         timeout: float | None,
         ttl: float,
@@ -518,7 +527,8 @@ class Locker:
         token: str | None = None
         seat: Seat | None = None  # a place in the fair queue taken for us
         owner: str | None = None
-        watch = None if self.telemetry is None else self.telemetry.watch(key)
+        telemetry = self.telemetry
+        watch = None if telemetry is None else Watch(telemetry, key)
         try:
             if not self._local:
                 entry = Entry(key, me)
@@ -527,10 +537,14 @@ class Locker:
                 if entry is None:
                     raise LockBusy(key, level=1)
             else:
-                seats = bool(getattr(level2, "seats", False))
-                ticket = _Ticket(self.owner_label(me), ttl, opts, seats=seats)
-                owner = ticket.owner
-                got = self.registry.join(key, me, ticket, waiter_type)
+                # A free key needs no ticket (what a queued request asks its
+                # predecessor for): take it first, and queue only if that fails.
+                got: Entry | Waiter | None = self.registry.claim(key, me)
+                if got is None:
+                    seats = bool(getattr(level2, "seats", False))
+                    ticket = _Ticket(self.owner_label(me), ttl, opts, seats)
+                    owner = ticket.owner
+                    got = self.registry.join(key, me, ticket, waiter_type)
                 if isinstance(got, Entry):
                     entry = got
                 else:
@@ -549,19 +563,34 @@ class Locker:
                         seat = grant if isinstance(grant, Seat) else None
             if held is None:
                 assert entry is not None
-                held = yield from (level2 or Locker._acquire_loop)(
-                    self,
-                    entry,
-                    blocking=blocking,
-                    timeout=timeout,
-                    ttl=ttl,
-                    start=start,
-                    opts=opts,
-                    owner=owner or self.owner_label(me),
-                    token=token,
-                    watch=watch,
-                    **({} if seat is None else {"seat": seat}),
-                )
+                if seat is None:
+                    held = yield from (level2 or Locker._acquire_loop)(
+                        self,
+                        entry,
+                        blocking=blocking,
+                        timeout=timeout,
+                        ttl=ttl,
+                        start=start,
+                        opts=opts,
+                        owner=owner or self.owner_label(me),
+                        token=token,
+                        watch=watch,
+                    )
+                else:  # only the fair queue's loop is handed a seat
+                    assert level2 is not None
+                    held = yield from level2(
+                        self,
+                        entry,
+                        blocking=blocking,
+                        timeout=timeout,
+                        ttl=ttl,
+                        start=start,
+                        opts=opts,
+                        owner=owner or self.owner_label(me),
+                        token=token,
+                        watch=watch,
+                        seat=seat,
+                    )
                 entry.held = held._ref
                 entry.handoffs = 0
                 self.renewer.track(held)
@@ -714,7 +743,7 @@ class Locker:
             self.renewer.post(_noop)  # the renewal thread cleans orphans on its pass
             raise
 
-    def _acquire_loop(
+    def _acquire_loop(  # noqa: PLR0912 - the first try inline, the rest in _attempt
         self,
         entry: Entry,
         *,
@@ -749,7 +778,10 @@ class Locker:
                     yield _CLEAN_OP
                 sent_at = _monotonic()
                 try:
-                    result = yield from self._attempt(key, token, owner, ttl)
+                    try:  # the first try here, the rest (if it fails) in _attempt
+                        result = yield (_TRY, key, token, owner, ttl)
+                    except BaseException as first:
+                        result = yield from self._attempt(key, token, owner, ttl, first)
                 except BackendError as exc:
                     outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
                     token = yield from self._ride_out(
@@ -758,16 +790,7 @@ class Locker:
                     continue
                 outage = None
                 if isinstance(result, Grant):
-                    return self.held_type(
-                        self,
-                        entry,
-                        token=token,
-                        owner=owner,
-                        ttl=ttl,
-                        grant=result,
-                        sent_at=sent_at,
-                        options=opts,
-                    )
+                    return self.held_type(self, entry, token, owner, ttl, result, sent_at, opts)
                 if result.kind is not None and result.kind != self.kind:
                     raise KindMismatch(
                         key, requested=self.kind, existing=result.kind, where="in the table"
@@ -813,14 +836,20 @@ class Locker:
         yield (_SLEEP, outage.step(limit))
         return _urandom(16).hex() if self.store.is_orphan(key, token) else token
 
-    def _attempt(self, key: str, token: str, owner: str, ttl: float) -> Op[Grant | Holder]:
+    def _attempt(
+        self, key: str, token: str, owner: str, ttl: float, first: BaseException | None = None
+    ) -> Op[Grant | Holder]:
         """One try at the row, settling an ambiguous outcome: if the connection
         broke with the statement in flight, ask again with the same token;
-        the row itself then says whether we got it."""
+        the row itself then says whether we got it. ``first``: the first
+        try was made by the caller and raised that."""
         store = self.store
         in_doubt = False
         for attempt in range(_AMBIGUITY_RETRIES + 1):
             try:
+                if first is not None:
+                    failed, first = first, None
+                    raise failed
                 result: Grant | Holder = yield (_TRY, key, token, owner, ttl)
                 return result
             except Interrupted as exc:
@@ -868,8 +897,11 @@ class Locker:
         if entry.depth > 1 and not force and entry.held is held._ref:
             entry.depth -= 1
             return True
-        if not self._claim(held):  # dblock released it meanwhile (owner gone, closed)
+        # self._claim(held), inlined: dblock released it meanwhile (owner gone, closed)?
+        ref = held._ref
+        if not self.renewer.untrack(held) and (ref.tracked or not ref.live):
             raise LockLost(held.key, held._lost or "dblock released it meanwhile")
+        ref.live = False
         held._released = True
         entry.held = None
         if self.telemetry is not None:
@@ -880,7 +912,7 @@ class Locker:
                 waiter = self.registry.pop_waiter(entry)
             if waiter is not None:
                 return (yield from self._release_seating(held, waiter))
-        elif entry.handoffs < self._handoff_limit and held._lost is None:
+        elif entry.queue and entry.handoffs < self._handoff_limit and held._lost is None:
             waiter = self.registry.pop_waiter(entry)
         if waiter is not None:
             return (yield from self._hand_off(entry, held, waiter))

@@ -271,7 +271,7 @@ class LockManager:
         across processes are granted in the order they arrived (see
         :mod:`dblock.kinds.fair`).
         """
-        defer = _until_hook(until)
+        defer = None if until is None else _until_hook(until)
         key, blocking, wait, lease, opts = self._check(
             key,
             blocking=blocking,
@@ -281,15 +281,16 @@ class LockManager:
             max_hold=max_hold,
             on_lost=on_lost,
         )
+        # Positional: a partial with keywords copies them into a dict per call.
         return LockRequest(
             partial(
                 self._locker.acquire,
                 key,
-                blocking=blocking,
-                timeout=wait,
-                ttl=lease,
-                options=opts,
-                level2=_level2(fair),
+                blocking,
+                wait,
+                lease,
+                opts,
+                None if fair is False else _level2(fair),
             ),
             defer,
         )

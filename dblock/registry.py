@@ -54,11 +54,13 @@ class ThreadOwner:
     ends (also for threads not started by :mod:`threading`).
     """
 
-    __slots__ = ("_anchor", "name")
+    __slots__ = ("_anchor", "name", "thread")
 
-    def __init__(self, anchor: _Anchor, name: str) -> None:
+    def __init__(self, anchor: _Anchor, thread: threading.Thread) -> None:
         self._anchor = weakref.ref(anchor)
-        self.name = name
+        self.name = thread.name
+        #: The thread itself, for its current name (it may be renamed).
+        self.thread = thread
 
     def alive(self) -> bool:
         return self._anchor() is not None
@@ -72,7 +74,7 @@ _local = threading.local()
 
 def _new_thread_owner() -> ThreadOwner:
     anchor = _Anchor()
-    owner = ThreadOwner(anchor, threading.current_thread().name)
+    owner = ThreadOwner(anchor, threading.current_thread())
     _local.anchor = anchor
     _local.owner = owner
     return owner
@@ -163,6 +165,12 @@ class Waiter:
         return pending
 
 
+#: The queue of an entry nobody queued for yet (most entries): one shared
+#: empty deque that stays empty (``maxlen=0``), replaced by a deque of the
+#: entry's own when the first waiter joins (see :meth:`Registry.join`).
+_NO_QUEUE: deque[Waiter] = deque(maxlen=0)
+
+
 class Entry:
     __slots__ = ("depth", "handoffs", "held", "key", "owner", "queue")
 
@@ -170,7 +178,7 @@ class Entry:
         self.key = key
         self.owner = owner
         self.depth = 1
-        self.queue: deque[Waiter] = deque()
+        self.queue: deque[Waiter] = _NO_QUEUE
         # What level 2 holds for this key (opaque here: a weak reference, so the
         # registry never keeps an unreachable lock alive) and how many times in
         # a row it was handed to a local waiter without going back to the database.
@@ -204,10 +212,11 @@ class Registry:
         with self._mutex:
             if self.closed:
                 raise ManagerClosed("this LockManager is closed")
-            if key in self._entries:
+            entries = self._entries
+            if key in entries:
                 return None
-            entry = self._entries[key] = Entry(key, owner)
-            self._grew()
+            entry = entries[key] = Entry(key, owner)
+            self._peak = max(self._peak, len(entries))  # _grew(), inlined: the hot path
             return entry
 
     def join(
@@ -225,6 +234,8 @@ class Registry:
                 self._grew()
                 return entry
             waiter = (waiter_type or Waiter)(entry, owner, ticket)
+            if entry.queue is _NO_QUEUE:
+                entry.queue = deque()
             entry.queue.append(waiter)
             return waiter
 
@@ -253,7 +264,7 @@ class Registry:
         """The owner is done with the key: hand it to the next waiter (returned,
         for the caller to wake) or forget the key."""
         with self._mutex:
-            waiter = self._pass(entry)
+            waiter = self._pass(entry) if entry.queue else None
             if waiter is None:
                 del self._entries[entry.key]
                 if not self._entries and self._peak > self._SHRINK_AFTER:

@@ -247,6 +247,11 @@ class Watch:
             self._span = self._recorder.wait_span(self._key, level)
 
     def done(self, outcome: str, fence: int | None = None, level: int | None = None) -> None:
+        if self._span is None and outcome == GRANTED and level is None:
+            # Granted without waiting: the uncontended hot path, one event.
+            recorder = self._recorder
+            recorder._acquisitions.add(1, recorder._outcomes[GRANTED, self.level])
+            return
         level = self.level if level is None else level
         if outcome == TIMEOUT and self._span is None:
             self.waiting(level)  # it asked to wait and ran out of time before its first sleep

@@ -200,8 +200,8 @@ class Executor:
     def engine(self) -> Engine:
         return self._engine
 
-    def run(
-        self, sql: str, params: Params, *, fetch: bool = False, lastrowid: bool = False
+    def run(  # noqa: PLR0912 - the hot path, its helpers' common cases inlined
+        self, sql: str, params: Params, fetch: bool = False, lastrowid: bool = False
     ) -> Result:
         """Run ``sql``; ``fetch`` its rows if it returns any."""
         # SQLAlchemy's own test for "does anyone listen?"; if the attribute ever
@@ -209,7 +209,16 @@ class Executor:
         if not self._owns or getattr(self._engine, "_has_events", True):
             return self._run_observed(sql, params, fetch, lastrowid)
         try:
-            conn = self._checkout()
+            # _checkout(), its first step inlined: the connection on top of the stack.
+            idle = self._idle
+            try:
+                conn, since = idle.pop()
+            except IndexError:  # none idle (or another thread took the last one)
+                conn = self._checkout()
+            else:
+                if _monotonic() - since >= IDLE_SECONDS:
+                    conn.close()  # back to the pool, which recycles or pings it as configured
+                    conn = self._checkout()
         except BaseException as exc:  # a signal handler's, say, while waiting for the pool
             _mark_unsent(exc)
             raise
@@ -250,7 +259,15 @@ class Executor:
             # protocol state is unknown.
             conn.invalidate()
             raise
-        self._checkin(conn)
+        # _checkin(conn), inlined (the hot path), with the first test of
+        # _pool_exhausted(): a pool that may still open another connection.
+        pool = self._bounded
+        if len(self._idle) < self._max_idle and (
+            pool is None or pool.overflow() < pool._max_overflow or not self._pool_exhausted()
+        ):
+            self._idle.append((conn, _monotonic()))
+        else:
+            conn.close()
         return result
 
     def _checkout(self) -> PoolProxiedConnection:
@@ -651,7 +668,7 @@ class Store:
         attempt = 0
         while True:
             try:
-                return self.executor.run(sql, params, fetch=fetch, lastrowid=lastrowid)
+                return self.executor.run(sql, params, fetch, lastrowid)
             except BackendError as exc:
                 then = self.retry(sql, exc, attempt)
                 if then is None:

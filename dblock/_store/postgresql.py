@@ -55,6 +55,18 @@ def _lock_class(table: str) -> int:
     return (zlib.crc32(table.encode()) ^ 0x80000000) - 0x80000000
 
 
+def _acquired(rows: Sequence[tuple[Any, ...]], token: str) -> Grant | Holder:
+    """What the acquire statement's answer means for the request of ``token``."""
+    if not rows:
+        # Held by a row our snapshot cannot see yet (committed an instant ago).
+        return Holder(None, None, None)
+    row_token, row_owner, fence, expires_at, now, kind = rows[0]
+    expires_in = (expires_at - now).total_seconds()
+    if row_token == token:
+        return Grant(fence, expires_at, expires_in)
+    return Holder(row_owner, row_token, expires_in, kind)
+
+
 @register("postgresql")
 class PostgresStore(Store):
     can_transfer: ClassVar[bool] = True
@@ -103,25 +115,32 @@ class PostgresStore(Store):
             f"RETURNING t.token, t.expires_at, now()"
         )
         self._channel = self.names.channel
+        # What runs a statement: the executor itself unless retry() says
+        # more than Store's (raise), saving a call per statement.
+        self._run_once = self.executor.run if type(self).retry is Store.retry else self.run
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
         self._direct: Engine | None = None  # listen_url's engine, made on first wait
 
     def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
         params = {"key": key, "owner": owner, "token": token, "ttl": ttl}
-        rows = (yield self._acquire_sql, params, True, False).rows
-        if not rows:
-            # Held by a row our snapshot cannot see yet (committed an instant ago).
-            return Holder(None, None, None)
-        row_token, row_owner, fence, expires_at, now, kind = rows[0]
-        expires_in = (expires_at - now).total_seconds()
-        if row_token == token:
-            return Grant(fence, expires_at, expires_in)
-        return Holder(row_owner, row_token, expires_in, kind)
+        return _acquired((yield self._acquire_sql, params, True, False).rows, token)
 
     def release_steps(self, key: str, token: str) -> Steps[bool]:
         params = {"key": key, "token": token, "channel": self._channel}
         return bool((yield self._release_sql, params, True, False).rows)
+
+    # The blocking driver's one-statement operations, without a generator to
+    # drive: the same statement and parameters as the steps above, and the
+    # same decision (_acquired), on the hot path of every lock.
+
+    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+        params = {"key": key, "owner": owner, "token": token, "ttl": ttl}
+        return _acquired(self._run_once(self._acquire_sql, params, True).rows, token)
+
+    def release(self, key: str, token: str) -> bool:
+        params = {"key": key, "token": token, "channel": self._channel}
+        return bool(self._run_once(self._release_sql, params, True).rows)
 
     def transfer_steps(
         self, key: str, token: str, new_token: str, owner: str, ttl: float

@@ -99,8 +99,18 @@ class HeldPermit(HeldLock):
 
     __slots__ = ("permits", "slot")
 
-    def __init__(self, locker: Locker, entry: Any, *, grant: Grant, **kwargs: Any) -> None:
-        super().__init__(locker, entry, grant=grant, **kwargs)
+    def __init__(  # noqa: PLR0917 - as HeldLock's
+        self,
+        locker: Locker,
+        entry: Any,
+        token: str,
+        owner: str,
+        ttl: float,
+        grant: Grant,
+        sent_at: float,
+        options: LockOptions,
+    ) -> None:
+        super().__init__(locker, entry, token, owner, ttl, grant, sent_at, options)
         self.key = self._ref.key = real_key(entry.key)
         self.slot = grant.slot
         self.permits = _size_index(entry.key)[0]
