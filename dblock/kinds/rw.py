@@ -248,6 +248,7 @@ class RwLocker:
             idle_tick=config.ttl * RENEW_AT,
             abandon=self._abandon,
         )
+        self._collect = self._collected  # the callback HeldLock's weak reference takes
 
     # -- what HeldLock asks of its locker ------------------------------------
 
