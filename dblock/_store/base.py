@@ -141,6 +141,11 @@ RENEW_CHUNK = 500
 
 # Drivers whose DBAPI connection has execute() returning a cursor.
 _DIRECT_DRIVERS = frozenset({"psycopg", "pysqlite"})
+# Drivers whose cursor the executor keeps with its connection and uses for
+# every statement: psycopg's cursors cost more to make than the statement's
+# own client side (an adapters map and a transformer each), and its results
+# are read in full at execute(), so a kept cursor holds nothing on the server.
+_KEEP_CURSOR_DRIVERS = frozenset({"psycopg"})
 
 
 class Executor:
@@ -160,6 +165,7 @@ class Executor:
         "_engine",
         "_idle",
         "_is_missing_table",
+        "_keep_cursor",
         "_max_idle",
         "_owns",
         "_table",
@@ -184,7 +190,9 @@ class Executor:
         self._table = table
         self._url = mask(engine.url)
         self._direct = engine.dialect.driver in _DIRECT_DRIVERS
-        self._idle: list[tuple[PoolProxiedConnection, float]] = []
+        self._keep_cursor = engine.dialect.driver in _KEEP_CURSOR_DRIVERS
+        # (connection, when it was put here, its kept cursor or None)
+        self._idle: list[tuple[PoolProxiedConnection, float, Any]] = []
         size = getattr(engine.pool, "size", None)
         self._max_idle = size() if callable(size) else 4
         pool = engine.pool
@@ -200,7 +208,7 @@ class Executor:
     def engine(self) -> Engine:
         return self._engine
 
-    def run(  # noqa: PLR0912 - the hot path, its helpers' common cases inlined
+    def run(  # noqa: PLR0912, PLR0915 - the hot path, its helpers' common cases inlined
         self, sql: str, params: Params, fetch: bool = False, lastrowid: bool = False
     ) -> Result:
         """Run ``sql``; ``fetch`` its rows if it returns any."""
@@ -212,18 +220,25 @@ class Executor:
             # _checkout(), its first step inlined: the connection on top of the stack.
             idle = self._idle
             try:
-                conn, since = idle.pop()
+                conn, since, kept = idle.pop()
             except IndexError:  # none idle (or another thread took the last one)
-                conn = self._checkout()
+                conn, kept = self._checkout(), None
             else:
                 if _monotonic() - since >= IDLE_SECONDS:
                     conn.close()  # back to the pool, which recycles or pings it as configured
-                    conn = self._checkout()
+                    conn, kept = self._checkout(), None
         except BaseException as exc:  # a signal handler's, say, while waiting for the pool
             _mark_unsent(exc)
             raise
         try:
-            if self._direct:
+            if self._keep_cursor:
+                if kept is None:
+                    kept = conn.dbapi_connection.cursor()  # type: ignore[union-attr]
+                cursor = kept
+                cursor.execute(sql, params)
+                rows = cursor.fetchall() if fetch else ()
+                result = Result(rows, cursor.rowcount, cursor.lastrowid if lastrowid else None)
+            elif self._direct:
                 cursor = conn.dbapi_connection.execute(sql, params)  # type: ignore[union-attr]
                 rows = cursor.fetchall() if fetch else ()
                 result = Result(rows, cursor.rowcount, cursor.lastrowid if lastrowid else None)
@@ -244,7 +259,7 @@ class Executor:
                 self._engine.pool._invalidate(conn, exc)
                 self.release_idle()
             else:
-                self._checkin(conn)
+                self._checkin(conn, kept)
             raise self._translate(exc, sent=True, interrupted=interrupted) from exc
         except BaseException as exc:
             if _undecodable(exc):
@@ -265,7 +280,7 @@ class Executor:
         if len(self._idle) < self._max_idle and (
             pool is None or pool.overflow() < pool._max_overflow or not self._pool_exhausted()
         ):
-            self._idle.append((conn, _monotonic()))
+            self._idle.append((conn, _monotonic(), kept))
         else:
             conn.close()
         return result
@@ -274,7 +289,7 @@ class Executor:
         idle = self._idle
         while idle:
             try:
-                conn, since = idle.pop()
+                conn, since, _ = idle.pop()
             except IndexError:  # another thread took the last one
                 break
             if _monotonic() - since < IDLE_SECONDS:
@@ -327,9 +342,9 @@ class Executor:
             f"{why}; nothing was sent to the database"
         )
 
-    def _checkin(self, conn: PoolProxiedConnection) -> None:
+    def _checkin(self, conn: PoolProxiedConnection, kept: Any = None) -> None:
         if len(self._idle) < self._max_idle and not self._pool_exhausted():
-            self._idle.append((conn, _monotonic()))
+            self._idle.append((conn, _monotonic(), kept))
         else:
             conn.close()
 
@@ -350,7 +365,7 @@ class Executor:
         """Hand every idle connection back to the pool."""
         while self._idle:
             try:
-                conn, _ = self._idle.pop()
+                conn, _, _ = self._idle.pop()
             except IndexError:
                 return
             with contextlib.suppress(Exception):
