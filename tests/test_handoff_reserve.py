@@ -20,19 +20,9 @@ import sqlalchemy as sa
 
 from dblock import LockLost, LockManager
 from dblock.lock import HeldLock
-from tests.conftest import row_of
+from tests.conftest import row_of, wait_queued
 
 pytestmark = pytest.mark.databases("postgresql")
-
-
-def _wait_queued(manager: LockManager, key: str, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        entry = manager._locker.registry.get(key)
-        if entry is not None and len(entry.queue) >= n:
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"{n} waiters never queued")
 
 
 def _queue(
@@ -49,7 +39,7 @@ def _queue(
         t = threading.Thread(target=work, name=f"waiter-{i}")
         t.start()
         threads.append(t)
-        _wait_queued(manager, key, i + 1)
+        wait_queued(manager, key, i + 1)
     return threads
 
 
@@ -86,7 +76,7 @@ def test_a_waiter_asking_for_another_lease_gets_its_own_transfer(
     holder = manager.acquire(key, ttl=60)
     first = _queue(manager, key, 1, lambda i, held: seen.append(held), ttl=60)
     second = _queue(manager, key, 1, lambda i, held: seen.append(held), ttl=45)
-    _wait_queued(manager, key, 2)
+    wait_queued(manager, key, 2)
     holder.release()
     for t in first + second:
         t.join(30)
@@ -125,7 +115,7 @@ def test_a_takeover_fences_above_the_whole_reserve(
     holder = manager.acquire(key, ttl=60)
     a = threading.Thread(target=first)
     a.start()
-    _wait_queued(manager, key, 1)
+    wait_queued(manager, key, 1)
     holder.release()
     deadline = time.monotonic() + 30
     while "first" not in got and time.monotonic() < deadline:
@@ -144,7 +134,7 @@ def test_a_takeover_fences_above_the_whole_reserve(
     assert taken.fence > max(reserve)
     b = threading.Thread(target=second)
     b.start()
-    _wait_queued(manager, key, 1)
+    wait_queued(manager, key, 1)
     taken_over.set()
     a.join(30)
     b.join(30)

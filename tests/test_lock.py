@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import pytest
 
 from dblock import LockBusy, LockLost, LockManager, LockNotHeld, LockTimeout
-from tests.conftest import row_of
+from tests.conftest import row_of, wait_queued
 
 
 def test_lock_yields_held_lock_and_releases_row(manager: LockManager, key: str) -> None:
@@ -212,7 +212,7 @@ def test_local_waiters_are_fifo(manager: LockManager, key: str) -> None:
         t = threading.Thread(target=lambda i=i: _hold_and_record(manager, key, order, i))
         t.start()
         threads.append(t)
-        _wait_queued(manager, key, i + 1)
+        wait_queued(manager, key, i + 1)
     holder.release()
     for t in threads:
         t.join(30)
@@ -222,16 +222,6 @@ def test_local_waiters_are_fifo(manager: LockManager, key: str) -> None:
 def _hold_and_record(manager: LockManager, key: str, order: list[int], i: int) -> None:
     with manager.lock(key, timeout=30):
         order.append(i)
-
-
-def _wait_queued(manager: LockManager, key: str, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        entry = manager._locker.registry.get(key)
-        if entry is not None and len(entry.queue) >= n:
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"{n} waiters never queued")
 
 
 def test_handoff_gives_each_thread_a_new_fence(manager: LockManager, key: str) -> None:
