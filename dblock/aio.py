@@ -273,7 +273,7 @@ async def _drive(  # noqa: PLR0912 - one branch per op
                     answer = await store.drive(sync.release_steps(op[1], op[2]))
                 elif tag is _TRANSFER:
                     answer = await store.drive(
-                        sync.transfer_steps(op[1], op[2], op[3], op[4], op[5])
+                        sync.transfer_steps(op[1], op[2], op[3], op[4], op[5], extra=op[6])
                     )
                 elif tag is _STEPS:
                     if wait is not None:

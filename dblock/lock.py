@@ -21,9 +21,11 @@ that instant is released, or passed on to the next waiter.
 Hand-off. When a holder releases a key that another thread of the same
 process is queued for, the row need not go back to the database: one UPDATE
 gives it a new token, fence and lease for the next thread (instead of a
-DELETE, a wake-up and an INSERT that other processes could race). After
-``handoff_limit`` hand-offs in a row the row is released for real, so other
-processes get their turn (lock cohorting, bounded for fairness).
+DELETE, a wake-up and an INSERT that other processes could race), and where
+the store can (PostgreSQL) draws, under the row's lock, fences for the next
+hand-offs of the run, which then send no SQL. After ``handoff_limit``
+hand-offs in a row the row is released for real, so other processes get
+their turn (lock cohorting, bounded for fairness).
 """
 
 from __future__ import annotations
@@ -120,13 +122,16 @@ _OUTAGE_INITIAL = 0.05
 _OUTAGE_MAX = 1.0
 # Wake this long after the holder's lease ends, so the takeover finds it expired.
 _EXPIRY_MARGIN = 0.002
+# A hand-off without SQL keeps the row's lease as it is: only while at least
+# this share of it is left (renewal, at RENEW_AT, is not far behind).
+_RESERVE_LEASE = 0.5
 
 
 # What acquire_steps and release_steps ask their driver to do (the first item
 # of each yielded tuple; the rest are its arguments), and what it answers:
 _TRY: Final = "try"  # (key, token, owner, ttl): the store's attempt -> Grant | Holder
 _RELEASE: Final = "release"  # (key, token): delete our row -> bool
-_TRANSFER: Final = "transfer"  # (key, token, new_token, owner, ttl) -> Grant | None
+_TRANSFER: Final = "transfer"  # (key, token, new_token, owner, ttl, extra) -> Grant | None
 _TURN: Final = "turn"  # (waiter, timeout): wait in the local queue -> the grant
 _SETTLE: Final = "settle"  # (waiter,): wait until its grant is filled in, whatever happens
 _WAIT: Final = "wait"  # (key, limit, since[, address, blocker]): wait for a release (a new
@@ -172,10 +177,11 @@ def _refuse_on_event_loop(key: str) -> None:
 class HeldLock:
     """A lock this process holds, as yielded by ``LockManager.lock()``.
 
-    ``fence`` grows with every acquisition of any key: pass it to the systems
-    you write to and have them reject writes carrying a smaller one (see the
-    README). ``expires_at`` is the end of the lease in database time (UTC); the
-    renewal thread moves it forward while the lock is held. ``lost`` turns true
+    ``fence`` is greater than every fence the key had before (and unique
+    across keys): pass it to the systems you write to and have them reject
+    writes carrying a smaller one (see docs/leases.md). ``expires_at`` is the
+    end of the lease in database time (UTC); the renewal thread moves it
+    forward while the lock is held. ``lost`` turns true
     the moment dblock learns (or must assume) that the lock is no longer ours;
     ``check()`` raises :class:`~dblock.LockLost` from then on.
     """
@@ -194,6 +200,7 @@ class HeldLock:
         "_ref",
         "_released",
         "_renew_error",
+        "_reserve",
         "_revoked",
         "_ticket",
         "expires_at",
@@ -240,6 +247,8 @@ class HeldLock:
         self.owner = owner
         self.ttl = ttl
         self.fence = grant.fence
+        # Fences this row may still hand on without SQL (see Locker._hand_off).
+        self._reserve = grant.reserve
         self.expires_at: datetime = grant.expires_at
         self.renew = options.renew
         self.max_hold = options.max_hold
@@ -599,7 +608,7 @@ class Locker:
                     elif tag is _RELEASE:
                         answer = store.release(op[1], op[2])
                     elif tag is _TRANSFER:
-                        answer = store.transfer(op[1], op[2], op[3], op[4], op[5])
+                        answer = store.transfer(op[1], op[2], op[3], op[4], op[5], extra=op[6])
                     elif tag is _STEPS:
                         if wait is not None:
                             wait.prepare()
@@ -1066,13 +1075,41 @@ class Locker:
         return True
 
     def _hand_off(self, entry: Entry, held: HeldLock, waiter: Waiter) -> Op[bool]:
-        """Give our row to the next local thread in one statement."""
+        """Give our row to the next local thread: without SQL while the row
+        has fences in reserve, otherwise in one statement."""
         ticket: _Ticket = waiter.ticket
+        sent_at = _monotonic()
+        reserve = held._reserve
+        if (
+            reserve
+            and ticket.ttl == held.ttl
+            and ticket.options.renew
+            and held._expires_mono - sent_at >= held.ttl * _RESERVE_LEASE
+        ):
+            # The row stays as it is (token, owner, lease: renewal keeps it);
+            # the successor's fence was drawn while the row was ours, after
+            # every fence it carried before, so fences still grow for this key.
+            kept = Grant(
+                reserve[0],
+                held.expires_at,
+                held._expires_mono - sent_at,
+                reserve=reserve[1:],
+            )
+            return self._handed(entry, waiter, token=held.token, grant=kept, sent_at=sent_at)
         new_token = _urandom(16).hex()
+        # Fences for the hand-offs that may follow in this run, drawn now.
+        extra = self._handoff_limit - entry.handoffs - 1 if self.store.reserves_fences else 0
         grant: Grant | None = None
         try:
-            sent_at = _monotonic()
-            grant = yield (_TRANSFER, held.key, held.token, new_token, ticket.owner, ticket.ttl)
+            grant = yield (
+                _TRANSFER,
+                held.key,
+                held.token,
+                new_token,
+                ticket.owner,
+                ticket.ttl,
+                extra,
+            )
         except BackendError as exc:
             # The row may carry the new token or still ours: the waiter tries
             # with the new token, which settles it either way.
@@ -1096,10 +1133,17 @@ class Locker:
         if grant is None:
             waiter.wake(None)  # it acquires the row itself
             raise LockLost(held.key, "its row was gone or held by another owner at release")
+        return self._handed(entry, waiter, token=new_token, grant=grant, sent_at=sent_at)
+
+    def _handed(
+        self, entry: Entry, waiter: Waiter, *, token: str, grant: Grant, sent_at: float
+    ) -> bool:
+        """The hand-off happened: ``waiter`` holds the row with ``grant``."""
+        ticket: _Ticket = waiter.ticket
         successor = HeldLock(
             self,
             entry,
-            token=new_token,
+            token=token,
             owner=ticket.owner,
             ttl=ticket.ttl,
             grant=grant,

@@ -9,6 +9,7 @@ or pass ``--db sqlite`` to choose databases explicitly for a local run.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -168,3 +169,14 @@ def row_of(manager: LockManager, key: str) -> sa.Row[tuple[object, ...]] | None:
 
 
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
+
+def wait_queued(manager: LockManager, key: str, n: int) -> None:
+    """Until ``n`` threads of ``manager`` are queued in level 1 for ``key``."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        entry = manager._locker.registry.get(key)
+        if entry is not None and len(entry.queue) >= n:
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"{n} waiters never queued")

@@ -105,7 +105,13 @@ def _check_async_rows(results: dict[str, Any]) -> None:
         (db, label) for db in databases for label in ("dblock asyncio", "asyncio, level 2 only")
     }
     assert all(h["grants"] > 0 and h["max_concurrent"] == 1 and h["errors"] == 0 for h in hot)
-    assert all(h["statements"] >= h["grants"] for h in hot)  # every grant took a statement
+    assert all(h["statements"] > 0 for h in hot)
+    # Every grant took a statement, but local hand-offs from a fence reserve (PostgreSQL).
+    assert all(
+        h["statements"] >= h["grants"]
+        for h in hot
+        if h["database"] != "postgresql" or not h["level1"]
+    )
     lag = results["lag"]
     assert {(g["database"], g["processes"]) for g in lag} == {
         (db, n) for db in databases for n in (1, 2)

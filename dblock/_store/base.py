@@ -73,6 +73,9 @@ class Grant:
     expires_in: float
     #: Which row of the key we hold (``''``: the head row; ``p3``: a semaphore permit).
     slot: str = ""
+    #: Fences drawn after ``fence`` while the row was ours (a transfer asked
+    #: for them), ascending: the next local hand-offs use them without SQL.
+    reserve: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -449,6 +452,9 @@ class Store:
 
     #: The dialect can hand a held row to a new token and fence in one statement.
     can_transfer: ClassVar[bool] = False
+    #: Its transfer can also draw fences for the hand-offs after it
+    #: (``transfer_steps(extra=n)``), all under the row's lock.
+    reserves_fences: ClassVar[bool] = False
     #: The dialect can wake waiters when a key is released.
     can_notify: ClassVar[bool] = False
 
@@ -488,10 +494,13 @@ class Store:
         raise NotImplementedError
 
     def transfer_steps(
-        self, key: str, token: str, new_token: str, owner: str, ttl: float
+        self, key: str, token: str, new_token: str, owner: str, ttl: float, *, extra: int = 0
     ) -> Steps[Grant | None]:
         """Give our row to ``new_token`` with a new fence and lease; None if it
-        was not ours any more. Only when :attr:`can_transfer`."""
+        was not ours any more. Only when :attr:`can_transfer`. With ``extra``
+        (only when :attr:`reserves_fences`) the grant's ``reserve`` carries up
+        to that many more fences, each greater than its ``fence`` and smaller
+        than any fence drawn for this key after the row leaves us."""
         raise NotImplementedError
 
     def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
@@ -501,9 +510,9 @@ class Store:
         return self.drive(self.release_steps(key, token))
 
     def transfer(
-        self, key: str, token: str, new_token: str, owner: str, ttl: float
+        self, key: str, token: str, new_token: str, owner: str, ttl: float, *, extra: int = 0
     ) -> Grant | None:
-        return self.drive(self.transfer_steps(key, token, new_token, owner, ttl))
+        return self.drive(self.transfer_steps(key, token, new_token, owner, ttl, extra=extra))
 
     def drive(self, steps: Steps[T]) -> T:
         """Run ``steps`` on blocking connections."""

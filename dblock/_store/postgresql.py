@@ -58,6 +58,7 @@ def _lock_class(table: str) -> int:
 @register("postgresql")
 class PostgresStore(Store):
     can_transfer: ClassVar[bool] = True
+    reserves_fences: ClassVar[bool] = True
     can_notify: ClassVar[bool] = True
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
@@ -89,11 +90,15 @@ class PostgresStore(Store):
             f"AND token = %(token)s RETURNING lock_key) "
             f"SELECT pg_notify(%(channel)s, lock_key) FROM gone"
         )
+        # The reserve is drawn in RETURNING, after the SET's nextval and under
+        # the row's lock: a takeover's fence, drawn only once the row is no
+        # longer ours, is greater than all of them.
         self._transfer_sql = (
             f"UPDATE {t} SET token = %(new_token)s, owner = %(owner)s, "
             f"fence = nextval('{seq}'), acquired_at = now(), expires_at = {lease} "
             f"WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "
-            f"RETURNING fence, expires_at, now()"
+            f"RETURNING fence, expires_at, now(), "
+            f"ARRAY(SELECT nextval('{seq}') FROM generate_series(1, %(extra)s::int))"
         )
         self._renew_sql = (
             f"UPDATE {t} AS t SET expires_at = now() + make_interval(secs => v.ttl) "
@@ -124,14 +129,24 @@ class PostgresStore(Store):
         return bool((yield self._release_sql, params, True, False).rows)
 
     def transfer_steps(
-        self, key: str, token: str, new_token: str, owner: str, ttl: float
+        self, key: str, token: str, new_token: str, owner: str, ttl: float, *, extra: int = 0
     ) -> Steps[Grant | None]:
-        params = {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl}
+        params = {
+            "key": key,
+            "token": token,
+            "new_token": new_token,
+            "owner": owner,
+            "ttl": ttl,
+            "extra": extra,
+        }
         rows = (yield self._transfer_sql, params, True, False).rows
         if not rows:
             return None
-        fence, expires_at, now = rows[0]
-        return Grant(fence, expires_at, (expires_at - now).total_seconds())
+        fence, expires_at, now, drawn = rows[0]
+        reserve = tuple(sorted(drawn))
+        if reserve and reserve[0] <= fence:  # never: RETURNING runs after SET
+            reserve = ()
+        return Grant(fence, expires_at, (expires_at - now).total_seconds(), reserve=reserve)
 
     def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
         keys, tokens, ttls = zip(*locks, strict=True)

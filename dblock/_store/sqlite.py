@@ -83,7 +83,7 @@ class SQLiteStore(Store):
         return (yield self._release_sql, {"key": key, "token": token}, False, False).rowcount > 0
 
     def transfer_steps(
-        self, key: str, token: str, new_token: str, owner: str, ttl: float
+        self, key: str, token: str, new_token: str, owner: str, ttl: float, *, extra: int = 0
     ) -> Steps[Grant | None]:
         params = {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl}
         rows = (yield self._transfer_sql, params, True, False).rows

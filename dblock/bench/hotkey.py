@@ -73,6 +73,7 @@ class HotKeyResult:
     wait_p50_ms: float
     wait_p99_ms: float
     max_concurrent: int  # most holders ever inside at once in one process (must be 1)
+    hold: float = 0.0  # the critical section, seconds
 
 
 @dataclasses.dataclass
@@ -115,6 +116,7 @@ def _combine(spec: HotKeySpec, parts: list[dict[str, Any]]) -> HotKeyResult:
         wait_p50_ms=percentile(waits, 50) * 1e3,
         wait_p99_ms=percentile(waits, 99) * 1e3,
         max_concurrent=max(p["max_concurrent"] for p in parts),
+        hold=spec.hold,
     )
 
 

@@ -297,7 +297,7 @@ def _async(
                 processes=options.processes,
                 threads=options.tasks,
                 seconds=options.seconds,
-                hold=options.hold,
+                hold=options.hotkey_hold,
             )
             results.async_hotkey.append(run_async_hot_key(spec))
             progress.advance(options.seconds + 3)
@@ -348,7 +348,7 @@ def _hot_specs(options: BenchOptions, benches: dict[str, Bench]) -> list[HotKeyS
             processes=options.processes,
             threads=options.threads,
             seconds=options.seconds,
-            hold=options.hold,
+            hold=options.hotkey_hold,
             retry_after=options.retry_after,
             urls=bench.urls if len(bench.urls) > 1 else (),
         )

@@ -191,6 +191,7 @@ class _GrantView:
     """A hold seen as a store Grant (what HeldLock is built from)."""
 
     __slots__ = ("expires_at", "expires_in", "fence")
+    reserve: tuple[int, ...] = ()  # a hold hands nothing on from a fence reserve
 
     def __init__(self, hold: _Hold, now: float) -> None:
         self.fence = hold.fence

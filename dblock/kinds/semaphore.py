@@ -339,7 +339,7 @@ class PermitStore(Store):
         return (yield self._release_sql, params, False, False).rowcount > 0
 
     def transfer_steps(
-        self, key: str, token: str, new_token: str, owner: str, ttl: float
+        self, key: str, token: str, new_token: str, owner: str, ttl: float, *, extra: int = 0
     ) -> Steps[Grant | None]:
         raise NotImplementedError("permits are never handed over locally")
 
