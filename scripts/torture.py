@@ -137,6 +137,9 @@ FAULTS = {
     "galera": ("kill", "pause", "cut", "node_kill"),
     "pg-failover": ("kill", "pause", "cut", "failover"),
 }
+# The file in the run directory through which the parent brings the workers'
+# deadline forward (--cycles), written once, atomically (rename).
+EARLY_END = "early-end"
 # Float rounding of lease arithmetic (microsecond timestamps): a takeover this
 # close to the previous holder's lease end still counts as after it.
 EPSILON = 1e-4
@@ -180,6 +183,8 @@ def worker(spec: dict[str, Any]) -> None:
     )
     keys = spec["keys"]
     deadline = spec["deadline"]
+    # The parent may end the run early (--cycles): it writes the new deadline there.
+    early_end = Path(spec["run_dir"]) / EARLY_END
     permits = spec.get("permits")
     rw = spec.get("kind") == "rw"
     write_share = spec.get("write_share", 0.3)
@@ -202,7 +207,11 @@ def worker(spec: dict[str, Any]) -> None:
         ledger = _ledger(ledger_path)
         name = threading.current_thread().name
         counts: dict[str, int] = defaultdict(int)
-        while time.monotonic() < deadline:
+        end = deadline
+        while time.monotonic() < end:
+            if end == deadline and early_end.exists():
+                end = min(deadline, float(early_end.read_text()))
+                continue
             key = rng.choice(keys)
             counts["requests"] += 1
             mode = "exclusive"
@@ -396,14 +405,23 @@ class Run:
         time.sleep(min(2.0, args.seconds / 5))  # let them start and contend
         kinds = list(FAULTS[self.db])
         cycle: list[str] = []
-        last_slot = self.deadline - (args.ttl + args.poll_max + 1.0)
+        tail = args.ttl + args.poll_max + 1.0  # no fault this close to the end
+        last_slot = self.deadline - tail
+        cycles = 0
         while time.monotonic() < last_slot:
             if not cycle:
+                if args.cycles and cycles == args.cycles:
+                    self._end_early(time.monotonic() + tail)
+                    break
                 cycle = kinds[:]
                 self.rng.shuffle(cycle)
-            fault = getattr(self, f"_{cycle.pop()}")()
+                cycles += 1
+            kind = cycle.pop()
+            fault = getattr(self, f"_{kind}")()
             if fault is not None:
                 self.faults.append(fault)
+            elif args.cycles and kind != "failover":  # nobody held a key: again, later
+                cycle.insert(0, kind)
             time.sleep(args.fault_every)
         for w in self.workers:
             try:
@@ -412,6 +430,16 @@ class Run:
                 self.faults.append(Fault("kill", time.monotonic(), "straggler", w.pid))
                 w.kill()
                 w.wait(30)
+
+    def _end_early(self, deadline: float) -> None:
+        """Every fault kind came round --cycles times: the workers stop at
+        ``deadline`` (the usual quiet tail from now) instead of --seconds."""
+        if deadline >= self.deadline:
+            return
+        self.deadline = deadline
+        path = self.run_dir / EARLY_END
+        path.with_suffix(".tmp").write_text(repr(deadline))
+        path.with_suffix(".tmp").rename(path)
 
     def _holders(self) -> dict[int, list[str]]:
         """Live worker pids holding a row now, with their keys."""
@@ -844,7 +872,13 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         + (" (read-write locks)" if getattr(args, "kind", "") == "rw" else "")
         + (" (fair=True)" if fair else "")
         + ", "
-        f"{args.seconds:g} s per database, lease {args.ttl:g} s, poll cap {args.poll_max:g} s, "
+        + (
+            f"until every fault kind came round {args.cycles} time(s) (at most "
+            f"{args.seconds:g} s) per database"
+            if getattr(args, "cycles", None)
+            else f"{args.seconds:g} s per database"
+        )
+        + f", lease {args.ttl:g} s, poll cap {args.poll_max:g} s, "
         f"a fault every {args.fault_every:g} s.",
         "",
         head,
@@ -933,6 +967,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttl", type=float, default=2.0, help="lease in seconds (2)")
     parser.add_argument("--poll-max", type=float, default=0.25, help="poll cap in seconds")
     parser.add_argument("--fault-every", type=float, help="seconds between faults (ttl + 1)")
+    parser.add_argument(
+        "--cycles",
+        type=int,
+        help="end the run once every fault kind came round this many times (a fault that "
+        "found no holder is tried again), or at --seconds if that comes first",
+    )
     parser.add_argument("--slack", type=float, default=0.5, help="scheduling allowance (0.5 s)")
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument(

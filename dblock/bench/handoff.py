@@ -84,7 +84,7 @@ def _worker(spec: HandoffSpec, key: str, turns: int, start: Start) -> None:
     grants = start.counter
     records = []
     pid = os.getpid()
-    for _ in range(turns):
+    for turn in range(turns):
         held = manager.acquire(key, timeout=60.0)
         acquired = time.monotonic()
         with grants.get_lock():
@@ -94,6 +94,8 @@ def _worker(spec: HandoffSpec, key: str, turns: int, start: Start) -> None:
         released = time.monotonic()
         held.release()
         records.append((pid, acquired, released))
+        if turn == turns - 1:
+            break  # asking no more: nothing to wait for (the other may be done already)
         # Wait for the other process's grant (it is waiting now), unless it is done.
         give_up = time.monotonic() + 10.0
         while grants.value == mine and time.monotonic() < give_up:
