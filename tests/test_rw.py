@@ -352,6 +352,38 @@ def test_unreachable_database_leaves_no_level_1_state(key: str) -> None:
         m.close()
 
 
+def test_read_grant_whose_answer_was_lost_is_counted_once(make_manager: Any, key: str) -> None:
+    """A read grant that committed but whose answer the driver could not
+    decode (seen on Galera: a brute-force aborted statement, replayed and
+    committed, answered with a row of empty fields) is a grant, counted once:
+    released, the key is free for a writer at once (no count left to the
+    lease)."""
+    reader, writer = make_manager(), make_manager()
+    with reader.read_lock(key):  # the first use reads the server's capabilities
+        pass
+    garbled: list[str] = []
+
+    def garble(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if not garbled and "holders" in statement and "INSERT" in statement.upper():
+            garbled.append(statement)
+            raise ValueError("invalid literal for int() with base 10: ''")
+
+    sa.event.listen(reader.engine, "after_cursor_execute", garble)
+    try:
+        held = reader.read_lock(key, blocking=False).__enter__()
+    finally:
+        sa.event.remove(reader.engine, "after_cursor_execute", garble)
+    assert garbled
+    row = head(reader, key)
+    assert row is not None
+    assert (row.mode, row.holders) == ("read", 1)
+    with pytest.raises(LockBusy):
+        writer.write_lock(key, blocking=False).__enter__()
+    held.release()
+    with writer.write_lock(key, blocking=False):
+        pass
+
+
 def test_close_sends_waiting_readers_and_writers_away(make_manager: Any, key: str) -> None:
     from dblock import ManagerClosed
 

@@ -115,6 +115,8 @@ class MySQLStore(Store):
         # "ignored" (see for_galera and retry).
         self._ignored_on_conflict: set[str] = set()
         self._galera_writes: set[str] = set()
+        # Writes of for_galera(once=True): never run again after a garbled answer.
+        self._once: set[str] = set()
 
     def _capabilities_steps(self) -> Steps[None]:
         # Read from the server on first use, not at import; idempotent (only
@@ -141,7 +143,13 @@ class MySQLStore(Store):
         self.returning = _mariadb_returning(str(version))
 
     def for_galera(
-        self, sql: str, *, write: bool = False, ignored: bool = False, read: bool = False
+        self,
+        sql: str,
+        *,
+        write: bool = False,
+        ignored: bool = False,
+        read: bool = False,
+        once: bool = False,
     ) -> str:
         """``sql`` as it must run on this server, for the other kinds'
         statements: unchanged unless the server is Galera (known once the
@@ -153,12 +161,19 @@ class MySQLStore(Store):
         before it is applied first. An ``ignored`` write's certification
         failure counts as an empty result instead, as for the exclusive
         ``INSERT IGNORE`` (someone else took the row). A ``read`` (of who
-        holds, who queues) first applies what other nodes committed."""
+        holds, who queues) first applies what other nodes committed. A
+        ``once`` write is one that must not run twice (a read grant counts
+        one more reader each time it runs): an answer the driver cannot
+        decode, whose statement may have committed, is raised as
+        :class:`~dblock._store.base.Interrupted` for the caller to resolve,
+        instead of being run again (see :meth:`_garbled`)."""
         if not self.galera:
             return sql
         if write or ignored:
             sql = _GALERA_INSERT + sql
             (self._ignored_on_conflict if ignored else self._galera_writes).add(sql)
+            if once:
+                self._once.add(sql)
             return sql
         return _GALERA_READ + sql if read else sql
 
@@ -312,19 +327,26 @@ class MySQLStore(Store):
 
     def _garbled(self, sql: str, exc: BackendError) -> bool:
         """Galera: a write of :meth:`for_galera` whose answer the driver could
-        not decode. Seen here on the read-write grant (``INSERT … ON DUPLICATE
-        KEY UPDATE … RETURNING``): a node that brute-force aborts the
-        statement as it runs (another node's conflicting write set arrived)
-        sends a row of empty fields before the error. The victim was rolled
-        back, so it is handled as a certification failure. (Were it ever to
-        have committed, running it again is harmless for a write grant, whose
-        token makes it idempotent, and for a read grant only counts one more
-        reader, ended with the read phase's lease, as for a read grant whose
-        outcome was lost.)"""
+        not decode, to be run again. Seen here on the read-write grant
+        (``INSERT … ON DUPLICATE KEY UPDATE … RETURNING``): a node that
+        brute-force aborts the statement as it runs (another node's
+        conflicting write set arrived) sends a row of empty fields before the
+        error. Such a statement is NOT always rolled back: a read grant with
+        a garbled answer was seen committed (its new read phase, carrying the
+        reader's token, in the head row right after; the statement, already
+        certified, was replayed). Running it again is harmless only where the
+        statement is idempotent (a write grant: its token; an ``INSERT
+        IGNORE``: the duplicate is ignored and the holder read next). A
+        ``once`` statement (a read grant: running it again after it committed
+        joined the reader's own read phase a second time, a count nobody
+        releases, which held every writer and reader off until the lease ran
+        out) is not run again: its ``Interrupted`` goes to the caller, which
+        reads the head row to learn the outcome."""
         return (
             bool(self.galera)
             and isinstance(exc, Interrupted)
             and isinstance(exc.__cause__, ValueError)
+            and sql not in self._once
             and (
                 sql is self._insert_returning_sql
                 or sql in self._galera_writes

@@ -495,10 +495,14 @@ class MySQLRw(RwStatements):
         # before is applied first, so the head row read is current. Every
         # grant, release and expiry writes the head row, so certification
         # lets only one of two racing nodes' decisions on it commit (two
-        # readers racing on two nodes: the loser runs again and joins).
+        # readers racing on two nodes: the loser runs again and joins). The
+        # read grant is ``once``: an answer the driver cannot decode (a
+        # brute-force abort as it ran; seen committed) is not run again by the
+        # store, the locker reads the head row instead (a second run would
+        # join its own read phase: a count nobody releases).
         galera: Any = getattr(store, "for_galera", None)
         if galera is not None:
-            self._read_sql = galera(self._read_sql, write=True)
+            self._read_sql = galera(self._read_sql, write=True, once=True)
             self._write_sql = galera(self._write_sql, write=True)
             self._holder_sql = galera(self._holder_sql, read=True)
             self._waiting_sql = galera(self._waiting_statement(), read=True)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .._store import Backoff, Lease, Store
 from .._store.base import Interrupted, never_sent
-from .._store.rw import READ, WRITE, RwStatements, rw_statements
+from .._store.rw import READ, WRITE, RwRow, RwStatements, rw_statements
 from ..config import Config
 from ..errors import (
     BackendError,
@@ -497,6 +497,10 @@ class RwLocker:
         wait = None
         intent_at: float | None = None
         outage: Backoff | None = None
+        # A read grant's outcome is unknown (interrupted, or an answer the
+        # driver could not decode): it may have committed. Read the head row
+        # before granting again, or a second run would count us twice.
+        unsure = False
         try:
             while True:
                 if self._closing:
@@ -505,10 +509,23 @@ class RwLocker:
                     wait.prepare()
                 sent_at = _monotonic()
                 try:
-                    row = store.drive(statements.grant_steps(mode, key, token, owner, ttl))
+                    row = None
+                    if unsure:
+                        row = _own_read_phase(store.drive(statements.holder_steps(key)), token)
+                        unsure = False
+                    if row is None:
+                        row = store.drive(statements.grant_steps(mode, key, token, owner, ttl))
                 except BackendError as exc:
                     if _deadlocked(exc):
                         row = None  # an InnoDB deadlock victim: contention, try again
+                    elif (
+                        mode == READ
+                        and isinstance(exc, Interrupted)
+                        and not unsure
+                        and (deadline is None or _monotonic() < deadline)
+                    ):
+                        unsure = True
+                        continue
                     else:
                         if mode == WRITE and isinstance(exc, Interrupted):
                             self._orphan(key, token)
@@ -567,8 +584,8 @@ class RwLocker:
         """A waiting request that lost the database (a restart, a failover)
         waits and tries again until its own deadline, then raises what it saw;
         one that was not waiting yet (a wrong URL, a dead server) raises at once.
-        A read grant whose outcome stayed unknown may have been counted: that
-        count is a crashed reader's, ended by the read phase's lease."""
+        A read grant whose outcome stayed unknown is looked up (the head row)
+        before granting again (see :func:`_own_read_phase`)."""
         limit = float("inf") if deadline is None else deadline - _monotonic()
         if limit <= 0 or not waiting:
             raise exc
@@ -717,6 +734,26 @@ class RwLocker:
         self._mutex = threading.Lock()
         self._changed = threading.Condition(self._mutex)
         self.renewer.after_fork()
+
+
+def _own_read_phase(head: RwRow | None, token: str) -> RwRow | None:
+    """``head`` as a read grant if it is the live read phase our read grant
+    with ``token`` started (an epoch is the token of the grant that began the
+    phase, and ours is unique); None otherwise. A read grant whose outcome
+    was unknown and that only joined another reader's phase cannot be told
+    from one that did not run: its count, if it was counted, is a crashed
+    reader's, ended with the read phase's lease."""
+    if (
+        head is None
+        or head.kind != "rw"
+        or head.mode != READ
+        or head.token != token
+        or head.holders <= 0
+        or head.expires_in <= 0
+    ):
+        return None
+    head.granted = True
+    return head
 
 
 def _noop() -> None:
