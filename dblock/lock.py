@@ -880,7 +880,13 @@ class Locker:
                     self.renewer.post(_noop)
                 raise
             if attempt < _AMBIGUITY_RETRIES:
-                yield (_SLEEP, 0.05 * 2**attempt)
+                try:
+                    yield (_SLEEP, 0.05 * 2**attempt)
+                except BaseException:
+                    # Interrupted between tries, the outcome still in doubt.
+                    store.add_orphan(key, token)
+                    self.renewer.post(_noop)
+                    raise
         store.add_orphan(key, token)
         raise BackendError(
             f"lost the database connection while acquiring {key!r} and could not reach it "

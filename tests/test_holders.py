@@ -715,3 +715,45 @@ def test_held_locks_follow_the_mapping_contract(manager: LockManager, keys: Any)
         assert ks[0] in held
         with pytest.raises(KeyError):
             held[123]  # type: ignore[index]
+
+
+def test_an_interruption_between_tries_of_an_acquire_in_doubt_leaves_no_row(
+    manager: LockManager, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The acquire statement committed but its answer was lost (the driver
+    could not decode it), and while dblock waits to ask again the thread is
+    interrupted (a signal handler's exception during that sleep): the row
+    must not be left to its lease. The renewal thread deletes it at once."""
+    with manager.lock(key):  # warm: the statements and the connection
+        pass
+    garbled: list[str] = []
+
+    def garble(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if not garbled and "INSERT" in statement.upper():
+            garbled.append(statement)
+            raise ValueError("invalid literal for int() with base 10: ''")
+
+    real_sleep = time.sleep
+    main = threading.current_thread()
+
+    def interrupted_sleep(seconds: float) -> None:
+        if garbled and threading.current_thread() is main:
+            raise Interrupt  # as a SIGALRM handler would, during the backoff
+        real_sleep(seconds)
+
+    sa.event.listen(manager.engine, "after_cursor_execute", garble)
+    monkeypatch.setattr("dblock.lock.time.sleep", interrupted_sleep)
+    try:
+        with pytest.raises(Interrupt), manager.lock(key, ttl=60):
+            pytest.fail("acquired although interrupted")
+    finally:
+        monkeypatch.undo()
+        sa.event.remove(manager.engine, "after_cursor_execute", garble)
+    assert garbled
+    deadline = time.monotonic() + 10
+    while row_of(manager, key) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the table for the renewal thread's DELETE
+    assert row_of(manager, key) is None
+    assert manager._locker.registry.get(key) is None
+    with manager.lock(key, blocking=False):
+        pass
