@@ -69,7 +69,11 @@ def test_fair_grants_in_arrival_order_across_processes(
                 _spawn(procs, fair_procs.fair_waiter, db_url, key, f"w{i}", 30.0, report)
                 _until(lambda i=i: _queued(m, key) == i + 1, f"waiter {i} never queued")
             first = held.fence
-        got = [report.get(timeout=BOUND) for _ in range(4)]
+        # In the order of the grants (each waiter notes the time of its own,
+        # on the system-wide monotonic clock), not of the reports: a Queue's
+        # put() returns before its feeder thread has sent the report, so a
+        # waiter granted later may be heard from first.
+        got = sorted((report.get(timeout=BOUND) for _ in range(4)), key=lambda g: g[2])
         assert [name for name, _, _ in got] == ["w0", "w1", "w2", "w3"]
         fences = [first] + [fence for _, fence, _ in got]
         assert fences == sorted(fences)
