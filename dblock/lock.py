@@ -572,34 +572,19 @@ class Locker:
                         seat = grant if isinstance(grant, Seat) else None
             if held is None:
                 assert entry is not None
-                if seat is None:
-                    held = yield from (level2 or Locker._acquire_loop)(
-                        self,
-                        entry,
-                        blocking=blocking,
-                        timeout=timeout,
-                        ttl=ttl,
-                        start=start,
-                        opts=opts,
-                        owner=owner or self.owner_label(me),
-                        token=token,
-                        watch=watch,
-                    )
-                else:  # only the fair queue's loop is handed a seat
-                    assert level2 is not None
-                    held = yield from level2(
-                        self,
-                        entry,
-                        blocking=blocking,
-                        timeout=timeout,
-                        ttl=ttl,
-                        start=start,
-                        opts=opts,
-                        owner=owner or self.owner_label(me),
-                        token=token,
-                        watch=watch,
-                        seat=seat,
-                    )
+                held = yield from (level2 or Locker._acquire_loop)(
+                    self,
+                    entry,
+                    blocking=blocking,
+                    timeout=timeout,
+                    ttl=ttl,
+                    start=start,
+                    opts=opts,
+                    owner=owner or self.owner_label(me),
+                    token=token,
+                    watch=watch,
+                    seat=seat,
+                )
                 entry.held = held._ref
                 entry.handoffs = 0
                 self.renewer.track(held)
@@ -764,6 +749,7 @@ class Locker:
         owner: str,
         token: str | None,
         watch: Watch | None = None,
+        seat: Seat | None = None,  # always None: only the fair queue's loop is handed one
     ) -> Op[HeldLock]:
         store = self.store
         key = entry.key
