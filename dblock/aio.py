@@ -107,6 +107,9 @@ class AsyncWaiter(Waiter):
         self._loop = asyncio.get_running_loop()
         self._future: asyncio.Future[None] = self._loop.create_future()
 
+    def alive(self) -> bool:
+        return not self._loop.is_closed()
+
     def wake(self, grant: Any) -> None:
         self.grant = grant
         self.ready = True

@@ -69,6 +69,8 @@ from .registry import (
     ThreadOwner,
     Waiter,
     current_owner,
+    owner_alive,
+    owner_gone_reason,
     owner_name,
     thread_owner,
 )
@@ -403,7 +405,9 @@ class Locker:
         self.defaults = LockOptions(
             renew=config.renew, max_hold=config.max_hold, on_lost=config.on_lost
         )
-        self.renewer = Renewer(store, idle_tick=config.ttl * RENEW_AT, abandon=self._abandon)
+        self.renewer = Renewer(
+            store, idle_tick=config.ttl * RENEW_AT, abandon=self._abandon, reap=self._reap
+        )
         self._closing = False
         #: The ``kind`` of the rows this locker writes; a holder row of another
         #: kind means the key is used as another kind of lock.
@@ -433,15 +437,30 @@ class Locker:
         :class:`~dblock.ManagerClosed`, keep renewing the locks still held for
         up to ``timeout`` seconds, then release them and mark them lost."""
         self._closing = True
-        for waiter in self.registry.close():
-            waiter.wake(CLOSED)
-        deadline = _monotonic() + timeout
-        while self.renewer.tracked and _monotonic() < deadline:
-            # Holders release on their own threads; close() is rare: poll.
-            time.sleep(min(0.02, max(deadline - _monotonic(), 0.0)))
-        for held in self.renewer.held_locks():
-            self._abandon(held, "the LockManager was closed while it was held", closing=True)
-        self.renewer.close()
+        try:
+            for waiter in self.registry.close():
+                waiter.wake(CLOSED)
+            deadline = _monotonic() + timeout
+            while self.renewer.tracked and _monotonic() < deadline:
+                # Holders release on their own threads; close() is rare: poll.
+                time.sleep(min(0.02, max(deadline - _monotonic(), 0.0)))
+            for held in self.renewer.held_locks():
+                # Whatever the database says (unreachable, the table dropped),
+                # the next lock is released and the thread stopped: a failure
+                # is reported here, once per lock, never raised past the clean-up.
+                try:
+                    self._abandon(
+                        held, "the LockManager was closed while it was held", closing=True
+                    )
+                except Exception as exc:
+                    log.warning(
+                        "dblock: lock %r could not be released at close; its row stays "
+                        "until its lease ends or the sweeper removes it: %s",
+                        held.key,
+                        exc,
+                    )
+        finally:
+            self.renewer.close()
 
     def owner_label(self, me: object = None) -> str:
         """Who holds a row, for people reading ``dblock list``: host, pid and
@@ -503,9 +522,14 @@ class Locker:
                     raise LockLost(entry.key, held._lost)
                 entry.depth += 1
                 return held
+            # Our own lock, dropped without release (collected): acquire
+            # takes it back (see _take_back), never refused as another's.
+            return None
         if not blocking:
             if self.telemetry is not None:
                 self.telemetry.refused_locally()
+            if not owner_alive(entry.owner):
+                self.renewer.ensure_running()  # its pass passes the key on (_reap)
             raise LockBusy(entry.key, level=1)
         return None
 
@@ -539,7 +563,13 @@ class Locker:
         telemetry = self.telemetry
         watch = None if telemetry is None else Watch(telemetry, key)
         try:
-            if not self._local:
+            if self._local:
+                mine = self.registry.get(key)
+                if mine is not None and mine.owner is me:
+                    entry = yield from self._take_back(mine, me)
+            if entry is not None:
+                pass  # ours at level 1 already: on to level 2
+            elif not self._local:
                 entry = Entry(key, me)
             elif not blocking:
                 entry = self.registry.claim(key, me)
@@ -558,6 +588,8 @@ class Locker:
                     entry = got
                 else:
                     waiter = got
+                    # Its passes hand on what a dead owner left (see _reap).
+                    self.renewer.ensure_running()
                     if watch is not None:
                         watch.waiting(1)
                     grant = yield (_TURN, waiter, timeout)
@@ -601,7 +633,9 @@ class Locker:
                 yield from self._withdraw(waiter)
             elif held is not None:
                 yield from self._give_back(held)
-            elif entry is not None:
+            elif entry is not None and entry.owner is me:
+                # (Not ours any more: evicted as an owner that could never run
+                # again, its coroutine now closed by the garbage collector.)
                 self._leave(entry)
             raise
 
@@ -732,8 +766,10 @@ class Locker:
                 key,
                 exc,
             )
+        except SchemaMissing as exc:
+            log.error("dblock: releasing %r failed: %s", key, exc)  # no table, no row
         except BaseException:
-            self.store.add_orphan(key, token)
+            self.store.add_orphan(key, token, released=True)
             self.renewer.post(_noop)  # the renewal thread cleans orphans on its pass
             raise
 
@@ -938,9 +974,11 @@ class Locker:
             # the key staying blocked for the rest of the lease.
             self.store.add_orphan(held.key, held.token, released=True)
             return False
+        except SchemaMissing:
+            raise  # no table, no row to delete later
         except BaseException:
             # Interrupted with the DELETE perhaps not committed.
-            self.store.add_orphan(held.key, held.token)
+            self.store.add_orphan(held.key, held.token, released=True)
             self.renewer.post(_noop)
             raise
         finally:
@@ -997,6 +1035,56 @@ class Locker:
             if entry.held is held._ref:
                 entry.held = None
                 self._leave(entry)
+
+    def _take_back(self, entry: Entry, me: object) -> Op[Entry | None]:
+        """The owner asks again for a key whose lock it dropped without
+        release (collected; its release is posted to the renewal thread).
+        Release it here and keep the key at level 1 (returned: level 2
+        follows), or, if the renewal thread is releasing it already, wait
+        until it has passed the key on (None: ask for it as anyone would)."""
+        key = entry.key
+        ref: _Ref | None = entry.held
+        # One atomic pop (untrack) decides between us and the renewal thread.
+        if (
+            ref is not None
+            and ref() is None
+            and ref.live
+            and (self.renewer.untrack_token(ref.token) or not ref.tracked)
+        ):
+            ref.live = False
+            entry.held = None
+            entry.depth = 1
+            entry.handoffs = 0
+            log.warning("dblock: lock %r was never released by its holder; releasing it", key)
+            yield from self._delete_row(key, ref.token)
+            return entry
+        # The renewal thread (or close()) is releasing it: a DELETE away.
+        while self.registry.get(key) is entry and entry.owner is me:
+            ref = entry.held
+            if ref is not None and ref() is not None:
+                break  # (never: only we could have taken it again)
+            yield (_SLEEP, 0.001)
+        return None
+
+    def _reap(self) -> None:
+        """On the renewal thread: a key whose local owner can never run
+        again (a task of a closed event loop, stopped while it acquired)
+        and holds no row yet is passed on to the next local waiter, instead
+        of keeping every thread and task of the process out for ever. (One
+        that holds a row is the renewal pass's: released like a dead thread's.)"""
+        if not self._local:
+            return
+        for entry in self.registry.stranded():
+            owner = entry.owner
+            evicted, waiter = self.registry.evict(entry, owner)
+            if evicted:
+                log.warning(
+                    "dblock: lock %r passed on at level 1: %s",
+                    entry.key,
+                    owner_gone_reason(owner),
+                )
+                if waiter is not None:
+                    waiter.wake(None)
 
     def _collected(self, ref: _Ref) -> None:
         """Weak-reference callback: a held lock nobody can reach any more.

@@ -561,16 +561,27 @@ class LockManager:
         wait = check_timeout(timeout)
         if self._closed:
             return
-        if self._sweeper is not None:
-            self._sweeper.stop()  # before: its last run may still take its own lock
         self._closed = True
         _managers.discard(self)
+        limit = float("inf") if wait is None else wait
+        # Each part is closed whatever the others raised (each reports its
+        # own failures); the first error, if any, is raised at the end.
+        parts: list[Callable[[], object]] = []
+        if self._sweeper is not None:
+            parts.append(self._sweeper.stop)  # first: its last run may still take its own lock
         if self._semaphores is not None:
-            self._semaphores.close(float("inf") if wait is None else wait)
+            parts.append(partial(self._semaphores.close, limit))
         if self._rw is not None:
-            self._rw.close(float("inf") if wait is None else wait)
-        self._locker.close(float("inf") if wait is None else wait)
-        self._store.close()
+            parts.append(partial(self._rw.close, limit))
+        parts += [partial(self._locker.close, limit), self._store.close]
+        first: BaseException | None = None
+        for close in parts:
+            try:
+                close()
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def __enter__(self) -> Self:
         return self

@@ -32,6 +32,7 @@ __all__ = [
     "Waiter",
     "current_owner",
     "owner_alive",
+    "owner_gone_reason",
     "owner_name",
     "thread_owner",
 ]
@@ -107,11 +108,23 @@ def thread_owner() -> ThreadOwner | None:
 
 
 def owner_alive(owner: object) -> bool:
-    """Does the thread (or asyncio task) still run?"""
+    """Can the thread (or asyncio task) still run? A task whose event loop
+    is closed cannot, though it is not done: nothing will ever resume it."""
     if isinstance(owner, ThreadOwner):
         return owner.alive()
     done = getattr(owner, "done", None)
-    return done is None or not done()
+    if done is not None and done():
+        return False
+    get_loop = getattr(owner, "get_loop", None)
+    return get_loop is None or not get_loop().is_closed()
+
+
+def owner_gone_reason(owner: object) -> str:
+    """Why :func:`owner_alive` said no, for the WARNING that releases its lock."""
+    get_loop = getattr(owner, "get_loop", None)
+    if get_loop is not None and get_loop().is_closed():
+        return f"its holder, {owner_name(owner)}, can never run again (its event loop is closed)"
+    return f"its holder, {owner_name(owner)}, ended without releasing it"
 
 
 def owner_name(owner: object) -> str:
@@ -143,6 +156,11 @@ class Waiter:
         self.grant: Any = None
         self._signal = threading.Lock()
         self._signal.acquire()
+
+    def alive(self) -> bool:
+        """Can it still take the key? (A blocked thread always can; a task
+        whose event loop is closed never will.)"""
+        return True
 
     def wait(self, timeout: float | None) -> bool:
         return self._signal.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
@@ -264,6 +282,8 @@ class Registry:
         """The owner is done with the key: hand it to the next waiter (returned,
         for the caller to wake) or forget the key."""
         with self._mutex:
+            if self._entries.get(entry.key) is not entry:
+                return None  # evicted meanwhile (see evict): nothing of ours left
             waiter = self._pass(entry) if entry.queue else None
             if waiter is None:
                 del self._entries[entry.key]
@@ -285,6 +305,27 @@ class Registry:
                     waiters.append(waiter)
             return waiters
 
+    def evict(self, entry: Entry, owner: object) -> tuple[bool, Waiter | None]:
+        """Take the key from ``owner`` if it still has it and no lock of
+        level 2 (see :meth:`stranded`): (evicted, the waiter now owning it)."""
+        with self._mutex:
+            if self._entries.get(entry.key) is not entry or entry.owner is not owner:
+                return False, None
+            if entry.held is not None:
+                return False, None
+            waiter = self._pass(entry) if entry.queue else None
+            if waiter is None:
+                del self._entries[entry.key]
+            return True, waiter
+
+    def stranded(self) -> list[Entry]:
+        """Entries whose owner can never run again and holds no lock of
+        level 2 yet (a task of a closed event loop, stopped mid-acquire):
+        nobody would ever pass them on."""
+        with self._mutex:
+            entries = list(self._entries.values())
+        return [e for e in entries if e.held is None and not owner_alive(e.owner)]
+
     def clear(self) -> None:
         """Forget everything (a forked child must not inherit its parent's holders)."""
         self._entries = {}
@@ -292,9 +333,17 @@ class Registry:
         self._peak = 0
 
     def _pass(self, entry: Entry) -> Waiter | None:
-        if not entry.queue:
+        queue = entry.queue
+        while queue:
+            waiter = queue.popleft()
+            if waiter.alive():
+                break
+            # Its event loop is closed: the key handed to it would stay
+            # with a task nobody will ever run, and every waiter behind it.
+            # (Dropped as if it had given up: if its coroutine is ever
+            # closed, abandon() finds it gone from the queue.)
+        else:
             return None
-        waiter = entry.queue.popleft()
         entry.owner = waiter.owner
         entry.depth = 1
         waiter.granted = True

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from ._store import Store
 from .callbacks import Callbacks
 from .errors import BackendError, SchemaMissing
-from .registry import owner_alive, owner_name
+from .registry import owner_alive, owner_gone_reason
 
 if TYPE_CHECKING:
     import weakref
@@ -79,11 +79,14 @@ class Renewer:
         store: Store,
         idle_tick: float,
         abandon: Callable[[HeldLock, str], None],
+        reap: Callable[[], None] | None = None,
     ) -> None:
         self._store = store
         self._idle_tick = idle_tick
         # What to do with a lock whose owner ended: the lock facade releases it.
         self._abandon = abandon
+        # Pass on the keys of level 1 whose owners can never run again.
+        self._reap = reap
         # The manager's telemetry recorder, when it reports (set by the lock facade).
         self.telemetry: Recorder | None = None
         # token -> weak reference to the lock: renewal never keeps it alive.
@@ -122,6 +125,12 @@ class Renewer:
         """Run ``job`` on the renewal thread soon."""
         self._jobs.append(job)
         self._nudge()
+
+    def ensure_running(self) -> None:
+        """Start the thread if it is not running (its passes look after
+        level 1 as well: see ``reap``)."""
+        if self._thread is None and not self._stopping:
+            self._nudge()
 
     def _nudge(self) -> None:
         with self._cond:
@@ -201,6 +210,8 @@ class Renewer:
         """Release what was abandoned, renew what is due, mark what is lost;
         return when to look next."""
         self.run_jobs()
+        if self._reap is not None:
+            self._reap()
         if self._store.has_orphans:
             self._store.clean_orphans()
         now = _monotonic()
@@ -211,9 +222,7 @@ class Renewer:
             if held is None:
                 continue  # collected: its release is posted as a job
             if not held._deferred and not owner_alive(held._owner):
-                self._abandon(
-                    held, f"its holder, {owner_name(held._owner)}, ended without releasing it"
-                )
+                self._abandon(held, owner_gone_reason(held._owner))
                 continue
             if held._lost is not None:
                 continue

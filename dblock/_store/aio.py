@@ -24,10 +24,11 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import event
@@ -38,6 +39,9 @@ from sqlalchemy.util import greenlet_spawn
 from .._engine import _sqlite_pragmas
 from ..errors import BackendError, LockArgumentError
 from .base import IDLE_SECONDS, Params, Result, Steps, Store, T, _mark_unsent
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = ["ASYNC_DRIVERS", "AsyncStore", "async_url"]
 
@@ -59,24 +63,102 @@ def async_url(url: URL) -> URL:
     return url.set(drivername=f"{dialect}+{driver}")
 
 
+class _LoopPool:
+    """The connections of one event loop: an async engine (its pool and the
+    pool's checkout queue, an ``asyncio.Queue`` bound to the loop that first
+    waits on it) and the direct path's stack of idle connections.
+
+    A connection of aiomysql is bound to the loop that opened it, and the
+    pool's queue to the loop that first waited on it: shared between two
+    running loops, one loop's checkout could be woken from the other's
+    thread, which asyncio does not allow (the loop never wakes: a hang), or
+    fail with "Future attached to a different loop". So every running loop
+    gets a pool of its own. A pool whose loop is closed is taken over by the
+    next loop (one ``asyncio.run`` after another, Django's loop per request):
+    its connections are dropped at checkout (see ``_check_home``)."""
+
+    __slots__ = ("direct", "engine", "error", "idle", "loop", "max_idle", "sync_engine")
+
+    def __init__(self, engine: AsyncEngine, backend: str) -> None:
+        self.engine = engine
+        self.sync_engine = engine.sync_engine
+        # The direct path: each driver's own calls (the statements are in
+        # the parameter style of the driver's blocking twin, which it shares).
+        self.direct = _EXECUTE[backend]
+        self.error: type[Exception] = self.sync_engine.dialect.loaded_dbapi.Error
+        # (connection, checked in at), newest last
+        self.idle: list[tuple[PoolProxiedConnection, float]] = []
+        size = getattr(self.sync_engine.pool, "size", None)
+        self.max_idle = size() if callable(size) else 4
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def adopt(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve ``loop`` from now on (the pool's previous loop is closed)."""
+        self.loop = loop
+        # Idle connections go back to the pool untouched (its return resets
+        # nothing), where the checkout drops those of the closed loop.
+        idle, self.idle = self.idle, []
+        for conn, _ in idle:
+            with contextlib.suppress(Exception):
+                conn.close()
+        # A queue that waited on the closed loop is bound to it (asyncio's
+        # mixin raises for any other loop): unbind it, so the new loop's first
+        # wait binds it again. Only when it is bound to a closed loop.
+        queue = getattr(self.sync_engine.pool, "_pool", None)
+        inner = getattr(queue, "__dict__", {}).get("_queue")
+        bound = getattr(inner, "_loop", None)
+        if inner is not None and bound is not None and bound.is_closed():
+            inner._loop = None
+
+    async def aclose(self) -> None:
+        idle, self.idle = self.idle, []
+        for conn, _ in idle:
+            await _close(conn)
+        await self.engine.dispose()
+
+    def forget(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Drop every connection without I/O on its loop (``loop``, default
+        its own): when that loop may be gone or busy."""
+        loop = loop or self.loop
+        idle, self.idle = self.idle, []
+        for conn, _ in idle:
+            # Back into the pool first (no driver call: the pool resets
+            # nothing on return), so that the pool drops them with the rest.
+            with contextlib.suppress(Exception):
+                conn.close()
+        if loop is not None and loop.is_closed():
+            # Nobody can close them on their loop any more: quietly here.
+            queue = getattr(self.sync_engine.pool, "_pool", None)
+            while queue is not None:
+                try:
+                    record = queue.get_nowait()
+                except Exception:  # empty
+                    break
+                dead = getattr(record, "dbapi_connection", None)
+                if dead is not None:
+                    record.dbapi_connection = None
+                    _drop_dead(dead)
+        self.sync_engine.dispose(close=False)
+
+
 class AsyncStore:
-    """A :class:`~dblock._store.base.Store`'s operations on an async engine."""
+    """A :class:`~dblock._store.base.Store`'s operations on async engines,
+    one per running event loop (see :class:`_LoopPool`)."""
 
     __slots__ = (
-        "_direct",
-        "_error",
+        "_backend",
         "_finish",
-        "_idle",
-        "_max_idle",
-        "_sync_engine",
+        "_lock",
+        "_options",
+        "_pools",
+        "_primary",
+        "_url",
         "engine",
         "statements",
         "store",
     )
 
     def __init__(self, store: Store, *, engine_options: Mapping[str, Any] | None = None) -> None:
-        from sqlalchemy.ext.asyncio import create_async_engine
-
         self.store = store
         url = async_url(store.engine.url)
         backend = url.get_backend_name()
@@ -87,41 +169,76 @@ class AsyncStore:
         elif backend in ("mysql", "mariadb") and "charset" not in url.query:
             url = url.update_query_dict({"charset": "utf8mb4"})
         options.update(engine_options or {})
+        self._url = url
+        self._options = options
+        self._backend = backend
         # aiosqlite runs each statement on a thread of its own, which a
         # cancellation cannot stop; SQLAlchemy then drops the connection
         # without closing it, and an INSERT … RETURNING left unfinished keeps
         # the file's write lock until that connection is collected. A SQLite
         # statement is local and short: let it finish, then cancel.
         self._finish = backend == "sqlite"
+        #: Statements sent (for the benchmark: exact on every path, and free).
+        self.statements = 0
+        # The first loop's pool; its engine is ``engine`` (event listeners
+        # attached to it see that loop's statements, and every later loop's
+        # that takes it over).
+        self._primary = _LoopPool(self._make_engine(), backend)
+        self.engine = self._primary.engine
+        self._pools: dict[asyncio.AbstractEventLoop, _LoopPool] = {}
+        self._lock = threading.Lock()
+
+    def _make_engine(self) -> AsyncEngine:
+        from sqlalchemy.ext.asyncio import create_async_engine
+
         try:
-            self.engine = create_async_engine(url, **options)
+            engine = create_async_engine(self._url, **self._options)
         except ImportError as exc:
-            _, extra = ASYNC_DRIVERS[backend]
+            _, extra = ASYNC_DRIVERS[self._backend]
             raise LockArgumentError(
-                f"the asyncio driver for {backend} is not installed: "
+                f"the asyncio driver for {self._backend} is not installed: "
                 f"pip install 'dblock[{extra}]' ({exc})"
             ) from exc
-        pool_events = self.engine.sync_engine
-        event.listen(pool_events, "connect", _born)
-        event.listen(pool_events, "checkout", _check_home)
-        self._sync_engine = self.engine.sync_engine
+        sync_engine = engine.sync_engine
+        event.listen(sync_engine, "connect", _born)
+        event.listen(sync_engine, "checkout", _check_home)
         # Per connection, as on the blocking engine: WAL and NORMAL sync on
         # SQLite (without them every commit waits for an fsync, ~2 ms here),
         # no prepared statements through a transaction-mode pooler.
-        if backend == "sqlite":
-            event.listen(self._sync_engine, "connect", _sqlite_pragmas)
-        elif backend == "postgresql" and store.config.pooler:
-            event.listen(self._sync_engine, "connect", _never_prepare_async)
-        #: Statements sent (for the benchmark: exact on every path, and free).
-        self.statements = 0
-        # The direct path: each driver's own calls (the statements are in
-        # the parameter style of the driver's blocking twin, which it shares).
-        self._direct = _EXECUTE[backend]
-        self._error: type[Exception] = self._sync_engine.dialect.loaded_dbapi.Error
-        # (connection, checked in at, its event loop), newest last
-        self._idle: list[tuple[PoolProxiedConnection, float, asyncio.AbstractEventLoop]] = []
-        size = getattr(self._sync_engine.pool, "size", None)
-        self._max_idle = size() if callable(size) else 4
+        if self._backend == "sqlite":
+            event.listen(sync_engine, "connect", _sqlite_pragmas)
+        elif self._backend == "postgresql" and self.store.config.pooler:
+            event.listen(sync_engine, "connect", _never_prepare_async)
+        return engine
+
+    def _pool(self) -> _LoopPool:
+        """The running loop's pool (made, or taken over, on its first statement)."""
+        loop = asyncio.get_running_loop()
+        pool = self._pools.get(loop)
+        if pool is not None:
+            return pool
+        with self._lock:
+            pools = self._pools
+            # Pools of closed loops: the first is taken over, the rest dropped.
+            free: _LoopPool | None = None
+            for old, candidate in list(pools.items()):
+                if old.is_closed():
+                    del pools[old]
+                    if free is None or candidate is self._primary:
+                        if free is not None:
+                            free.forget()
+                        free = candidate
+                    else:
+                        candidate.forget()
+            if self._primary.loop is None:
+                free, spare = self._primary, free
+                if spare is not None:
+                    spare.forget()
+            if free is None:
+                free = _LoopPool(self._make_engine(), self._backend)
+            free.adopt(loop)
+            pools[loop] = free
+            return free
 
     async def run(
         self, sql: str, params: Params, fetch: bool = False, lastrowid: bool = False
@@ -141,12 +258,13 @@ class AsyncStore:
 
     async def _run_once(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
         self.statements += 1
+        pool = self._pool()
         # SQLAlchemy's own test for "does anyone listen?" (as the blocking
         # executor: if the attribute ever goes away, the observed path).
-        if getattr(self._sync_engine, "_has_events", True):
-            statement = self._statement(sql, params, fetch, lastrowid)
+        if getattr(pool.sync_engine, "_has_events", True):
+            statement = self._statement(pool, sql, params, fetch, lastrowid)
         else:
-            statement = self._direct_statement(sql, params, fetch, lastrowid)
+            statement = self._direct_statement(pool, sql, params, fetch, lastrowid)
         if not self._finish:
             return await statement
         inner = asyncio.ensure_future(statement)
@@ -162,11 +280,13 @@ class AsyncStore:
             raise cancelled
         return inner.result()
 
-    async def _statement(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
+    async def _statement(
+        self, pool: _LoopPool, sql: str, params: Params, fetch: bool, lastrowid: bool
+    ) -> Result:
         translate = self.store.executor._translate
         sent = False
         try:
-            async with self.engine.connect() as conn:
+            async with pool.engine.connect() as conn:
                 sent = True
                 try:
                     result = await conn.exec_driver_sql(sql, dict(params))
@@ -191,18 +311,18 @@ class AsyncStore:
             raise translate(exc, sent=sent) from exc
 
     async def _direct_statement(
-        self, sql: str, params: Params, fetch: bool, lastrowid: bool
+        self, pool: _LoopPool, sql: str, params: Params, fetch: bool, lastrowid: bool
     ) -> Result:
-        conn = await self._checkout()
+        conn = await self._checkout(pool)
         try:
-            result = await self._direct(conn.driver_connection, sql, params, fetch, lastrowid)
-        except self._error as exc:
-            dialect = self._sync_engine.dialect
+            result = await pool.direct(conn.driver_connection, sql, params, fetch, lastrowid)
+        except pool.error as exc:
+            dialect = pool.sync_engine.dialect
             interrupted = dialect.is_disconnect(exc, conn.dbapi_connection, None)  # type: ignore[arg-type]
             if interrupted:
                 await self._discard(conn, exc)
             else:
-                self._checkin(conn)
+                self._checkin(pool, conn)
             raise self.store.executor._translate(exc, sent=True, interrupted=interrupted) from exc
         except BaseException:
             # Cancelled mid-statement: the connection's protocol state is
@@ -211,36 +331,30 @@ class AsyncStore:
             # looks for it by token); a second cancellation cannot stop that.
             await asyncio.shield(self._discard(conn, None))
             raise
-        self._checkin(conn)
+        self._checkin(pool, conn)
         return result
 
-    async def _checkout(self) -> PoolProxiedConnection:
-        loop = asyncio.get_running_loop()
-        idle = self._idle
+    async def _checkout(self, pool: _LoopPool) -> PoolProxiedConnection:
+        idle = pool.idle
         while idle:
-            try:
-                conn, since, home = idle.pop()
-            except IndexError:  # a task of another thread's loop took the last one
-                break
-            if home is loop and time.monotonic() - since < IDLE_SECONDS:
+            conn, since = idle.pop()
+            if time.monotonic() - since < IDLE_SECONDS:
                 return conn
-            # Another loop's (one manager may serve a loop per thread or one
-            # asyncio.run after another), or idle too long: back to the pool,
-            # whose checkout decides where it may serve, recycles or pings it.
+            # Idle too long: back to the pool, whose checkout recycles or pings it.
             await _close(conn)
         try:
-            return await self.engine.raw_connection()
+            return await pool.engine.raw_connection()
         except sa_exc.DBAPIError as exc:
             raise self.store.executor._translate(exc.orig or exc, sent=False) from exc
-        except (self._error, OSError) as exc:
+        except (pool.error, OSError) as exc:
             raise self.store.executor._translate(exc, sent=False) from exc
         except BaseException as exc:  # cancelled while waiting for the pool: nothing was sent
             _mark_unsent(exc)
             raise
 
-    def _checkin(self, conn: PoolProxiedConnection) -> None:
-        if len(self._idle) < self._max_idle:
-            self._idle.append((conn, time.monotonic(), asyncio.get_running_loop()))
+    def _checkin(self, pool: _LoopPool, conn: PoolProxiedConnection) -> None:
+        if len(pool.idle) < pool.max_idle:
+            pool.idle.append((conn, time.monotonic()))
         else:
             # Rare (more tasks in statements at once than the pool's size):
             # the pool's return runs driver calls, on a task of its own.
@@ -250,11 +364,6 @@ class AsyncStore:
     async def _discard(self, conn: PoolProxiedConnection, exc: BaseException | None) -> None:
         with contextlib.suppress(Exception):
             await greenlet_spawn(conn.invalidate, exc)
-
-    async def _release_idle(self) -> None:
-        idle, self._idle = self._idle, []
-        for conn, _, _ in idle:
-            await _close(conn)
 
     async def drive(self, steps: Steps[T]) -> T:
         """Run ``steps`` (the blocking store's own) on async connections."""
@@ -266,27 +375,55 @@ class AsyncStore:
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
+    def _all_pools(self) -> list[_LoopPool]:
+        """Every pool, forgotten by the store (a pool keeps its loop, for
+        the caller to decide how to close it; the primary serves the next loop)."""
+        with self._lock:
+            pools = list(dict.fromkeys([self._primary, *self._pools.values()]))
+            self._pools = {}
+        return pools
+
     async def close(self) -> None:
-        await self._release_idle()
-        await self.engine.dispose()
+        """Close every loop's connections: this loop's here, a running
+        loop's on that loop (waiting at most a few seconds for it), a closed
+        or stopped loop's dropped untouched. Always finishes."""
+        here = asyncio.get_running_loop()
+        for pool in self._all_pools():
+            loop, pool.loop = pool.loop, None
+            if loop is None or loop is here:
+                try:
+                    await pool.aclose()
+                except Exception as exc:  # a connection of a dead loop that cannot close
+                    log.debug("dblock: closing async connections: %r", exc)
+                    pool.forget()
+            elif loop.is_closed() or not loop.is_running():
+                pool.forget(loop)
+            else:
+                try:
+                    done = asyncio.run_coroutine_threadsafe(pool.aclose(), loop)
+                    await asyncio.wait_for(asyncio.wrap_future(done), _CLOSE_ELSEWHERE)
+                except Exception as exc:  # that loop is busy, stopping or gone
+                    log.debug("dblock: closing another loop's connections: %r", exc)
+                    pool.forget(loop)
 
     def after_fork(self) -> None:
         """In a forked child: never use, close or collect the parent's connections."""
-        _forsaken.append(self.engine.sync_engine.pool)  # see _forsaken
-        _forsaken.append(self._idle)  # the direct path's, checked out of it
-        self._idle = []
-        self.engine.sync_engine.dispose(close=False)
+        for pool in self._all_pools():
+            _forsaken.append(pool.sync_engine.pool)  # see _forsaken
+            _forsaken.append(pool.idle)  # the direct path's, checked out of it
+            pool.idle = []
+            pool.sync_engine.dispose(close=False)
 
     def forget(self) -> None:
         """Drop every pooled connection without touching it (no I/O, no
         loop needed): when the loops they belong to may be gone."""
-        idle, self._idle = self._idle, []
-        for conn, _, _ in idle:
-            # Back into the pool first (no driver call: the pool resets
-            # nothing on return), so that the pool drops them with the rest.
-            with contextlib.suppress(Exception):
-                conn.close()
-        self.engine.sync_engine.dispose(close=False)
+        for pool in self._all_pools():
+            loop, pool.loop = pool.loop, None
+            pool.forget(loop)
+
+
+#: How long ``AsyncStore.close`` waits for another running loop to close its connections.
+_CLOSE_ELSEWHERE = 5.0
 
 
 # -- where a pooled connection may be used ------------------------------------------
@@ -347,11 +484,39 @@ def _check_home(dbapi_connection: Any, record: Any, proxy: Any) -> None:
     # and the pool opens a new one.
     dead = record.dbapi_connection
     record.dbapi_connection = proxy.dbapi_connection = None
+    _drop_dead(dead)
+    raise sa_exc.DisconnectionError("an asyncio connection of a closed event loop")
+
+
+def _drop_dead(dbapi_connection: Any) -> None:
+    """Close a connection whose event loop is closed, as well as its driver
+    allows from outside that loop, and quietly: psycopg and aiosqlite close
+    cleanly; aiomysql's close schedules on the dead loop and fails, then
+    fails again, loudly, when the connection is collected, so its socket is
+    closed here and its stream forgotten."""
+    driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
     try:
-        dead.close()
+        writer = getattr(driver, "_writer", None)  # aiomysql's StreamWriter, on the dead loop
+        pgconn = getattr(driver, "pgconn", None)  # psycopg's libpq connection
+        if writer is not None:
+            sock = getattr(writer.transport, "_sock", None)
+            if sock is not None:
+                sock.close()
+            driver._writer = driver._reader = None
+        elif pgconn is not None:
+            pgconn.finish()  # libpq's own close: no event loop involved
+        elif callable(getattr(driver, "stop", None)):
+            # aiosqlite: its thread closes the file. stop() asks for an answer
+            # on the calling thread's event loop, if it has one, which may be
+            # closed by the time the answer comes: call it on a thread that
+            # has no loop, so no answer is asked for.
+            stopper = threading.Thread(target=driver.stop, name="dblock-aiosqlite-stop")
+            stopper.start()
+            stopper.join(1.0)
+        else:
+            dbapi_connection.close()
     except Exception as exc:
         log.debug("dblock: closing a connection of a closed event loop: %r", exc)
-    raise sa_exc.DisconnectionError("an asyncio connection of a closed event loop")
 
 
 def _never_prepare_async(dbapi_connection: Any, _record: Any) -> None:
