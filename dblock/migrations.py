@@ -78,6 +78,16 @@ def head() -> str:
     return rev
 
 
+def _known(revision: str) -> bool:
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory(str(script_location()))
+    try:
+        return script.get_revision(revision) is not None
+    except Exception:  # alembic's ResolutionError / CommandError: not one of ours
+        return False
+
+
 def current(engine: Engine, names: TableNames) -> str | None:
     """The revision the database is at, or None if dblock was never migrated there."""
     from alembic.migration import MigrationContext
@@ -96,6 +106,20 @@ def upgrade(engine: Engine, names: TableNames, revision: str = "head") -> None:
     created dropped again."""
     from alembic import command
 
+    if revision == "head":
+        at = current(engine, names)
+        if at is not None and not _known(at):
+            # A newer dblock migrated this table (a rolling deploy, where old
+            # and new processes run side by side): its revisions only add, so
+            # this version works on it as it is. Never fail the start-up.
+            log.warning(
+                "dblock: the lock table %r is at schema revision %s, newer than this "
+                "dblock knows (head %s); leaving it as it is",
+                names.table,
+                at,
+                head(),
+            )
+            return
     created: list[str] = []
     try:
         with _transactional(engine) as conn:

@@ -175,3 +175,27 @@ def test_downgrade_keeps_exclusive_locks_and_refuses_live_other_kinds(
         held.release()
         with m.lock(f"{key}:x", blocking=False) as again:
             assert again.fence > held.fence
+
+
+def test_newer_schema_is_left_alone(db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A rolling deploy: a newer dblock migrated the table to a revision this
+    one does not know. create_schema() (and so `dblock migrate`) warns and
+    leaves it; locks still work on it."""
+    table = f"dblock_t_{uuid.uuid4().hex[:8]}"
+    m = LockManager(db_url, table=table)
+    try:
+        m.create_schema()
+        version = m.engine.dialect.identifier_preparer.quote(m.names.version_table)
+        with m.engine.begin() as conn:
+            conn.execute(sa.text(f"UPDATE {version} SET version_num = '9999_future'"))
+        with caplog.at_level("WARNING", logger="dblock"):
+            m.create_schema()
+        assert any("newer than this dblock" in r.getMessage() for r in caplog.records)
+        with m.lock("newer-schema", blocking=False) as held:
+            assert held.fence
+    finally:
+        with m.engine.begin() as conn:
+            conn.execute(sa.text(f"UPDATE {version} SET version_num = :v"),
+                         {"v": migrations.head()})  # fmt: skip
+        m.drop_schema()
+        m.close()
