@@ -49,7 +49,7 @@ from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
 from ._store.base import Lease, never_sent
 from ._store.fair import Seat
 from ._store.fair import statements as fair_statements
-from .config import Config, OnLost, check_ttl
+from .config import Config, OnLost, check_lease
 from .errors import (
     BackendError,
     KindMismatch,
@@ -341,7 +341,7 @@ class HeldLock:
         lock's ``ttl``), in one statement: for holders that renew by hand
         (``renew=False``). Raises :class:`~dblock.LockLost` if the row is no
         longer ours, :class:`~dblock.LockNotHeld` if the lock was released."""
-        self._locker.extend(self, self.ttl if ttl is None else check_ttl(ttl))
+        self._locker.extend(self, self.ttl if ttl is None else check_lease(ttl))
 
     def __enter__(self) -> Self:
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import signal
@@ -12,7 +13,9 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from dblock import HeldLock, LockArgumentError, LockBusy, LockLost, LockManager
+from dblock import AsyncLockManager, HeldLock, LockArgumentError, LockBusy, LockLost, LockManager
+from dblock.config import MIN_TTL
+from dblock.sweeper import SweeperConfig
 from tests.conftest import row_of
 from tests.support import procs
 from tests.support.counting import StatementCounter
@@ -173,6 +176,64 @@ def test_bad_lease_options(manager: LockManager, key: str) -> None:
         manager.lock(key, on_lost="print")  # type: ignore[arg-type]
     with pytest.raises(LockArgumentError, match="max_hold"):
         LockManager(manager.engine, max_hold=-1)
+
+
+@pytest.mark.parametrize("ttl", [1e-9, 0.001, 0.099])
+def test_leases_below_the_minimum_are_refused_before_sql(
+    manager: LockManager, key: str, ttl: float
+) -> None:
+    """A lease shorter than a few renewal round trips was accepted and lost
+    at once; it is refused, saying the minimum, before any statement."""
+    message = f"ttl must be at least {MIN_TTL:g} seconds"
+    with StatementCounter(manager.engine) as c:
+        with pytest.raises(ValueError, match=message):
+            manager.acquire(key, ttl=ttl)
+        with pytest.raises(LockArgumentError, match=message):
+            manager.lock(key, ttl=ttl)
+        with pytest.raises(LockArgumentError, match=message):
+            manager.locked(key + "{x}", ttl=ttl)
+        with pytest.raises(LockArgumentError, match=message):
+            manager.read_lock(key, ttl=ttl)
+        with pytest.raises(LockArgumentError, match=message):
+            manager.semaphore(key, permits=2, ttl=ttl)
+        with pytest.raises(LockArgumentError, match=message):
+            LockManager(manager.engine, ttl=ttl)
+        with pytest.raises(LockArgumentError, match=f"lock_ttl must be at least {MIN_TTL:g}"):
+            SweeperConfig(lock_ttl=ttl)
+    assert c.count == 0
+    with manager.lock(key, ttl=60) as held:
+        c.reset()
+        with StatementCounter(manager.engine) as c, pytest.raises(LockArgumentError, match=message):
+            held.extend(ttl)
+        assert c.count == 0
+        assert not held.lost
+
+
+def test_leases_below_the_minimum_are_refused_by_the_asyncio_face(db_url: str, key: str) -> None:
+    async def main() -> None:
+        async with AsyncLockManager(db_url) as alocks:
+            with pytest.raises(LockArgumentError, match=f"at least {MIN_TTL:g} seconds"):
+                await alocks.acquire(key, ttl=1e-9)
+            async with alocks.lock(key, ttl=60) as held:
+                with pytest.raises(LockArgumentError, match=f"at least {MIN_TTL:g} seconds"):
+                    await held.extend(1e-9)
+                assert not held.lost
+
+    asyncio.run(main())
+
+
+def test_a_lease_of_the_minimum_is_kept_by_renewal(make_manager: object, key: str) -> None:
+    """The minimum is a lease dblock can keep: held for many leases, renewed
+    every third of one, never lost, and nobody else gets the key."""
+    holder, other = make_manager(), make_manager()  # type: ignore[operator]
+    with holder.lock(key, ttl=MIN_TTL) as held:
+        deadline = time.monotonic() + 10 * MIN_TTL
+        while time.monotonic() < deadline:
+            with pytest.raises(LockBusy):
+                other.acquire(key, blocking=False)
+            time.sleep(MIN_TTL / 4)
+        assert not held.lost, held._lost
+    assert held.fence > 0
 
 
 def test_no_renewal_thread_outlives_close(db_url: str, keys: object) -> None:
