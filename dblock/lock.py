@@ -861,8 +861,11 @@ class Locker:
                 # a task's cancellation) with the INSERT possibly committed
                 # (unless it was never sent): the renewal thread deletes the
                 # row at once, without delaying the interruption here.
+                # Logged as a database fault only if the connection had
+                # failed (in_doubt) or the clean-up finds it unreachable: an
+                # ordinary cancellation on a healthy database is DEBUG.
                 if in_doubt or not never_sent(exc):
-                    store.add_orphan(key, token)
+                    store.add_orphan(key, token, unreachable=in_doubt)
                     self.renewer.post(_noop)
                 raise
             if attempt < _AMBIGUITY_RETRIES:
@@ -870,10 +873,10 @@ class Locker:
                     yield (_SLEEP, 0.05 * 2**attempt)
                 except BaseException:
                     # Interrupted between tries, the outcome still in doubt.
-                    store.add_orphan(key, token)
+                    store.add_orphan(key, token, unreachable=True)
                     self.renewer.post(_noop)
                     raise
-        store.add_orphan(key, token)
+        store.add_orphan(key, token, unreachable=True)
         raise BackendError(
             f"lost the database connection while acquiring {key!r} and could not reach it "
             f"again to learn the outcome; the row, if it was written, will be deleted once "

@@ -143,9 +143,8 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                     # Rows carrying our token may exist (our queue row, or a
                     # head granted as the connection broke): delete them once
                     # the database answers, and go on with a fresh token.
-                    store.add_orphan(
-                        key, token, released=not isinstance(exc, Interrupted), whole=True
-                    )
+                    lost = isinstance(exc, Interrupted)
+                    store.add_orphan(key, token, released=not lost, whole=True, unreachable=lost)
                 limit = float("inf") if deadline is None else deadline - _monotonic()
                 if limit <= 0 or not (waiting or handed):
                     raise

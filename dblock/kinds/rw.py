@@ -528,7 +528,7 @@ class RwLocker:
                         continue
                     else:
                         if mode == WRITE and isinstance(exc, Interrupted):
-                            self._orphan(key, token)
+                            self._orphan(key, token, unreachable=True)
                             token = os.urandom(16).hex()  # that one may be in the row now
                         outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
                         self._ride_out(key, exc, deadline, outage, waiting=wait is not None)
@@ -592,10 +592,10 @@ class RwLocker:
         log.warning("dblock: waiting for %r; the database is unreachable, retrying: %s", key, exc)
         time.sleep(outage.step(limit))
 
-    def _orphan(self, key: str, token: str) -> None:
+    def _orphan(self, key: str, token: str, *, unreachable: bool = False) -> None:
         """A write grant that may have committed unseen: its row (slot '', our
         token) is deleted as soon as the database answers, by the renewal thread."""
-        self.store.add_orphan(key, token)
+        self.store.add_orphan(key, token, unreachable=unreachable)
         self.renewer.post(_noop)
 
     # -- release -------------------------------------------------------------
