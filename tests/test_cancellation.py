@@ -191,3 +191,67 @@ def test_a_cancellation_while_the_database_is_unreachable_warns(
     assert row is not None
     assert row.token == held.token
     held.release()
+
+
+def test_a_cancelled_task_stops_waiting_at_once(
+    manager: LockManager, make_manager: Any, db_url: str, key: str
+) -> None:
+    """A task whose INSERT waits inside the database (SQLite: for the file's
+    write lock, under its 30 s busy timeout) is cancelled: the cancellation
+    takes effect at once, not when the database lets the statement go, and
+    nothing of the request is left."""
+    holder = make_manager()
+    held = holder.acquire(key, ttl=60)
+    alocks = AsyncLockManager(manager)
+
+    async def main() -> float:
+        with statements_held(db_url, [key]):
+            task = asyncio.create_task(alocks.acquire(key, timeout=60))
+            await asyncio.sleep(0.5)  # the INSERT waits in the database
+            assert not task.done()
+            cancelled_at = time.monotonic()
+            task.cancel()
+            # The database keeps the statement waiting for 8 s more, unless
+            # the cancellation ends it first.
+            done, _ = await asyncio.wait((task,), timeout=8.0)
+            delay = time.monotonic() - cancelled_at
+            assert done, "the cancellation waited for the database"
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await until(lambda: not manager.store.has_orphans)
+        await alocks.close()
+        return delay
+
+    delay = asyncio.run(main())
+    print(f"cancellation took {delay * 1000:.0f} ms")
+    assert delay < 0.5
+    assert row_of(manager, key).token == held.token  # type: ignore[union-attr]
+    held.release()
+    with manager.lock(key, blocking=False):  # the key works as if nothing happened
+        pass
+
+
+@pytest.mark.databases("sqlite")
+def test_an_async_statement_still_waits_out_the_write_lock(
+    manager: LockManager, db_url: str, key: str
+) -> None:
+    """The wait for SQLite's write lock is taken in slices, but as a whole it
+    is still the busy timeout: a write lock held for a second (many slices)
+    delays the grant, it does not fail it."""
+    alocks = AsyncLockManager(manager)
+
+    async def take() -> float:
+        async with alocks.lock(key, blocking=False):
+            return time.monotonic()
+
+    async def main() -> float:
+        started = time.monotonic()
+        with statements_held(db_url, [key]):
+            task = asyncio.create_task(take())
+            await asyncio.sleep(1.0)
+            assert not task.done()
+        waited = await task - started
+        await alocks.close()
+        return waited
+
+    assert asyncio.run(main()) >= 1.0
