@@ -46,7 +46,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
-from ._store.base import Lease, never_sent
+from ._store.base import Lease, PoolerMismatch, never_sent, what_failed
 from ._store.fair import Seat
 from ._store.fair import statements as fair_statements
 from .config import Config, OnLost, check_lease
@@ -823,11 +823,12 @@ class Locker:
         if the last attempt's outcome stayed unknown (that row is an orphan
         now, deleted once the database answers, and must not be taken for ours)."""
         limit = float("inf") if deadline is None else deadline - _monotonic()
-        if limit <= 0 or not (waiting or handed):
+        # A misconfigured pooler is no outage: waiting would not cure it.
+        if limit <= 0 or not (waiting or handed) or isinstance(exc, PoolerMismatch):
             if handed is not None:
                 self.store.add_orphan(key, handed, released=True)
             raise exc
-        log.warning("dblock: waiting for %r; the database is unreachable, retrying: %s", key, exc)
+        log.warning("dblock: waiting for %r; %s, retrying: %s", key, what_failed(exc), exc)
         yield (_SLEEP, outage.step(limit))
         return _urandom(16).hex() if self.store.is_orphan(key, token) else token
 

@@ -46,12 +46,14 @@ __all__ = [
     "Interrupted",
     "Lease",
     "PoolExhausted",
+    "PoolerMismatch",
     "Statement",
     "Steps",
     "Store",
     "Unreachable",
     "Wait",
     "never_sent",
+    "what_failed",
 ]
 
 log = logging.getLogger("dblock")
@@ -102,6 +104,15 @@ class Holder:
 class Interrupted(BackendError):
     """The connection broke while a statement was in flight: it may or may not
     have been committed."""
+
+
+class PoolerMismatch(BackendError):
+    """PostgreSQL answered that a statement psycopg prepared on this
+    connection is missing, already there, or takes other parameters: the
+    server connection changed under the client between transactions, as
+    behind a transaction-mode pooler (pgbouncer) used without
+    ``pooler=True``. The server is reachable; it is a configuration mistake,
+    not an outage, and retrying does not cure it."""
 
 
 class Unreachable(BackendError):
@@ -409,11 +420,36 @@ class Executor:
         if self._is_missing_table(exc):
             return SchemaMissing(self._table, self._url)
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if sent and _prepared_elsewhere(exc):
+            return PoolerMismatch(
+                f"statement failed on {self._url}: {detail}; the server looks like a "
+                "transaction-mode pooler (pgbouncer, ...): pass pooler=True or add "
+                "prepare_threshold=None (connect_args of an engine you make)"
+            )
         if not sent:
             return Unreachable(f"cannot connect to {self._url}: {detail}")
         if interrupted:
             return Interrupted(f"connection to {self._url} lost during a statement: {detail}")
         return BackendError(f"statement failed on {self._url}: {detail}")
+
+
+#: SQLSTATEs of a prepared statement missing (26000), already there (42P05),
+#: or bound with another statement's parameters (08P01, a protocol violation).
+_PREPARED_STATES = frozenset({"26000", "42P05", "08P01"})
+
+
+def _prepared_elsewhere(exc: BaseException) -> bool:
+    """psycopg's prepared statements (named ``_pg3_N``) found missing or
+    different on the server: see :class:`PoolerMismatch`."""
+    return getattr(exc, "sqlstate", None) in _PREPARED_STATES and '"_pg3_' in str(exc)
+
+
+def what_failed(exc: BackendError) -> str:
+    """How a log line names the fault ``exc``: an unreachable database only
+    when it was one (no connection, or the connection lost mid-statement)."""
+    if isinstance(exc, (Unreachable, Interrupted)):
+        return "the database is unreachable"
+    return "the database failed a statement"
 
 
 _UNSENT = "_dblock_unsent"

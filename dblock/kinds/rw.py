@@ -34,7 +34,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from .._store import Backoff, Lease, Store
-from .._store.base import Interrupted, never_sent
+from .._store.base import Interrupted, PoolerMismatch, never_sent, what_failed
 from .._store.rw import READ, WRITE, RwRow, RwStatements, rw_statements
 from ..config import Config
 from ..errors import (
@@ -587,9 +587,9 @@ class RwLocker:
         A read grant whose outcome stayed unknown is looked up (the head row)
         before granting again (see :func:`_own_read_phase`)."""
         limit = float("inf") if deadline is None else deadline - _monotonic()
-        if limit <= 0 or not waiting:
+        if limit <= 0 or not waiting or isinstance(exc, PoolerMismatch):
             raise exc
-        log.warning("dblock: waiting for %r; the database is unreachable, retrying: %s", key, exc)
+        log.warning("dblock: waiting for %r; %s, retrying: %s", key, what_failed(exc), exc)
         time.sleep(outage.step(limit))
 
     def _orphan(self, key: str, token: str, *, unreachable: bool = False) -> None:
