@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import signal
@@ -287,6 +288,70 @@ class TestRenewalFaults:
                 held.release()
         with LockManager(db_url) as direct:
             assert row_of(direct, key) is None  # still ours, so release deleted it
+
+
+def test_a_late_renewal_is_measured_and_warned_of_before_the_lock_is_lost(
+    db_url: str, key: str
+) -> None:
+    """A holder process starved past its renewal's due time (frozen with
+    SIGSTOP, as a CPU at load 7 starves it, only longer) renews late but in
+    time: the lateness metric shows it, a WARNING says it before any lock is
+    lost, and the lock is kept."""
+    ttl, frozen = 4.5, 3.3  # renewal due at 1.5 s; resumed at ~3.3 s, 1.2 s before the end
+    report, resumed = ctx.Queue(), ctx.Event()
+    holder = ctx.Process(target=procs.late_renewal_holder, args=(db_url, key, ttl, resumed, report))
+    holder.start()
+    try:
+        assert report.get(timeout=60)[0] == "acquired"
+        assert holder.pid is not None
+        os.kill(holder.pid, signal.SIGSTOP)
+        time.sleep(frozen)
+        os.kill(holder.pid, signal.SIGCONT)
+        resumed.set()
+        tag, worst, count, warnings, renewed, lost = report.get(timeout=60)
+    finally:
+        holder.join(30)
+        if holder.is_alive():
+            holder.kill()
+    assert tag == "seen"
+    assert renewed
+    assert not lost
+    assert count >= 1
+    assert worst is not None
+    assert ttl / 3 < worst < ttl * 2 / 3, worst
+    late = [w for w in warnings if "late, more than a third of its 4.5 s lease" in w]
+    assert len(late) == 1, warnings
+    assert repr(key) in late[0]
+    assert "lost" not in " ".join(w for w in warnings if w not in late)
+
+
+def test_renewals_on_time_are_measured_quietly(
+    db_url: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from dblock.telemetry import Telemetry
+
+    caplog.set_level(logging.WARNING, logger="dblock")
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    with LockManager(db_url, telemetry=telemetry) as m, m.lock(key, ttl=1.5) as held:
+        first_expiry = held.expires_at
+        _wait_for(lambda: held.expires_at > first_expiry, 10)
+        time.sleep(0.6)  # a second renewal
+    points = [
+        point
+        for resource in reader.get_metrics_data().resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "dblock.lock.renewal.lateness"
+        for point in metric.data.data_points
+    ]
+    assert sum(p.count for p in points) >= 2
+    assert max(p.max for p in points) < 0.5  # a third of the lease
+    assert dict(points[0].attributes) == {"dblock.table": "dblock_locks"}
+    assert not [r for r in caplog.records if "late" in r.getMessage()]
 
 
 def test_paused_holder_learns_it_lost_and_its_fenced_write_is_refused(
