@@ -249,6 +249,8 @@ class RwLocker:
             idle_tick=config.ttl * RENEW_AT,
             abandon=self._abandon,
         )
+        # Renewals (and how late they run) reported as the exclusive locks' are.
+        self.renewer.telemetry = locker.telemetry
         self._collect = self._collected  # the callback HeldLock's weak reference takes
 
     # -- what HeldLock asks of its locker ------------------------------------
