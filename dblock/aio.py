@@ -42,7 +42,7 @@ from ._store import Store
 from ._store.aio import AsyncStore
 from ._store.base import Backoff
 from .adeferral import aexit_deferring
-from .config import Config, OnLost, check_ttl
+from .config import Config, OnLost, check_lease
 from .decorators import KeySpec, OnBusy
 from .deferral import DeferHook
 from .errors import (
@@ -337,7 +337,7 @@ class AsyncHeldLock:
     async def extend(self, ttl: float | None = None) -> None:
         """Push the lease end to ``ttl`` seconds from now (database time):
         the renewal thread's statement, awaited on the async engine."""
-        lease = self.held.ttl if ttl is None else check_ttl(ttl)
+        lease = self.held.ttl if ttl is None else check_lease(ttl)
         manager, held = self._manager, self.held
         locker = held._locker  # the exclusive lock's, or a semaphore's
         locker.check_extend(held)

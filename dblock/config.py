@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_SECONDS",
+    "MIN_TTL",
     "Config",
     "apply_options",
+    "check_lease",
     "check_max_hold",
     "check_on_lost",
     "check_timeout",
@@ -57,6 +59,25 @@ def check_ttl(value: object, name: str = "ttl") -> float:
     if ttl > MAX_SECONDS:
         raise LockArgumentError(
             f"{name} must be at most {MAX_SECONDS:.0f} seconds (366 days), got {value!r}"
+        )
+    return ttl
+
+
+#: The shortest lease dblock accepts, in seconds. A held lock is renewed once
+#: a third of its lease has passed, and that renewal's round trip must end
+#: within the two thirds left: one scheduling delay or one slow statement
+#: (tens of milliseconds on a busy machine) must not cost the lock. A lease
+#: shorter than a database round trip (``ttl=1e-9``) would be lost at once.
+MIN_TTL = 0.1
+
+
+def check_lease(value: object, name: str = "ttl") -> float:
+    """A lease in seconds: a number from :data:`MIN_TTL` to :data:`MAX_SECONDS`."""
+    ttl = check_ttl(value, name)
+    if ttl < MIN_TTL:
+        raise LockArgumentError(
+            f"{name} must be at least {MIN_TTL:g} seconds (the shortest lease dblock "
+            f"accepts: renewing it takes database round trips within the lease), got {value!r}"
         )
     return ttl
 
@@ -124,6 +145,7 @@ class Config:
         Name of the index on ``expires_at`` (default ``<table>_expires_at_idx``).
     ttl
         Default lease of a lock. A holder that dies blocks its key at most this long.
+        At least :data:`MIN_TTL` (0.1 s), as every lease.
     timeout
         Default wait of a blocking request; ``None`` waits until granted.
     handoff_limit
@@ -189,7 +211,7 @@ class Config:
         _check_identifier(self.table, "table")
         if self.index is not None:
             _check_identifier(self.index, "index")
-        object.__setattr__(self, "ttl", check_ttl(self.ttl))
+        object.__setattr__(self, "ttl", check_lease(self.ttl))
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
         for name in ("poll_initial", "poll_max", "notify_recheck"):
             object.__setattr__(self, name, check_ttl(getattr(self, name), name))

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from .config import (
     OnLost,
+    check_lease,
     check_max_hold,
     check_on_lost,
     check_timeout,
-    check_ttl,
     check_wait,
 )
 from .deferral import DeferHook, call_deferring
@@ -161,7 +161,7 @@ def _checked_options(
     if timeout is not UNSET:
         check_wait(blocking, check_timeout(timeout))
     if ttl is not None:
-        check_ttl(ttl)
+        check_lease(ttl)
     if renew is not None and not isinstance(renew, bool):
         raise LockArgumentError(f"renew must be True or False, got {renew!r}")
     check_max_hold(max_hold)

@@ -46,10 +46,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
-from ._store.base import Lease, never_sent
+from ._store.base import Lease, PoolerMismatch, never_sent, what_failed
 from ._store.fair import Seat
 from ._store.fair import statements as fair_statements
-from .config import Config, OnLost, check_ttl
+from .config import Config, OnLost, check_lease
 from .errors import (
     BackendError,
     KindMismatch,
@@ -343,7 +343,7 @@ class HeldLock:
         lock's ``ttl``), in one statement: for holders that renew by hand
         (``renew=False``). Raises :class:`~dblock.LockLost` if the row is no
         longer ours, :class:`~dblock.LockNotHeld` if the lock was released."""
-        self._locker.extend(self, self.ttl if ttl is None else check_ttl(ttl))
+        self._locker.extend(self, self.ttl if ttl is None else check_lease(ttl))
 
     def __enter__(self) -> Self:
         return self
@@ -859,11 +859,12 @@ class Locker:
         if the last attempt's outcome stayed unknown (that row is an orphan
         now, deleted once the database answers, and must not be taken for ours)."""
         limit = float("inf") if deadline is None else deadline - _monotonic()
-        if limit <= 0 or not (waiting or handed):
+        # A misconfigured pooler is no outage: waiting would not cure it.
+        if limit <= 0 or not (waiting or handed) or isinstance(exc, PoolerMismatch):
             if handed is not None:
                 self.store.add_orphan(key, handed, released=True)
             raise exc
-        log.warning("dblock: waiting for %r; the database is unreachable, retrying: %s", key, exc)
+        log.warning("dblock: waiting for %r; %s, retrying: %s", key, what_failed(exc), exc)
         yield (_SLEEP, outage.step(limit))
         return _urandom(16).hex() if self.store.is_orphan(key, token) else token
 
@@ -897,8 +898,11 @@ class Locker:
                 # a task's cancellation) with the INSERT possibly committed
                 # (unless it was never sent): the renewal thread deletes the
                 # row at once, without delaying the interruption here.
+                # Logged as a database fault only if the connection had
+                # failed (in_doubt) or the clean-up finds it unreachable: an
+                # ordinary cancellation on a healthy database is DEBUG.
                 if in_doubt or not never_sent(exc):
-                    store.add_orphan(key, token)
+                    store.add_orphan(key, token, unreachable=in_doubt)
                     self.renewer.post(_noop)
                 raise
             if attempt < _AMBIGUITY_RETRIES:
@@ -906,10 +910,10 @@ class Locker:
                     yield (_SLEEP, 0.05 * 2**attempt)
                 except BaseException:
                     # Interrupted between tries, the outcome still in doubt.
-                    store.add_orphan(key, token)
+                    store.add_orphan(key, token, unreachable=True)
                     self.renewer.post(_noop)
                     raise
-        store.add_orphan(key, token)
+        store.add_orphan(key, token, unreachable=True)
         raise BackendError(
             f"lost the database connection while acquiring {key!r} and could not reach it "
             f"again to learn the outcome; the row, if it was written, will be deleted once "

@@ -30,10 +30,10 @@ from ._store import Store, open_store
 from .config import (
     Config,
     OnLost,
+    check_lease,
     check_max_hold,
     check_on_lost,
     check_timeout,
-    check_ttl,
     check_wait,
 )
 from .decorators import KeySpec, OnBusy
@@ -531,7 +531,7 @@ class LockManager:
             check_key(key),
             blocking,
             wait,
-            self.config.ttl if ttl is None else check_ttl(ttl),
+            self.config.ttl if ttl is None else check_lease(ttl),
             options,
         )
 

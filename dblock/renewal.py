@@ -65,6 +65,10 @@ _monotonic = time.monotonic
 RENEW_AT = 1 / 3
 #: ... and take along locks that would be due within this fraction of theirs.
 BATCH_WINDOW = 1 / 6
+#: A renewal this late (a fraction of the lease, past when it was due) is
+#: logged as a WARNING: with the renewal due at a third of the lease, it then
+#: runs with at most a third of the lease left.
+LATE_AFTER = 1 / 3
 #: Retry a failed renewal after at most this long (less when the lease is short).
 RETRY_MAX = 1.0
 #: Shortest lease renewal will ask for when capped by max_hold.
@@ -242,7 +246,20 @@ class Renewer:
     def _renew(self, due: list[HeldLock]) -> float:
         """One batched renewal; returns the earliest retry time if it failed."""
         now = _monotonic()
-        batch = [(h.key, h.token, h._renewal_ttl(now)) for h in due]
+        batch = []
+        # How late this pass runs: the lock most overdue (locks taken along
+        # before they are due count as on time).
+        worst, latest = 0.0, due[0]
+        for h in due:
+            batch.append((h.key, h.token, h._renewal_ttl(now)))
+            if now - h._next_check > worst:
+                worst, latest = now - h._next_check, h
+        if self.telemetry is not None:
+            self.telemetry.renewal_lateness(worst)
+        if worst > latest.ttl * LATE_AFTER:
+            self._warn_late(
+                latest, worst, sum(now - h._next_check > h.ttl * LATE_AFTER for h in due)
+            )
         sent_at = _monotonic()
         try:
             leases = self._store.renew(batch)
@@ -268,6 +285,21 @@ class Renewer:
                 continue
             held._renewed(lease.expires_at, sent_at + lease.expires_in)
         return min((h._next_check for h in due if h._lost is None), default=float("inf"))
+
+    @staticmethod
+    def _warn_late(held: HeldLock, late: float, count: int) -> None:
+        # Seen on a starved machine (load 7 on 2 cores): renewals ran later
+        # and later until leases ran out and the sweeper took live locks.
+        others = f" (and {count - 1} more lock(s))" if count > 1 else ""
+        log.warning(
+            "dblock: renewal of %r%s ran %.2f s late, more than a third of its %g s lease: "
+            "this process was paused or starved of CPU; one more such delay and the lock "
+            "is lost (choose a longer lease for a loaded machine)",
+            held.key,
+            others,
+            late,
+            held.ttl,
+        )
 
     @staticmethod
     def _expired_reason(held: HeldLock) -> str:

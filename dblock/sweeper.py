@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from ._store.admin import LockRow, SweepReason
-from .config import MAX_SECONDS, apply_options, check_ttl
+from .config import MAX_SECONDS, apply_options, check_lease, check_ttl
 from .errors import DBLockError, LockArgumentError, LockBusy, LockLost
 
 if TYPE_CHECKING:
@@ -78,8 +78,8 @@ class SweeperConfig:
     lock_ttl: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("interval", "lock_ttl"):
-            object.__setattr__(self, name, check_ttl(getattr(self, name), name))
+        object.__setattr__(self, "interval", check_ttl(self.interval, "interval"))
+        object.__setattr__(self, "lock_ttl", check_lease(self.lock_ttl, "lock_ttl"))
         grace = self.grace
         if (
             isinstance(grace, bool)

@@ -16,6 +16,9 @@ Metrics (attributes in brackets; all low-cardinality, never a key):
 ``dblock.lock.hold``               histogram  seconds from grant to release [kind]
 ``dblock.lock.lost``               counter    locks lost while held [kind]
 ``dblock.lock.renewals``           counter    [outcome]: renewed, failed (per lock)
+``dblock.lock.renewal.lateness``   histogram  seconds a renewal pass ran after its most
+                                              overdue lock was due (0: on time); past a
+                                              third of the lease it is also a WARNING
 ``dblock.lock.handoffs``           counter    rows passed to a local waiter without a
                                               round trip through the table
 ``dblock.sweeper.deleted``         counter    rows the sweeper deleted [reason]
@@ -145,6 +148,11 @@ class Recorder:
         self._renewals = meter.create_counter(
             "dblock.lock.renewals", unit="{renewal}", description="lease renewals by outcome"
         )
+        self._lateness = meter.create_histogram(
+            "dblock.lock.renewal.lateness",
+            unit="s",
+            description="how long after it was due a renewal pass ran",
+        )
         self._handoffs = meter.create_counter(
             "dblock.lock.handoffs", unit="{handoff}", description="rows passed to a local waiter"
         )
@@ -217,6 +225,9 @@ class Recorder:
 
     def renewals(self, count: int, *, ok: bool) -> None:
         self._renewals.add(count, self._renewal[ok])
+
+    def renewal_lateness(self, seconds: float) -> None:
+        self._lateness.record(seconds, self._base)
 
     def handoff(self) -> None:
         self._handoffs.add(1, self._base)

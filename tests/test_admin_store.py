@@ -82,8 +82,8 @@ def test_sweep_deletes_only_rows_expired_longer_than_the_grace(
 
 def test_sweep_works_in_bounded_batches_oldest_first(private: LockManager, keys: object) -> None:
     backlog = keys(25)  # type: ignore[operator]
-    _held = [private.acquire(key, ttl=0.05) for key in backlog]  # kept, not released
-    time.sleep(0.2)
+    _held = [private.acquire(key, ttl=0.1) for key in backlog]  # kept, not released
+    time.sleep(0.3)
     batches = []
     while batch := private.store.sweep(EXPIRED, older_than=0.0, limit=10):
         batches.append(batch)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import multiprocessing
 import os
 import signal
@@ -12,7 +14,9 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from dblock import HeldLock, LockArgumentError, LockBusy, LockLost, LockManager
+from dblock import AsyncLockManager, HeldLock, LockArgumentError, LockBusy, LockLost, LockManager
+from dblock.config import MIN_TTL
+from dblock.sweeper import SweeperConfig
 from tests.conftest import row_of
 from tests.support import procs
 from tests.support.counting import StatementCounter
@@ -175,6 +179,64 @@ def test_bad_lease_options(manager: LockManager, key: str) -> None:
         LockManager(manager.engine, max_hold=-1)
 
 
+@pytest.mark.parametrize("ttl", [1e-9, 0.001, 0.099])
+def test_leases_below_the_minimum_are_refused_before_sql(
+    manager: LockManager, key: str, ttl: float
+) -> None:
+    """A lease shorter than a few renewal round trips was accepted and lost
+    at once; it is refused, saying the minimum, before any statement."""
+    message = f"ttl must be at least {MIN_TTL:g} seconds"
+    with StatementCounter(manager.engine) as c:
+        with pytest.raises(ValueError, match=message):
+            manager.acquire(key, ttl=ttl)
+        with pytest.raises(LockArgumentError, match=message):
+            manager.lock(key, ttl=ttl)
+        with pytest.raises(LockArgumentError, match=message):
+            manager.locked(key + "{x}", ttl=ttl)
+        with pytest.raises(LockArgumentError, match=message):
+            manager.read_lock(key, ttl=ttl)
+        with pytest.raises(LockArgumentError, match=message):
+            manager.semaphore(key, permits=2, ttl=ttl)
+        with pytest.raises(LockArgumentError, match=message):
+            LockManager(manager.engine, ttl=ttl)
+        with pytest.raises(LockArgumentError, match=f"lock_ttl must be at least {MIN_TTL:g}"):
+            SweeperConfig(lock_ttl=ttl)
+    assert c.count == 0
+    with manager.lock(key, ttl=60) as held:
+        c.reset()
+        with StatementCounter(manager.engine) as c, pytest.raises(LockArgumentError, match=message):
+            held.extend(ttl)
+        assert c.count == 0
+        assert not held.lost
+
+
+def test_leases_below_the_minimum_are_refused_by_the_asyncio_face(db_url: str, key: str) -> None:
+    async def main() -> None:
+        async with AsyncLockManager(db_url) as alocks:
+            with pytest.raises(LockArgumentError, match=f"at least {MIN_TTL:g} seconds"):
+                await alocks.acquire(key, ttl=1e-9)
+            async with alocks.lock(key, ttl=60) as held:
+                with pytest.raises(LockArgumentError, match=f"at least {MIN_TTL:g} seconds"):
+                    await held.extend(1e-9)
+                assert not held.lost
+
+    asyncio.run(main())
+
+
+def test_a_lease_of_the_minimum_is_kept_by_renewal(make_manager: object, key: str) -> None:
+    """The minimum is a lease dblock can keep: held for many leases, renewed
+    every third of one, never lost, and nobody else gets the key."""
+    holder, other = make_manager(), make_manager()  # type: ignore[operator]
+    with holder.lock(key, ttl=MIN_TTL) as held:
+        deadline = time.monotonic() + 10 * MIN_TTL
+        while time.monotonic() < deadline:
+            with pytest.raises(LockBusy):
+                other.acquire(key, blocking=False)
+            time.sleep(MIN_TTL / 4)
+        assert not held.lost, held._lost
+    assert held.fence > 0
+
+
 def test_no_renewal_thread_outlives_close(db_url: str, keys: object) -> None:
     before = set(_renewal_threads())
     m = LockManager(db_url)
@@ -226,6 +288,74 @@ class TestRenewalFaults:
                 held.release()
         with LockManager(db_url) as direct:
             assert row_of(direct, key) is None  # still ours, so release deleted it
+
+
+def test_a_late_renewal_is_measured_and_warned_of_before_the_lock_is_lost(
+    db_url: str, key: str
+) -> None:
+    """A holder process starved past its renewal's due time (frozen with
+    SIGSTOP, as a CPU at load 7 starves it, only longer) renews late but in
+    time: the lateness metric shows it, a WARNING says it before any lock is
+    lost, and the lock is kept."""
+    ttl, frozen = 4.5, 3.3  # renewal due at 1.5 s; resumed at ~3.3 s, 1.2 s before the end
+    report, resumed = ctx.Queue(), ctx.Event()
+    holder = ctx.Process(target=procs.late_renewal_holder, args=(db_url, key, ttl, resumed, report))
+    holder.start()
+    try:
+        assert report.get(timeout=60)[0] == "acquired"
+        assert holder.pid is not None
+        os.kill(holder.pid, signal.SIGSTOP)
+        time.sleep(frozen)
+        os.kill(holder.pid, signal.SIGCONT)
+        resumed.set()
+        tag, worst, count, warnings, renewed, lost = report.get(timeout=60)
+    finally:
+        holder.join(30)
+        if holder.is_alive():
+            holder.kill()
+    assert tag == "seen"
+    assert renewed
+    assert not lost
+    assert count >= 1
+    assert worst is not None
+    assert ttl / 3 < worst < ttl * 2 / 3, worst
+    late = [w for w in warnings if "late, more than a third of its 4.5 s lease" in w]
+    assert len(late) == 1, warnings
+    assert repr(key) in late[0]
+    assert "lost" not in " ".join(w for w in warnings if w not in late)
+
+
+def test_renewals_on_time_are_measured_quietly(
+    db_url: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from dblock.telemetry import Telemetry
+
+    caplog.set_level(logging.WARNING, logger="dblock")
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    with (
+        LockManager(db_url, telemetry=telemetry) as m,
+        m.lock(key, ttl=1.5) as held,
+        m.read_lock(key + ":rw", ttl=1.5),  # renewed by a renewal thread of its own
+    ):
+        first_expiry = held.expires_at
+        _wait_for(lambda: held.expires_at > first_expiry, 10)
+        time.sleep(0.8)  # a second renewal of each
+    points = [
+        point
+        for resource in reader.get_metrics_data().resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "dblock.lock.renewal.lateness"
+        for point in metric.data.data_points
+    ]
+    assert sum(p.count for p in points) >= 4
+    assert max(p.max for p in points) < 0.5  # a third of the lease
+    assert dict(points[0].attributes) == {"dblock.table": "dblock_locks"}
+    assert not [r for r in caplog.records if "late" in r.getMessage()]
 
 
 def test_paused_holder_learns_it_lost_and_its_fenced_write_is_refused(

@@ -7,6 +7,7 @@ checks as the direct tests."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import threading
 import time
@@ -15,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import sqlalchemy as sa
 
-from dblock import AsyncLockManager, LockArgumentError, LockBusy, LockManager
+from dblock import AsyncLockManager, BackendError, LockArgumentError, LockBusy, LockManager
 from tests.support import procs
 from tests.support.counting import StatementCounter
 from tests.support.db import DEFAULT_URLS
@@ -72,6 +73,64 @@ def test_without_pooler_option_psycopg_prepares_and_fails(bouncer: PgBouncer, ke
         for m in managers:
             m.close()
     assert any("prepared statement" in str(e) for e in errors)
+
+
+POOLER_HINT = "pass pooler=True or add prepare_threshold=None"
+
+
+def test_without_pooler_option_the_error_says_what_it_means(
+    bouncer: PgBouncer, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Behind the pooler without ``pooler=True``, the failures (a prepared
+    statement missing, already there, or bound with another's parameters)
+    say what they mean; waiting requests fail at once rather than ride them
+    out, and no log line calls the (reachable) server unreachable."""
+    caplog.set_level(logging.INFO, logger="dblock")
+    managers = [LockManager(bouncer.url, local_filter=False) for _ in range(4)]
+    raised: list[BackendError] = []
+
+    def run(m: LockManager) -> None:
+        for _ in range(60):
+            try:
+                with m.lock(key, timeout=10):
+                    time.sleep(0.01)  # long enough that others wait
+            except BackendError as exc:
+                raised.append(exc)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in managers]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        for m in managers:
+            m.close()
+    assert raised
+    for exc in raised:
+        assert "looks like a transaction-mode pooler" in str(exc), exc
+        assert POOLER_HINT in str(exc)
+    assert not [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+
+
+def test_without_pooler_option_async_tasks_are_told_too(bouncer: PgBouncer, key: str) -> None:
+    async def main() -> list[BackendError]:
+        alocks = AsyncLockManager(bouncer.url, local_filter=False)
+        raised: list[BackendError] = []
+        try:
+            for _ in range(40):
+                try:
+                    async with alocks.lock(key, blocking=False):
+                        pass
+                except BackendError as exc:
+                    raised.append(exc)
+        finally:
+            await alocks.close()
+        return raised
+
+    raised = asyncio.run(main())
+    assert raised
+    assert all(POOLER_HINT in str(exc) for exc in raised), raised
 
 
 def test_contention_behind_the_pooler_raises_no_errors(bouncer: PgBouncer, key: str) -> None:

@@ -147,6 +147,7 @@ class AsyncStore:
 
     __slots__ = (
         "_backend",
+        "_busy_total",
         "_finish",
         "_lock",
         "_options",
@@ -165,7 +166,7 @@ class AsyncStore:
         options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
         if backend == "sqlite":
             # As the blocking engine: queue for the file's write lock, do not fail.
-            options["connect_args"] = {"timeout": 30.0}
+            options["connect_args"] = {"timeout": _SQLITE_BUSY_TOTAL}
         elif backend in ("mysql", "mariadb") and "charset" not in url.query:
             url = url.update_query_dict({"charset": "utf8mb4"})
         options.update(engine_options or {})
@@ -175,9 +176,12 @@ class AsyncStore:
         # aiosqlite runs each statement on a thread of its own, which a
         # cancellation cannot stop; SQLAlchemy then drops the connection
         # without closing it, and an INSERT … RETURNING left unfinished keeps
-        # the file's write lock until that connection is collected. A SQLite
-        # statement is local and short: let it finish, then cancel.
+        # the file's write lock until that connection is collected. So a
+        # SQLite statement is not abandoned but cut short (see _run_sqlite):
+        # interrupted if it runs, and its wait for the file's write lock
+        # taken in slices, since SQLite's busy handler ignores interrupt().
         self._finish = backend == "sqlite"
+        self._busy_total = float(options.get("connect_args", {}).get("timeout", _SQLITE_BUSY_TOTAL))
         #: Statements sent (for the benchmark: exact on every path, and free).
         self.statements = 0
         # The first loop's pool; its engine is ``engine`` (event listeners
@@ -207,6 +211,7 @@ class AsyncStore:
         # no prepared statements through a transaction-mode pooler.
         if self._backend == "sqlite":
             event.listen(sync_engine, "connect", _sqlite_pragmas)
+            event.listen(sync_engine, "connect", _sqlite_busy_slice)
         elif self._backend == "postgresql" and self.store.config.pooler:
             event.listen(sync_engine, "connect", _never_prepare_async)
         return engine
@@ -257,37 +262,73 @@ class AsyncStore:
                 attempt += 1
 
     async def _run_once(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
-        self.statements += 1
         pool = self._pool()
+        if self._finish:
+            return await self._run_sqlite(pool, sql, params, fetch, lastrowid)
+        self.statements += 1
         # SQLAlchemy's own test for "does anyone listen?" (as the blocking
         # executor: if the attribute ever goes away, the observed path).
         if getattr(pool.sync_engine, "_has_events", True):
-            statement = self._statement(pool, sql, params, fetch, lastrowid)
-        else:
-            statement = self._direct_statement(pool, sql, params, fetch, lastrowid)
-        if not self._finish:
-            return await statement
-        inner = asyncio.ensure_future(statement)
-        cancelled: asyncio.CancelledError | None = None
-        while not inner.done():
-            try:
-                await asyncio.wait((inner,))
-            except asyncio.CancelledError as exc:
-                cancelled = cancelled or exc
-        if cancelled is not None:
-            if not inner.cancelled():
-                inner.exception()  # retrieved: the cancellation is what the caller learns
-            raise cancelled
-        return inner.result()
+            return await self._statement(pool, sql, params, fetch, lastrowid)
+        return await self._direct_statement(pool, sql, params, fetch, lastrowid)
 
-    async def _statement(
+    async def _run_sqlite(
         self, pool: _LoopPool, sql: str, params: Params, fetch: bool, lastrowid: bool
+    ) -> Result:
+        """A statement on SQLite, which a cancellation cuts short without
+        abandoning it (see ``__init__``): the statement is interrupted if it
+        runs, and a wait for the file's write lock, taken in slices of
+        :data:`_SQLITE_BUSY_SLICE_MS`, ends with the slice under way. Either way
+        the caller learns of the cancellation once the statement has ended,
+        its effect settled (an interrupted INSERT rolled back, or committed
+        before the interruption: the acquire path settles it by token).
+        Without a cancellation, slices are tried until the connection's busy
+        timeout (30 s) is used up, as one long wait would."""
+        deadline = time.monotonic() + self._busy_total
+        cancelled: asyncio.CancelledError | None = None
+        while True:
+            self.statements += 1
+            running: list[Any] = []  # the aiosqlite connection, while the statement runs
+            if getattr(pool.sync_engine, "_has_events", True):
+                statement = self._statement(pool, sql, params, fetch, lastrowid, running)
+            else:
+                statement = self._direct_statement(pool, sql, params, fetch, lastrowid, running)
+            inner = asyncio.ensure_future(statement)
+            while not inner.done():
+                try:
+                    await asyncio.wait((inner,))
+                except asyncio.CancelledError as exc:
+                    cancelled = cancelled or exc
+                    for driver in running:
+                        with contextlib.suppress(Exception):  # closed meanwhile
+                            await driver.interrupt()
+            if cancelled is not None:
+                if not inner.cancelled():
+                    inner.exception()  # retrieved: the cancellation is what the caller learns
+                raise cancelled
+            failure = inner.exception()
+            if failure is None:
+                return inner.result()
+            if not (_sqlite_busy(failure) and time.monotonic() < deadline):
+                raise failure
+            # The file's write lock is still taken: nothing was written; the next slice.
+
+    async def _statement(  # noqa: PLR0917 - positional: called per statement
+        self,
+        pool: _LoopPool,
+        sql: str,
+        params: Params,
+        fetch: bool,
+        lastrowid: bool,
+        running: list[Any] | None = None,
     ) -> Result:
         translate = self.store.executor._translate
         sent = False
         try:
             async with pool.engine.connect() as conn:
                 sent = True
+                if running is not None:
+                    running.append((await conn.get_raw_connection()).driver_connection)
                 try:
                     result = await conn.exec_driver_sql(sql, dict(params))
                     rows = [tuple(r) for r in result.fetchall()] if fetch else []
@@ -310,10 +351,18 @@ class AsyncStore:
         except OSError as exc:  # a connect that failed below the driver
             raise translate(exc, sent=sent) from exc
 
-    async def _direct_statement(
-        self, pool: _LoopPool, sql: str, params: Params, fetch: bool, lastrowid: bool
+    async def _direct_statement(  # noqa: PLR0917 - positional: called per statement
+        self,
+        pool: _LoopPool,
+        sql: str,
+        params: Params,
+        fetch: bool,
+        lastrowid: bool,
+        running: list[Any] | None = None,
     ) -> Result:
         conn = await self._checkout(pool)
+        if running is not None:
+            running.append(conn.driver_connection)
         try:
             result = await pool.direct(conn.driver_connection, sql, params, fetch, lastrowid)
         except pool.error as exc:
@@ -517,6 +566,36 @@ def _drop_dead(dbapi_connection: Any) -> None:
             dbapi_connection.close()
     except Exception as exc:
         log.debug("dblock: closing a connection of a closed event loop: %r", exc)
+
+
+#: SQLite's primary result code for "database is locked" (sqlite3.SQLITE_BUSY,
+#: which typeshed does not declare).
+_SQLITE_BUSY = 5
+#: SQLite: the longest an async statement waits for the file's write lock
+#: (the blocking engine's busy timeout) ...
+_SQLITE_BUSY_TOTAL = 30.0
+#: ... taken in slices this long, so that a cancellation ends the wait at
+#: the end of the slice under way (SQLite's busy handler ignores interrupt()).
+_SQLITE_BUSY_SLICE_MS = 50
+
+
+def _sqlite_busy_slice(dbapi_connection: Any, _record: Any) -> None:
+    """After the pragmas (which wait the whole busy timeout at connect):
+    each statement's own wait for the write lock is one slice."""
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {_SQLITE_BUSY_SLICE_MS}")
+    finally:
+        cursor.close()
+
+
+def _sqlite_busy(exc: BaseException) -> bool:
+    """``exc`` (translated) says SQLite's write lock was taken ("database is
+    locked"): the statement wrote nothing, and may be run again."""
+    cause = exc.__cause__
+    orig = getattr(cause, "orig", None) or cause
+    code = getattr(orig, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF == _SQLITE_BUSY
 
 
 def _never_prepare_async(dbapi_connection: Any, _record: Any) -> None:

@@ -46,12 +46,14 @@ __all__ = [
     "Interrupted",
     "Lease",
     "PoolExhausted",
+    "PoolerMismatch",
     "Statement",
     "Steps",
     "Store",
     "Unreachable",
     "Wait",
     "never_sent",
+    "what_failed",
 ]
 
 log = logging.getLogger("dblock")
@@ -102,6 +104,15 @@ class Holder:
 class Interrupted(BackendError):
     """The connection broke while a statement was in flight: it may or may not
     have been committed."""
+
+
+class PoolerMismatch(BackendError):
+    """PostgreSQL answered that a statement psycopg prepared on this
+    connection is missing, already there, or takes other parameters: the
+    server connection changed under the client between transactions, as
+    behind a transaction-mode pooler (pgbouncer) used without
+    ``pooler=True``. The server is reachable; it is a configuration mistake,
+    not an outage, and retrying does not cure it."""
 
 
 class Unreachable(BackendError):
@@ -409,11 +420,36 @@ class Executor:
         if self._is_missing_table(exc):
             return SchemaMissing(self._table, self._url)
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if sent and _prepared_elsewhere(exc):
+            return PoolerMismatch(
+                f"statement failed on {self._url}: {detail}; the server looks like a "
+                "transaction-mode pooler (pgbouncer, ...): pass pooler=True or add "
+                "prepare_threshold=None (connect_args of an engine you make)"
+            )
         if not sent:
             return Unreachable(f"cannot connect to {self._url}: {detail}")
         if interrupted:
             return Interrupted(f"connection to {self._url} lost during a statement: {detail}")
         return BackendError(f"statement failed on {self._url}: {detail}")
+
+
+#: SQLSTATEs of a prepared statement missing (26000), already there (42P05),
+#: or bound with another statement's parameters (08P01, a protocol violation).
+_PREPARED_STATES = frozenset({"26000", "42P05", "08P01"})
+
+
+def _prepared_elsewhere(exc: BaseException) -> bool:
+    """psycopg's prepared statements (named ``_pg3_N``) found missing or
+    different on the server: see :class:`PoolerMismatch`."""
+    return getattr(exc, "sqlstate", None) in _PREPARED_STATES and '"_pg3_' in str(exc)
+
+
+def what_failed(exc: BackendError) -> str:
+    """How a log line names the fault ``exc``: an unreachable database only
+    when it was one (no connection, or the connection lost mid-statement)."""
+    if isinstance(exc, (Unreachable, Interrupted)):
+        return "the database is unreachable"
+    return "the database failed a statement"
 
 
 _UNSENT = "_dblock_unsent"
@@ -505,7 +541,7 @@ class Store:
         self.quoted = engine.dialect.identifier_preparer.quote
         # (key, token) pairs whose acquisition may have committed although the
         # caller was told it failed; deleted as soon as the database answers.
-        self._orphans: deque[tuple[str, str, int]] = deque()
+        self._orphans: deque[tuple[str, str, int, bool]] = deque()
         # Orphaned tokens of fair-queue requests: every row carrying them
         # goes (the queue row as well as the head).
         self._whole: set[str] = set()
@@ -608,23 +644,49 @@ class Store:
     # -- orphans -----------------------------------------------------------
 
     def add_orphan(
-        self, key: str, token: str, *, released: bool = False, whole: bool = False
+        self,
+        key: str,
+        token: str,
+        *,
+        released: bool = False,
+        whole: bool = False,
+        unreachable: bool = False,
     ) -> None:
         """Delete the row of ``(key, token)`` once the database answers: an
         acquisition whose outcome we never learned, or (``released``) a
-        release that could not reach the database."""
+        release that could not reach the database.
+
+        An acquisition cut off by its caller (a cancelled task, Ctrl-C) is
+        ordinary: it is logged at DEBUG, and the WARNING that it "may have
+        committed while the database was unreachable" comes only if the
+        database is in fact unreachable: at once when the caller saw the
+        connection fail (``unreachable``), else when the DELETE cannot reach
+        it. A storm of cancellations on a healthy database logs no warning."""
         if not released:
-            log.warning(
-                "dblock: acquisition of %r may have committed while the database was "
-                "unreachable; its row will be deleted once the database answers",
-                key,
-            )
+            if unreachable:
+                self._warn_unreachable(key)
+            else:
+                log.debug(
+                    "dblock: acquisition of %r was interrupted with its statement sent; "
+                    "its row, if written, is deleted by its token",
+                    key,
+                )
         if whole:
             self._whole.add(token)
-        self._orphans.append((key, token, 0))
+        # The last field: a WARNING is still owed if the database turns out
+        # unreachable (an acquisition not yet reported as such).
+        self._orphans.append((key, token, 0, not released and not unreachable))
+
+    @staticmethod
+    def _warn_unreachable(key: str) -> None:
+        log.warning(
+            "dblock: acquisition of %r may have committed while the database was "
+            "unreachable; its row will be deleted once the database answers",
+            key,
+        )
 
     def is_orphan(self, key: str, token: str) -> bool:
-        return any(k == key and t == token for k, t, _ in self._orphans)
+        return any(k == key and t == token for k, t, _, _ in self._orphans)
 
     @property
     def has_orphans(self) -> bool:
@@ -644,7 +706,7 @@ class Store:
             return
         try:
             for _ in range(len(self._orphans)):
-                key, token, failures = self._orphans[0]
+                key, token, failures, owed = self._orphans[0]
                 try:
                     if token in self._whole:
                         from .fair import statements
@@ -653,13 +715,14 @@ class Store:
                     else:
                         self.release(key, token)
                 except (Unreachable, Interrupted):
+                    self._report_unreachable()
                     return  # still unreachable; try again next time
                 except SchemaMissing:
                     pass  # no table, so no row to delete
                 except BackendError as exc:
                     self._orphans.popleft()
                     if failures + 1 < ORPHAN_ATTEMPTS:
-                        self._orphans.append((key, token, failures + 1))
+                        self._orphans.append((key, token, failures + 1, owed))
                     else:
                         self._whole.discard(token)
                         self._give_up_orphan(key, exc)
@@ -671,9 +734,24 @@ class Store:
                     continue
                 self._orphans.popleft()
                 self._whole.discard(token)
-                log.info("dblock: removed the row of %r left by an unanswered statement", key)
+                # Quiet when nothing was said of it (a cancellation resolved cleanly).
+                log.log(
+                    logging.DEBUG if owed else logging.INFO,
+                    "dblock: removed the row of %r left by an unanswered statement",
+                    key,
+                )
         finally:
             self._orphans_lock.release()
+
+    def _report_unreachable(self) -> None:
+        """The database does not answer: say so, once, of every acquisition
+        that was cut off quietly and may have committed."""
+        if not any(owed for _, _, _, owed in self._orphans):
+            return
+        for i, (key, token, failures, owed) in enumerate(list(self._orphans)):
+            if owed:
+                self._warn_unreachable(key)
+                self._orphans[i] = (key, token, failures, False)
 
     @staticmethod
     def _give_up_orphan(key: str, exc: BaseException) -> None:

@@ -55,7 +55,15 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from .._store.base import Backoff, Grant, Holder, Interrupted, never_sent
+from .._store.base import (
+    Backoff,
+    Grant,
+    Holder,
+    Interrupted,
+    PoolerMismatch,
+    never_sent,
+    what_failed,
+)
 from .._store.fair import DROPPED, Queued, Seat, address, poll_cap, statements
 from ..errors import BackendError, LockBusy, LockTimeout, ManagerClosed
 from ..lock import (
@@ -143,16 +151,16 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
                     # Rows carrying our token may exist (our queue row, or a
                     # head granted as the connection broke): delete them once
                     # the database answers, and go on with a fresh token.
-                    store.add_orphan(
-                        key, token, released=not isinstance(exc, Interrupted), whole=True
-                    )
+                    lost = isinstance(exc, Interrupted)
+                    store.add_orphan(key, token, released=not lost, whole=True, unreachable=lost)
                 limit = float("inf") if deadline is None else deadline - _monotonic()
-                if limit <= 0 or not (waiting or handed):
+                if limit <= 0 or not (waiting or handed) or isinstance(exc, PoolerMismatch):
                     raise
                 log.warning(
-                    "dblock: waiting for %r in its fair queue; the database is unreachable, "
-                    "retrying (the request joins the queue again): %s",
+                    "dblock: waiting for %r in its fair queue; %s, retrying (the request "
+                    "joins the queue again): %s",
                     key,
+                    what_failed(exc),
                     exc,
                 )
                 outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)

@@ -34,7 +34,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
 from .._store import Backoff, Lease, Store
-from .._store.base import Interrupted, never_sent
+from .._store.base import Interrupted, PoolerMismatch, never_sent, what_failed
 from .._store.rw import READ, WRITE, RwRow, RwStatements, rw_statements
 from ..config import Config
 from ..errors import (
@@ -249,6 +249,8 @@ class RwLocker:
             idle_tick=config.ttl * RENEW_AT,
             abandon=self._abandon,
         )
+        # Renewals (and how late they run) reported as the exclusive locks' are.
+        self.renewer.telemetry = locker.telemetry
         self._collect = self._collected  # the callback HeldLock's weak reference takes
 
     # -- what HeldLock asks of its locker ------------------------------------
@@ -528,7 +530,7 @@ class RwLocker:
                         continue
                     else:
                         if mode == WRITE and isinstance(exc, Interrupted):
-                            self._orphan(key, token)
+                            self._orphan(key, token, unreachable=True)
                             token = os.urandom(16).hex()  # that one may be in the row now
                         outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
                         self._ride_out(key, exc, deadline, outage, waiting=wait is not None)
@@ -587,15 +589,15 @@ class RwLocker:
         A read grant whose outcome stayed unknown is looked up (the head row)
         before granting again (see :func:`_own_read_phase`)."""
         limit = float("inf") if deadline is None else deadline - _monotonic()
-        if limit <= 0 or not waiting:
+        if limit <= 0 or not waiting or isinstance(exc, PoolerMismatch):
             raise exc
-        log.warning("dblock: waiting for %r; the database is unreachable, retrying: %s", key, exc)
+        log.warning("dblock: waiting for %r; %s, retrying: %s", key, what_failed(exc), exc)
         time.sleep(outage.step(limit))
 
-    def _orphan(self, key: str, token: str) -> None:
+    def _orphan(self, key: str, token: str, *, unreachable: bool = False) -> None:
         """A write grant that may have committed unseen: its row (slot '', our
         token) is deleted as soon as the database answers, by the renewal thread."""
-        self.store.add_orphan(key, token)
+        self.store.add_orphan(key, token, unreachable=unreachable)
         self.renewer.post(_noop)
 
     # -- release -------------------------------------------------------------

@@ -137,6 +137,7 @@ class PermitStore(Store):
         self.quoted = base.quoted
         self.can_notify = base.can_notify  # type: ignore[misc]
         self._orphans = type(base._orphans)()
+        self._whole: set[str] = set()  # (no fair queue here, but clean_orphans reads it)
         self._orphans_lock = threading.Lock()
         #: key -> N, while some local permit of the key is held or asked for.
         self.permits_of: dict[str, int] = {}  # (only for KindMismatch in this process)
@@ -376,6 +377,7 @@ class PermitStore(Store):
 
     def after_fork(self) -> None:
         self._orphans.clear()
+        self._whole = set()
         self._orphans_lock = threading.Lock()
 
 

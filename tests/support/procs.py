@@ -254,3 +254,53 @@ def async_increment_worker(
         await alocks.close()
 
     asyncio.run(main())
+
+
+def late_renewal_holder(url: str, key: str, ttl: float, resumed: Any, report: Any) -> None:
+    """Hold ``key`` (renewed, metrics to an in-memory reader); the parent
+    freezes us (SIGSTOP) across the renewal's due time, as a starved CPU
+    would. Report what the renewal saw: the lateness metric, the WARNINGs,
+    and whether the lock survived."""
+    import logging
+
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from dblock.telemetry import Telemetry
+
+    warnings: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    logging.getLogger("dblock").addHandler(Keep(logging.WARNING))
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(meter_provider=MeterProvider(metric_readers=[reader]))
+    with LockManager(url, telemetry=telemetry) as manager:
+        held = manager.acquire(key, ttl=ttl)
+        first_expiry = held.expires_at
+        report.put(("acquired", held.fence))
+        resumed.wait(60)
+        deadline = time.monotonic() + 10
+        while held.expires_at == first_expiry and not held.lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        points = [
+            point
+            for resource in reader.get_metrics_data().resource_metrics
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+            if metric.name == "dblock.lock.renewal.lateness"
+            for point in metric.data.data_points
+        ]
+        report.put(
+            (
+                "seen",
+                max((p.max for p in points), default=None),
+                sum(p.count for p in points),
+                warnings,
+                held.expires_at > first_expiry,
+                held.lost,
+            )
+        )
+        held.release()

@@ -1,0 +1,257 @@
+"""Cancelling asyncio acquisitions whose statement is in flight, on the three
+databases: what is logged (a cancellation on a healthy database is ordinary,
+DEBUG; the "may have committed while the database was unreachable" WARNING
+only when it was), and how soon the cancellation takes effect.
+
+A statement is held in flight the way the database itself holds it: the
+key's row locked by another transaction (``SELECT … FOR UPDATE`` on
+PostgreSQL and MariaDB), or SQLite's write lock taken by another connection
+(``BEGIN IMMEDIATE``), so the acquirer's INSERT waits inside the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import AsyncLockManager, LockManager
+from tests.conftest import row_of
+from tests.support.proxy import Proxy
+
+MAY_HAVE_COMMITTED = "may have committed while the database was unreachable"
+
+
+@contextlib.contextmanager
+def statements_held(db_url: str, keys: list[str], table: str = "dblock_locks") -> Iterator[None]:
+    """While inside, a statement acquiring one of ``keys`` (rows some other
+    manager holds) waits in the database."""
+    url = sa.make_url(db_url)
+    if url.get_backend_name() == "sqlite":
+        conn = sqlite3.connect(url.database or "", isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")  # the file's write lock
+        try:
+            yield
+        finally:
+            conn.execute("ROLLBACK")
+            conn.close()
+        return
+    engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as sa_conn, sa_conn.begin() as tx:
+            quoted = sa_conn.dialect.identifier_preparer.quote(table)
+            rows = sa_conn.execute(
+                sa.text(
+                    f"SELECT lock_key FROM {quoted} WHERE lock_key IN :keys FOR UPDATE"
+                ).bindparams(sa.bindparam("keys", expanding=True)),
+                {"keys": keys},
+            ).all()
+            assert len(rows) == len(keys)  # each row is there, and locked
+            yield
+            tx.rollback()
+    finally:
+        engine.dispose()
+
+
+def mentions(caplog: pytest.LogCaptureFixture, text: str, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage() and r.levelno == level]
+
+
+async def until(condition: Any, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_a_cancellation_storm_on_a_healthy_database_logs_no_warning(
+    manager: LockManager,
+    make_manager: Any,
+    db_url: str,
+    keys: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Tasks cancelled with their INSERT waiting in the database: every
+    outcome is settled by token (no row of theirs stays), at DEBUG; none of
+    them is reported as a database fault."""
+    caplog.set_level(logging.DEBUG, logger="dblock")
+    names = keys(8)
+    holder = make_manager()
+    held = [holder.acquire(k, ttl=60) for k in names]
+    alocks = AsyncLockManager(manager)
+
+    async def main() -> None:
+        with statements_held(db_url, names):
+            tasks = [asyncio.create_task(alocks.acquire(k, timeout=60)) for k in names]
+            await asyncio.sleep(0.5)  # every INSERT sent, and waiting in the database
+            for task in tasks:
+                task.cancel()
+            await asyncio.sleep(0.1)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+        await until(lambda: not manager.store.has_orphans)
+        await alocks.close()
+
+    asyncio.run(main())
+    assert mentions(caplog, MAY_HAVE_COMMITTED, logging.WARNING) == []
+    quiet = mentions(caplog, "was interrupted with its statement sent", logging.DEBUG)
+    assert len(quiet) == len(names)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    for h in held:  # the holder's rows were never touched
+        row = row_of(manager, h.key)
+        assert row is not None
+        assert row.token == h.token
+        h.release()
+
+
+def test_a_cancelled_semaphore_acquisition_is_settled_quietly(
+    manager: LockManager, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same for a semaphore's permit (whose clean-up of an unsettled
+    permit failed on a missing attribute, every renewal pass)."""
+    caplog.set_level(logging.DEBUG, logger="dblock")
+    alocks = AsyncLockManager(manager)
+
+    async def main() -> None:
+        task: asyncio.Task[Any] | None = None
+        engine = alocks._astore.engine.sync_engine
+
+        def cancel(*_args: Any) -> None:
+            if task is not None:
+                task.cancel()
+
+        sa.event.listen(engine, "after_cursor_execute", cancel)
+        try:
+            task = asyncio.create_task(alocks.semaphore(key, permits=2).__aenter__())
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            sa.event.remove(engine, "after_cursor_execute", cancel)
+        await until(lambda: not manager._locker.store.has_orphans)
+        await until(lambda: not any(s.has_orphans for s in _permit_stores(manager)))
+        async with alocks.semaphore(key, permits=2) as one, alocks.semaphore(key, permits=2):
+            assert one.permits == 2  # both permits free: nothing was left behind
+        await alocks.close()
+
+    asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert mentions(caplog, "was interrupted with its statement sent", logging.DEBUG)
+
+
+def _permit_stores(manager: LockManager) -> list[Any]:
+    semaphores = manager._semaphores
+    return [] if semaphores is None else [semaphores.store]
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+def test_a_cancellation_while_the_database_is_unreachable_warns(
+    make_manager: Any, db_url: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The warning is for the case it describes: a task cancelled with its
+    INSERT in flight as the database goes away. Its row is deleted once the
+    database answers again."""
+    caplog.set_level(logging.DEBUG, logger="dblock")
+    url = sa.make_url(db_url)
+    proxy = Proxy(url.host or "127.0.0.1", url.port or (5432 if "postgresql" in db_url else 3306))
+    holder = make_manager()
+    held = holder.acquire(key, ttl=60)
+    alocks = AsyncLockManager(proxy.url_for(db_url), ttl=1.0)  # renewal passes every 1/3 s
+
+    async def main() -> None:
+        with statements_held(db_url, [key]):
+            task = asyncio.create_task(alocks.acquire(key, timeout=60))
+            await asyncio.sleep(0.5)
+            task.cancel()
+            proxy.refuse(True)
+            proxy.cut_all()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await until(lambda: mentions(caplog, MAY_HAVE_COMMITTED, logging.WARNING))
+        proxy.refuse(False)
+        await until(lambda: not alocks.sync.store.has_orphans)
+        await alocks.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proxy.close()
+    assert mentions(caplog, MAY_HAVE_COMMITTED, logging.WARNING) == [
+        f"dblock: acquisition of {key!r} may have committed while the database was "
+        "unreachable; its row will be deleted once the database answers"
+    ]
+    assert mentions(caplog, f"removed the row of {key!r}", logging.INFO)
+    row = row_of(holder, key)
+    assert row is not None
+    assert row.token == held.token
+    held.release()
+
+
+def test_a_cancelled_task_stops_waiting_at_once(
+    manager: LockManager, make_manager: Any, db_url: str, key: str
+) -> None:
+    """A task whose INSERT waits inside the database (SQLite: for the file's
+    write lock, under its 30 s busy timeout) is cancelled: the cancellation
+    takes effect at once, not when the database lets the statement go, and
+    nothing of the request is left."""
+    holder = make_manager()
+    held = holder.acquire(key, ttl=60)
+    alocks = AsyncLockManager(manager)
+
+    async def main() -> float:
+        with statements_held(db_url, [key]):
+            task = asyncio.create_task(alocks.acquire(key, timeout=60))
+            await asyncio.sleep(0.5)  # the INSERT waits in the database
+            assert not task.done()
+            cancelled_at = time.monotonic()
+            task.cancel()
+            # The database keeps the statement waiting for 8 s more, unless
+            # the cancellation ends it first.
+            done, _ = await asyncio.wait((task,), timeout=8.0)
+            delay = time.monotonic() - cancelled_at
+            assert done, "the cancellation waited for the database"
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await until(lambda: not manager.store.has_orphans)
+        await alocks.close()
+        return delay
+
+    delay = asyncio.run(main())
+    print(f"cancellation took {delay * 1000:.0f} ms")
+    assert delay < 0.5
+    assert row_of(manager, key).token == held.token  # type: ignore[union-attr]
+    held.release()
+    with manager.lock(key, blocking=False):  # the key works as if nothing happened
+        pass
+
+
+@pytest.mark.databases("sqlite")
+def test_an_async_statement_still_waits_out_the_write_lock(
+    manager: LockManager, db_url: str, key: str
+) -> None:
+    """The wait for SQLite's write lock is taken in slices, but as a whole it
+    is still the busy timeout: a write lock held for a second (many slices)
+    delays the grant, it does not fail it."""
+    alocks = AsyncLockManager(manager)
+
+    async def take() -> float:
+        async with alocks.lock(key, blocking=False):
+            return time.monotonic()
+
+    async def main() -> float:
+        started = time.monotonic()
+        with statements_held(db_url, [key]):
+            task = asyncio.create_task(take())
+            await asyncio.sleep(1.0)
+            assert not task.done()
+        waited = await task - started
+        await alocks.close()
+        return waited
+
+    assert asyncio.run(main()) >= 1.0
