@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import re
 import threading
 import time
 from collections import deque
@@ -32,9 +33,16 @@ from sqlalchemy import Table
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
-from .._engine import mask
+from .._engine import mask, mask_text
 from ..config import Config
-from ..errors import BackendError, SchemaMissing
+from ..errors import (
+    AuthenticationFailed,
+    BackendError,
+    ConnectionLost,
+    DatabaseUnreachable,
+    PoolExhausted,
+    SchemaMissing,
+)
 from ..schema import TableNames, lock_table
 from .admin import COLUMNS, LockRow, LockStats, SweepReason, lock_row
 
@@ -99,19 +107,10 @@ class Holder:
     kind: str | None = None
 
 
-class Interrupted(BackendError):
-    """The connection broke while a statement was in flight: it may or may not
-    have been committed."""
-
-
-class Unreachable(BackendError):
-    """No statement was sent: the database could not be reached (or no
-    connection could be had). Nothing was written; trying again may work."""
-
-
-class PoolExhausted(Unreachable):
-    """Every connection of the engine's pool is checked out, and none came
-    free in time. Nothing was sent."""
+# The public names (dblock.ConnectionLost, dblock.DatabaseUnreachable,
+# dblock.PoolExhausted); the store's code says what they mean to it.
+Interrupted = ConnectionLost
+Unreachable = DatabaseUnreachable
 
 
 @dataclasses.dataclass(slots=True)
@@ -410,10 +409,45 @@ class Executor:
             return SchemaMissing(self._table, self._url)
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not sent:
-            return Unreachable(f"cannot connect to {self._url}: {detail}")
+            reason = auth_failure(exc)
+            if reason is not None:
+                return AuthenticationFailed(
+                    f"authentication failed on {self._url}: {mask_text(reason)} "
+                    "(check the user, password and grants in the URL)"
+                )
+            return Unreachable(f"cannot connect to {self._url}: {mask_text(detail)}")
         if interrupted:
             return Interrupted(f"connection to {self._url} lost during a statement: {detail}")
         return BackendError(f"statement failed on {self._url}: {detail}")
+
+
+# MySQL / MariaDB: access denied to the database (1044), for the user and
+# password (1045), for the user by its authentication plugin (1698).
+_MYSQL_AUTH_ERRORS = frozenset({1044, 1045, 1698})
+# PostgreSQL: invalid_password, invalid_authorization_specification.
+_PG_AUTH_SQLSTATES = frozenset({"28P01", "28000"})
+# libpq gives no SQLSTATE for a refused login (there is no result to carry
+# it), only the server's FATAL message: these are the authentication ones.
+_PG_AUTH_MESSAGE = re.compile(
+    r"FATAL:\s+((?:password|ident|peer|md5|scram|sspi|gss|ldap|radius|cert|pam)"
+    r"[\w-]* authentication failed.*|role \S+ does not exist.*|"
+    r"role \S+ is not permitted to log in.*|no pg_hba\.conf entry.*|"
+    r"permission denied for database.*)",
+    re.IGNORECASE,
+)
+
+
+def auth_failure(exc: BaseException) -> str | None:
+    """The server's reason if ``exc`` (a driver's connect error) says the
+    server refused to log in, as opposed to not answering at all."""
+    args: tuple[Any, ...] = getattr(exc, "args", ())
+    if len(args) >= 2 and isinstance(args[0], int) and args[0] in _MYSQL_AUTH_ERRORS:
+        return f"{args[1]} (error {args[0]})"
+    text = str(exc)
+    if getattr(exc, "sqlstate", None) in _PG_AUTH_SQLSTATES:
+        return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    found = _PG_AUTH_MESSAGE.search(text)
+    return found.group(1).strip() if found else None
 
 
 _UNSENT = "_dblock_unsent"
