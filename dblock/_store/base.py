@@ -766,6 +766,20 @@ class Store:
         )
         return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
 
+    def is_locked_steps(self, key: str) -> Steps[bool]:
+        """Whether some row of ``key`` holds it now, by the database's clock:
+        an exclusive or fair holder, a read or write phase with holders, a
+        semaphore permit; a queued or waiting request holds nothing, and a row
+        whose lease ran out is as good as free (the next acquire takes it
+        over). One statement."""
+        bind = self.param_style.format
+        sql = (
+            f"SELECT 1 FROM {self.quoted(self.names.table)} WHERE lock_key = {bind('key')} "
+            f"AND expires_at > {self.now_sql} AND holders > 0 "
+            "AND mode NOT IN ('queued', 'waiting') LIMIT 1"
+        )
+        return bool((yield sql, {"key": key}, True, False).rows)
+
     def release_row(self, key: str, slot: str, token: str) -> bool:
         """Delete one row of ``key`` of any kind (``dblock release --force``,
         the admin pages), by its slot and the token read: False if it changed
