@@ -745,20 +745,35 @@ class Store:
     param_style: ClassVar[str] = "%({})s"
 
     def rows(
-        self, *, key: str | None = None, prefix: str | None = None, limit: int | None = None
+        self,
+        *,
+        key: str | None = None,
+        prefix: str | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
     ) -> list[LockRow]:
-        """Lock rows, oldest acquisition first: all of them, the one of
+        """Lock rows, oldest acquisition first: all of them, the ones of
         ``key``, or those whose key starts with ``prefix`` (taken literally,
-        case-sensitive); at most ``limit``."""
+        case-sensitive) and are held by ``owner`` (the owner column exactly,
+        or any owner under it: ``host:pid`` names every thread of that
+        process, ``host`` every process of that host); at most ``limit``."""
         bind = self.param_style.format
-        where = ""
+        conditions: list[str] = []
         params: dict[str, Any] = {}
         if key is not None:
-            where, params = f"WHERE lock_key = {bind('key')} ", {"key": key}
+            conditions.append(f"lock_key = {bind('key')}")
+            params["key"] = key
         elif prefix:
             # Not LIKE: its wildcards would need escaping, and SQLite's LIKE ignores case.
-            where = f"WHERE substr(lock_key, 1, {len(prefix)}) = {bind('prefix')} "
-            params = {"prefix": prefix}
+            conditions.append(f"substr(lock_key, 1, {len(prefix)}) = {bind('prefix')}")
+            params["prefix"] = prefix
+        if owner:
+            conditions.append(
+                f"(owner = {bind('owner')} "
+                f"OR substr(owner, 1, {len(owner) + 1}) = {bind('owner_under')})"
+            )
+            params.update(owner=owner, owner_under=f"{owner}:")
+        where = f"WHERE {' AND '.join(conditions)} " if conditions else ""
         bound = f" LIMIT {int(limit)}" if limit is not None else ""
         sql = (
             f"SELECT {COLUMNS}, {self.now_sql} FROM {self.quoted(self.names.table)} "
