@@ -349,8 +349,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    prefix = None if args.prefix is None else _checked("--prefix", args.prefix)
     with _manager(args) as manager:
-        rows = manager.store.rows(prefix=args.prefix, limit=args.limit + 1)
+        rows = manager.store.rows(prefix=prefix, limit=args.limit + 1)
         shown = rows[: args.limit]
         if args.json:
             print(rows_json(shown))
@@ -623,7 +624,7 @@ def cmd_top(args: argparse.Namespace) -> int:
         raise LockArgumentError(f"--interval must be positive, got {args.interval:g}")
     state = top.TopState(
         sort=top.Sort.named(args.sort),
-        prefix=args.prefix,
+        prefix=_checked("--prefix", args.prefix) if args.prefix else "",
         expired_only=args.expired,
         limit=args.limit,
     )

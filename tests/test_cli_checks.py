@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from dblock import LockArgumentError, LockLost, LockManager
 from dblock.keys import check_key
@@ -70,6 +71,28 @@ def test_release_refuses_a_bad_key_as_the_api_does(key: str) -> None:
 def test_release_many_refuses_bad_arguments_before_sql(args: list[str], message: str) -> None:
     done = dblock("release", *args, "--force", "--yes", "--url", NOWHERE)
     assert message in _one_line(done, 2)
+
+
+@pytest.mark.parametrize("command", [["list"], ["top", "--once"]])
+def test_a_prefix_is_checked_as_a_key_is(command: list[str]) -> None:
+    done = dblock(*command, "--prefix", "p" * 256, "--url", NOWHERE)
+    assert "--prefix is 256 characters long, the limit is 255" in _one_line(done, 2)
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+def test_a_refused_login_is_told_apart_from_an_unreachable_server(db: str, db_url: str) -> None:
+    # PostgreSQL here trusts 127.0.0.1 whatever the password: an unknown role
+    # is refused; MariaDB refuses root's wrong password.
+    user = "dblock_nosuchrole" if db == "postgresql" else "root"
+    url = sa.make_url(db_url).set(username=user, password="wr0ng-pw")
+    done = dblock("list", "--url", url.render_as_string(hide_password=False))
+    line = _one_line(done, 1)
+    assert "authentication failed on" in line
+    assert "cannot connect" not in line
+    assert "wr0ng-pw" not in done.stdout + done.stderr
+    assert ":***@" in line
+    reason = 'role "dblock_nosuchrole" does not exist' if db == "postgresql" else "Access denied"
+    assert reason in line
 
 
 def test_long_values_are_shortened_when_echoed(tmp_path: Path) -> None:
