@@ -14,10 +14,10 @@
      ├── UpgradeRefused           a read lock's holder asked for the write lock of its key
      │                            (also RuntimeError)
      ├── BackendError             the database failed a statement (the driver's error chained)
-     │    ├── DatabaseUnreachable  no connection could be had: nothing was sent or written
+     │    ├── DatabaseUnreachable     no connection could be had: nothing was sent or written
      │    │    ├── AuthenticationFailed  the server refused the user, password or role
-     │    │    └── PoolExhausted   every pooled connection was checked out, none came free
-     │    └── ConnectionLost      the connection broke during a statement: its outcome is unknown
+     │    │    └── PoolExhausted     every pooled connection was checked out, none came free
+     │    └── ConnectionLost          the connection broke mid-statement: its outcome is unknown
      ├── SchemaMissing            the lock table does not exist: run ``dblock migrate``
      ├── DowngradeRefused         a schema downgrade would drop live rows of other kinds
      └── ManagerClosed            the LockManager was closed (new requests and waiters)
