@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Any
 from .config import Config
 from .decorators import returns
 from .errors import (
+    AuthenticationFailed,
     BackendError,
+    ConnectionLost,
+    DatabaseUnreachable,
     DBLockError,
     DowngradeRefused,
     KindMismatch,
@@ -23,6 +26,8 @@ from .errors import (
     LockNotHeld,
     LockTimeout,
     ManagerClosed,
+    PoolerMismatch,
+    PoolExhausted,
     SchemaMissing,
     UpgradeRefused,
 )
@@ -35,9 +40,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncLockManager",
+    "AuthenticationFailed",
     "BackendError",
     "Config",
+    "ConnectionLost",
     "DBLockError",
+    "DatabaseUnreachable",
     "DowngradeRefused",
     "HeldLock",
     "HeldLocks",
@@ -51,6 +59,8 @@ __all__ = [
     "LockRequest",
     "LockTimeout",
     "ManagerClosed",
+    "PoolExhausted",
+    "PoolerMismatch",
     "SchemaMissing",
     "UpgradeRefused",
     "returns",

@@ -766,6 +766,17 @@ class AsyncLockManager:
 
     # -- schema and shutdown -----------------------------------------------
 
+    async def is_locked(self, key: str) -> bool:
+        """Whether anyone holds ``key`` now (see :meth:`dblock.LockManager.is_locked`):
+        one statement on the async engine."""
+        key = self.sync._check_key(key)
+        return await self._astore.drive(self.sync.store.is_locked_steps(key))
+
+    def owns(self, key: str) -> bool:
+        """Whether the calling task holds ``key`` now (no SQL, no await needed:
+        see :meth:`dblock.LockManager.owns`)."""
+        return self.sync.owns(key)
+
     async def create_schema(self) -> None:
         await asyncio.to_thread(self.sync.create_schema)
 

@@ -28,10 +28,11 @@ from typing import NoReturn
 
 from . import __version__, migrations
 from ._engine import ENV_URL, check_url, mask, mask_text, resolve_url
-from ._store.admin import LockRow, LockStats
+from ._store.admin import LockRow, LockStats, rows_json
 from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
 from .errors import DBLockError, LockArgumentError
+from .keys import check_key
 from .manager import LockManager
 from .schema import TableNames
 from .sweeper import Sweeper, SweeperConfig
@@ -49,8 +50,10 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line (and exit code 2), not usage + error."""
 
     def error(self, message: str) -> NoReturn:
-        # argparse quotes the arguments it refuses, a --url among them.
-        self.exit(2, f"{self.prog}: error: {mask_text(message)} (see {self.prog} --help)\n")
+        # argparse quotes the arguments it refuses, a --url among them, and
+        # may quote a long one: shortened (see quoted()).
+        message = _LONG_QUOTED.sub(lambda m: quoted(m.group(1), escaped=True), mask_text(message))
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -145,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     release = sub.add_parser(
         "release", parents=[common], help="delete a lock row, whoever holds it (--force)"
     )
-    release.add_argument("key", metavar="KEY", help="the lock key")
+    release.add_argument(
+        "key", metavar="KEY", nargs="?", help="the lock key (or --prefix / --owner instead)"
+    )
+    _add_release_many(release)
     release.add_argument(
         "--force", action="store_true", help="required: the holder is not asked and gets LockLost"
     )
@@ -179,16 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_top(sub, common)
 
-    demo = sub.add_parser(
-        "demo",
-        parents=[common],
-        help="several processes x threads contending for a few users; checks exclusion",
-    )
-    demo.add_argument("--processes", type=_positive_int, default=4)
-    demo.add_argument("--threads", type=_positive_int, default=4)
-    demo.add_argument("--users", type=_positive_int, default=5)
-    demo.add_argument("--requests", type=_positive_int, default=50, help="per thread")
-    demo.set_defaults(command=cmd_demo)
+    _add_demo(sub, common)
 
     bench = sub.add_parser(
         "bench",
@@ -226,6 +223,44 @@ def _add_top(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
     top.add_argument("--limit", type=_positive_int, default=200, help="rows read per refresh (200)")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.set_defaults(command=cmd_top)
+
+
+def _add_demo(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="several processes x threads contending for a few users; checks exclusion",
+        description="Starts PROCESSES processes of THREADS threads; each thread makes REQUESTS "
+        "requests for the lock of one of USERS users (some fail-fast, some waiting) and "
+        "checks that no two holders of a user's lock ever overlapped. Prints how many "
+        "requests were granted, refused at level 1 (in the process, no SQL) or level 2 (by "
+        "the database), and the SQL statements sent. Exit 0 if exclusion held. Runs on the "
+        "SQLite file ./dblock.sqlite3 unless --url (or $DBLOCK_URL) says otherwise.",
+    )
+    demo.add_argument(
+        "--processes", type=_positive_int, default=4, help="worker processes (default 4)"
+    )
+    demo.add_argument(
+        "--threads", type=_positive_int, default=4, help="threads per process (default 4)"
+    )
+    demo.add_argument(
+        "--users", type=_positive_int, default=5, help="distinct lock keys, user:N (default 5)"
+    )
+    demo.add_argument(
+        "--requests", type=_positive_int, default=50, help="requests per thread (default 50)"
+    )
+    demo.set_defaults(command=cmd_demo)
+
+
+def _add_release_many(release: _Parser) -> None:
+    release.add_argument(
+        "--prefix", help="every row whose key starts with this (taken literally, case-sensitive)"
+    )
+    release.add_argument(
+        "--owner",
+        help="every row held by this owner, as `dblock list` shows it: exactly, or every "
+        "thread under HOST:PID, or every process under HOST",
+    )
 
 
 # -- argument types ------------------------------------------------------------
@@ -286,9 +321,9 @@ def _undecodable(args: argparse.Namespace) -> str | None:
             value.encode("utf-8")
         except UnicodeEncodeError:
             raw = os.fsencode(value)
-            shown = mask_text(raw.decode("utf-8", "backslashreplace"))
+            text = mask_text(raw.decode("utf-8", "backslashreplace"))
             what = name.upper() if name == "key" else f"--{name.replace('_', '-')}"
-            return f"{what} is not valid UTF-8 text: '{shown}'"
+            return f"{what} is not valid UTF-8 text: {quoted(text, escaped=True)}"
     return None
 
 
@@ -314,11 +349,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    prefix = None if args.prefix is None else _checked("--prefix", args.prefix)
     with _manager(args) as manager:
-        rows = manager.store.rows(prefix=args.prefix, limit=args.limit + 1)
+        rows = manager.store.rows(prefix=prefix, limit=args.limit + 1)
         shown = rows[: args.limit]
         if args.json:
-            print(json.dumps([row.as_json() for row in shown], indent=2))
+            print(rows_json(shown))
             return 0
         stats = manager.store.stats() if len(rows) > args.limit else None
         print(f"{manager.config.table} on {manager.url}: {_rows_summary(shown, stats)}")
@@ -397,19 +433,29 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
+    # Everything is checked before any database is opened.
+    if args.key is not None and (args.prefix is not None or args.owner is not None):
+        raise LockArgumentError("give KEY, or --prefix and/or --owner, not both")
+    if args.key is None and args.prefix is None and args.owner is None:
+        raise LockArgumentError("name what to release: KEY, --prefix PREFIX or --owner OWNER")
+    key = None if args.key is None else check_key(args.key)
+    prefix = None if args.prefix is None else _checked("--prefix", args.prefix)
+    owner = None if args.owner is None else _checked("--owner", args.owner)
     if not args.force:
         raise LockArgumentError(
             "dblock release takes a lock away from whoever holds it (the holder gets "
             "LockLost); add --force to say you mean it"
         )
+    if key is None:
+        return _release_many(args, prefix=prefix, owner=owner)
     with _manager(args) as manager:
-        found = manager.store.rows(key=args.key)
+        found = manager.store.rows(key=key)
         if not found:
-            print(f"dblock: no lock {args.key!r} in {manager.config.table} on {manager.url}")
+            print(f"dblock: no lock {quoted(key)} in {manager.config.table} on {manager.url}")
             return 1
         what = "; ".join(_describe(row) for row in found)
         if len(found) > 1:
-            what = f"{len(found)} rows of {args.key!r}: {what}"
+            what = f"{len(found)} rows of {quoted(key)}: {what}"
         if not args.yes and not _confirm(f"force-release {what}? [y/N] "):
             print("dblock: not released")
             return 1
@@ -418,11 +464,11 @@ def cmd_release(args: argparse.Namespace) -> int:
         # that changed hands meanwhile is not what the operator agreed to take away.
         gone = [r for r in found if manager.store.release_row(r.key, r.slot, r.token)]
         if not gone:
-            print(f"dblock: {args.key!r} changed hands meanwhile; nothing released")
+            print(f"dblock: {quoted(key)} changed hands meanwhile; nothing released")
             return 1
         if len(gone) < len(found):
             kept = ", ".join(r.slot for r in found if r not in gone)
-            print(f"dblock: rows {kept} of {args.key!r} changed hands meanwhile; kept")
+            print(f"dblock: rows {kept} of {quoted(key)} changed hands meanwhile; kept")
             what = "; ".join(_describe(row) for row in gone)
         log.warning(
             "dblock: %s force-released %s in %s on %s",
@@ -435,10 +481,73 @@ def cmd_release(args: argparse.Namespace) -> int:
     return 0
 
 
+_SHOWN_SAMPLE = 10
+
+
+def _release_many(args: argparse.Namespace, *, prefix: str | None, owner: str | None) -> int:
+    """``dblock release --prefix P`` / ``--owner O`` (both: rows matching
+    both): every matching row, each by the token read, after one confirmation."""
+    which = " and ".join(
+        part
+        for part in (
+            None if prefix is None else f"keys starting with {quoted(prefix)}",
+            None if owner is None else f"held by {quoted(owner)}",
+        )
+        if part
+    )
+    with _manager(args) as manager:
+        where = f"{manager.config.table} on {manager.url}"
+        found = manager.store.rows(prefix=prefix, owner=owner)
+        if not found:
+            print(f"dblock: no lock rows with {which} in {where}")
+            return 1
+        count = f"{len(found)} row{'s' if len(found) != 1 else ''}"
+        sample = [f"  {_describe(row)}" for row in found[:_SHOWN_SAMPLE]]
+        if len(found) > _SHOWN_SAMPLE:
+            sample.append(f"  ... and {len(found) - _SHOWN_SAMPLE} more")
+        if not args.yes:
+            print(f"{count} with {which} in {where}:", *sample, sep="\n")
+            if not _confirm(f"force-release these {count}? [y/N] "):
+                print("dblock: not released")
+                return 1
+        # Each row by the token read: one that changed hands meanwhile is
+        # not what the operator agreed to take away.
+        gone = sum(manager.store.release_row(r.key, r.slot, r.token) for r in found)
+        kept = len(found) - gone
+        log.warning("dblock: %s force-released %d row(s) with %s in %s", _who(), gone, which, where)
+    moved = f" ({kept} changed hands meanwhile; kept)" if kept else ""
+    print(f"released {gone} row{'s' if gone != 1 else ''} with {which}{moved}")
+    return 0 if gone else 1
+
+
+def _checked(option: str, value: str) -> str:
+    """A --prefix or --owner value, checked as a key is (the same rules and
+    messages): not empty, at most 255 characters, storable text."""
+    try:
+        return check_key(value)
+    except LockArgumentError as exc:
+        raise LockArgumentError(str(exc).replace("lock key", option, 1)) from None
+
+
+#: Keys and values longer than this are shortened when echoed.
+QUOTED_LENGTH = 60
+# A value argparse quoted in its message, too long to echo whole.
+_LONG_QUOTED = re.compile(rf"'([^']{{{QUOTED_LENGTH + 1},}})'")
+
+
+def quoted(text: str, *, escaped: bool = False) -> str:
+    """``text`` quoted for a message (``repr``, or as it is if ``escaped``
+    already); a long one shortened with an ellipsis and its length, so a
+    10,000-character argument is not echoed whole."""
+    short = text[:QUOTED_LENGTH]
+    shown = f"'{short}'" if escaped else repr(short)
+    return shown if len(text) <= QUOTED_LENGTH else f"{shown}... ({len(text)} characters)"
+
+
 def _describe(row: LockRow) -> str:
     kind = "" if row.kind == "exclusive" and not row.slot else f" [{row.kind_label}]"
     return (
-        f"{row.key!r}{kind} held by {row.owner} for {span(row.age)} "
+        f"{quoted(row.key)}{kind} held by {row.owner} for {span(row.age)} "
         f"(lease: {_lease(row.lease_left)}, fence {row.fence})"
     )
 
@@ -515,7 +624,7 @@ def cmd_top(args: argparse.Namespace) -> int:
         raise LockArgumentError(f"--interval must be positive, got {args.interval:g}")
     state = top.TopState(
         sort=top.Sort.named(args.sort),
-        prefix=args.prefix,
+        prefix=_checked("--prefix", args.prefix) if args.prefix else "",
         expired_only=args.expired,
         limit=args.limit,
     )

@@ -13,7 +13,12 @@
      │    └── KindMismatch        a key used as another kind of lock (or semaphore size)
      ├── UpgradeRefused           a read lock's holder asked for the write lock of its key
      │                            (also RuntimeError)
-     ├── BackendError             the database is unreachable or failed a statement
+     ├── BackendError             the database failed a statement (the driver's error chained)
+     │    ├── DatabaseUnreachable     no connection could be had: nothing was sent or written
+     │    │    ├── AuthenticationFailed  the server refused the user, password or role
+     │    │    └── PoolExhausted     every pooled connection was checked out, none came free
+     │    ├── ConnectionLost          the connection broke mid-statement: its outcome is unknown
+     │    └── PoolerMismatch          a transaction-mode pooler used without ``pooler=True``
      ├── SchemaMissing            the lock table does not exist: run ``dblock migrate``
      ├── DowngradeRefused         a schema downgrade would drop live rows of other kinds
      └── ManagerClosed            the LockManager was closed (new requests and waiters)
@@ -25,8 +30,11 @@ themselves as ``dblock.X`` so tracebacks and logs show the name users import.
 from __future__ import annotations
 
 __all__ = [
+    "AuthenticationFailed",
     "BackendError",
+    "ConnectionLost",
     "DBLockError",
+    "DatabaseUnreachable",
     "DowngradeRefused",
     "KindMismatch",
     "LockArgumentError",
@@ -36,6 +44,8 @@ __all__ = [
     "LockNotHeld",
     "LockTimeout",
     "ManagerClosed",
+    "PoolExhausted",
+    "PoolerMismatch",
     "SchemaMissing",
     "UpgradeRefused",
 ]
@@ -148,6 +158,49 @@ class BackendError(DBLockError):
 
     The original driver or SQLAlchemy exception is chained as ``__cause__``.
     """
+
+    __module__ = "dblock"
+
+
+class DatabaseUnreachable(BackendError):
+    """No statement was sent: the database could not be reached, or no
+    connection could be had. Nothing was written; trying again may work."""
+
+    __module__ = "dblock"
+
+
+class AuthenticationFailed(DatabaseUnreachable):
+    """The server answered but refused to log in: a wrong password, an unknown
+    user or role, a role not permitted to log in, or no access to the database
+    (PostgreSQL SQLSTATE 28P01 / 28000; MySQL and MariaDB errors 1044, 1045,
+    1698). Trying again will not help until the credentials or grants change.
+    The message carries the server's reason; the URL's password is masked."""
+
+    __module__ = "dblock"
+
+
+class PoolExhausted(DatabaseUnreachable):
+    """Every connection of the engine's pool is checked out, and none came
+    free in time. Nothing was sent."""
+
+    __module__ = "dblock"
+
+
+class PoolerMismatch(BackendError):
+    """PostgreSQL answered that a statement psycopg prepared on this
+    connection is missing, already there, or takes other parameters: the
+    server connection changed under the client between transactions, as
+    behind a transaction-mode pooler (pgbouncer) used without
+    ``pooler=True``. The server is reachable; it is a configuration mistake,
+    not an outage, and retrying does not cure it."""
+
+    __module__ = "dblock"
+
+
+class ConnectionLost(BackendError):
+    """The connection broke while a statement was in flight: it may or may not
+    have been committed. dblock resolves what it can (an acquire reads its row
+    back; a release is retried once the database answers) before raising this."""
 
     __module__ = "dblock"
 

@@ -288,6 +288,17 @@ class HeldLock:
     def lost_reason(self) -> str | None:
         return self._lost
 
+    def owned(self) -> bool:
+        """Whether the calling thread (or asyncio task) holds this lock now:
+        not released, not known to be lost, its lease not run out by this
+        process's clock. No SQL (as ``redis.lock.Lock.owned()`` or Redisson's
+        ``isHeldByCurrentThread()``); :meth:`check` raises instead of answering."""
+        if self._released or self._lost is not None or self._expires_mono <= _monotonic():
+            return False
+        # As for release: a lock taken by a thread outside any task is held by
+        # a task running on that thread too.
+        return self._owner is current_owner() or self._owner is _thread_owner()
+
     def check(self) -> None:
         """Raise :class:`~dblock.LockLost` if the lock was lost. Call it before
         work that must not run without the lock."""
@@ -509,6 +520,13 @@ class Locker:
                 level2=level2,
             )
         )
+
+    def owns(self, key: str) -> bool:
+        """Whether the calling thread or task holds ``key`` (see :meth:`HeldLock.owned`)."""
+        entry = self.registry.get(key)
+        ref: _Ref | None = None if entry is None else entry.held
+        held = None if ref is None else ref()
+        return held is not None and held.owned()
 
     def reenter(self, entry: Entry, me: object, blocking: bool) -> HeldLock | None:
         """Level 1 alone, for a key someone of this process holds or waits

@@ -535,6 +535,27 @@ class LockManager:
             options,
         )
 
+    # -- introspection -----------------------------------------------------
+
+    def is_locked(self, key: str) -> bool:
+        """Whether anyone (this process or another) holds ``key`` now, without
+        taking it: one statement; a lease that has run out counts as free.
+        The answer may be stale the moment it arrives: to act on a free key,
+        acquire it (``blocking=False``) instead."""
+        key = self._check_key(key)
+        return self._store.drive(self._store.is_locked_steps(key))
+
+    def owns(self, key: str) -> bool:
+        """Whether the calling thread (or asyncio task) holds the exclusive
+        lock of ``key`` now. No SQL: from this process's registry (for a
+        read-write lock or a permit, ask its handle: ``held.owned()``)."""
+        return self._locker.owns(self._check_key(key))
+
+    def _check_key(self, key: object) -> str:
+        if self._closed:
+            raise ManagerClosed("this LockManager is closed")
+        return check_key(key)
+
     # -- schema --------------------------------------------------------------
 
     def create_schema(self) -> None:

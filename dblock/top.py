@@ -115,12 +115,15 @@ class TopState:
                 self.sort = Sort.named(key)
         return True
 
-    def refresh(self, manager: LockManager) -> None:
-        """Read the rows again; a database error is kept for the header."""
+    def refresh(self, manager: LockManager, *, raising: bool = False) -> None:
+        """Read the rows again; a database error is kept for the header (or,
+        ``raising``, raised: there is no next refresh to retry)."""
         try:
             rows = manager.store.rows(prefix=self.prefix or None, limit=self.limit + 1)
             self.stats = manager.store.stats()
         except DBLockError as exc:
+            if raising:
+                raise
             self.error = str(exc)
             return
         self.error = None
@@ -144,8 +147,8 @@ def _span(seconds: float) -> str:
     return f"{int(seconds // 86400)}d{int(seconds % 86400 // 3600):02d}h"
 
 
-def render(state: TopState, where: str) -> RenderableType:
-    """The whole screen for ``state``: a header and the table of rows."""
+def render(state: TopState, where: str, *, legend: bool = True) -> RenderableType:
+    """The whole screen for ``state``: a header, the table of rows and (``legend``) the keys."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -189,12 +192,13 @@ def render(state: TopState, where: str) -> RenderableType:
             lease = Text(_span(row.lease_left))
         table.add_row(row.key, row.kind_label, row.owner, _span(row.age), lease, str(row.fence))
     lines.append(table)
-    lines.append(
-        Text(
-            "a age  l lease  k key  f fence  x expired only  / prefix  r refresh  q quit",
-            style="dim",
+    if legend:
+        lines.append(
+            Text(
+                "a age  l lease  k key  f fence  x expired only  / prefix  r refresh  q quit",
+                style="dim",
+            )
         )
-    )
     return Group(*lines)
 
 
@@ -248,10 +252,13 @@ def run(
 
     where = f"{manager.config.table} on {manager.url}"
     console = Console()
-    state.refresh(manager)
     if once:
-        console.print(render(state, where))
-        return 1 if state.error is not None else 0
+        # For scripts: one frame, no keys to press; a database error is the
+        # command's one error line (exit 1), not a frame saying "retrying".
+        state.refresh(manager, raising=True)
+        console.print(render(state, where, legend=False))
+        return 0
+    state.refresh(manager)
     keys_in = stream if stream is not None else sys.stdin
     with (
         _keys(keys_in) as next_key,

@@ -9,7 +9,10 @@ import sqlalchemy as sa
 
 import dblock
 from dblock import (
+    AuthenticationFailed,
     BackendError,
+    ConnectionLost,
+    DatabaseUnreachable,
     DBLockError,
     LockArgumentError,
     LockBusy,
@@ -17,6 +20,7 @@ from dblock import (
     LockManager,
     LockNotAcquired,
     LockTimeout,
+    PoolExhausted,
     SchemaMissing,
 )
 from tests.support.counting import StatementCounter
@@ -52,6 +56,22 @@ def test_error_tree() -> None:
     assert issubclass(LockArgumentError, ValueError)
     assert LockBusy.__module__ == "dblock"
     assert all(hasattr(dblock, name) for name in dblock.errors.__all__)
+    assert issubclass(AuthenticationFailed, DatabaseUnreachable)
+    assert issubclass(PoolExhausted, DatabaseUnreachable)
+    assert issubclass(DatabaseUnreachable, BackendError)
+    assert issubclass(ConnectionLost, BackendError)
+
+
+def test_every_error_is_named_as_users_import_it() -> None:
+    # A traceback shows `dblock.X`, never a private module's path.
+    import dblock._store.base as base
+
+    for name in dblock.errors.__all__:
+        cls = getattr(dblock.errors, name)
+        assert cls.__module__ == "dblock", name
+        assert getattr(dblock, name) is cls
+    assert base.Unreachable is DatabaseUnreachable
+    assert base.Interrupted is ConnectionLost
 
 
 @pytest.mark.parametrize(("bad", "message"), BAD_KEYS)
@@ -142,8 +162,10 @@ def test_missing_schema_says_run_migrate(db_url: str, key: str) -> None:
 def test_unreachable_database_is_a_backend_error(url: str, key: str) -> None:
     # A port nothing listens on: refused at once.
     with LockManager(url) as m:
-        with pytest.raises(BackendError) as info:
+        with pytest.raises(DatabaseUnreachable) as info:
             m.acquire(key)
+        assert type(info.value) is DatabaseUnreachable  # not mistaken for a refused login
+        assert "cannot connect" in str(info.value)
         assert "secret" not in str(info.value)
         assert "***" in str(info.value)
         assert len(m._locker.registry) == 0  # no half-state left behind
@@ -162,3 +184,76 @@ def test_closed_manager_refuses(manager: LockManager, key: str) -> None:
     manager.close()
     with pytest.raises(DBLockError, match="closed"):
         manager.lock(key)
+
+
+# -- a refused login is told apart from a server that does not answer ----------
+
+
+def _login_as(db_url: str, **parts: str) -> str:
+    return sa.make_url(db_url).set(**parts).render_as_string(hide_password=False)  # type: ignore[arg-type]
+
+
+@pytest.mark.databases("mariadb")
+def test_wrong_password_is_authentication_failed(db_url: str, key: str) -> None:
+    url = _login_as(db_url, password="wrong-s3cret")
+    with LockManager(url) as m:
+        with pytest.raises(AuthenticationFailed) as info:
+            m.acquire(key)
+        message = str(info.value)
+        assert "wrong-s3cret" not in message
+        assert ":***@" in message
+        assert "Access denied for user" in message  # the server's reason
+        assert "error 1045" in message
+        assert len(m._locker.registry) == 0
+
+
+@pytest.mark.databases("mariadb")
+def test_unknown_user_is_authentication_failed(db_url: str, key: str) -> None:
+    url = _login_as(db_url, username="dblock_nosuchuser", password="pw")
+    with LockManager(url) as m, pytest.raises(AuthenticationFailed, match="dblock_nosuchuser"):
+        m.acquire(key)
+
+
+@pytest.mark.databases("postgresql")
+def test_unknown_role_is_authentication_failed(db_url: str, key: str) -> None:
+    url = _login_as(db_url, username="dblock_nosuchrole", password="pw-s3cret")
+    with LockManager(url) as m, pytest.raises(AuthenticationFailed) as info:
+        m.acquire(key)
+    assert 'role "dblock_nosuchrole" does not exist' in str(info.value)
+    assert "pw-s3cret" not in str(info.value)
+
+
+@pytest.mark.databases("postgresql")
+def test_role_not_permitted_to_log_in_is_authentication_failed(db_url: str, key: str) -> None:
+    # The server here trusts 127.0.0.1, so a wrong password is not refused; a
+    # NOLOGIN role is, with the same class of SQLSTATE (28000).
+    role = f"dblock_nologin_{key[-8:]}".lower()
+    admin = sa.create_engine(db_url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE ROLE "{role}" NOLOGIN')
+    try:
+        url = _login_as(db_url, username=role)
+        with LockManager(url) as m, pytest.raises(AuthenticationFailed, match="not permitted"):
+            m.acquire(key)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP ROLE "{role}"')
+        admin.dispose()
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+def test_async_refused_login_is_authentication_failed(db: str, db_url: str, key: str) -> None:
+    import asyncio
+
+    from dblock import AsyncLockManager
+
+    user = "dblock_nosuchrole" if db == "postgresql" else "root"
+    url = _login_as(db_url, username=user, password="wrong-s3cret")
+
+    async def main() -> None:
+        async with AsyncLockManager(url) as alocks:
+            with pytest.raises(AuthenticationFailed) as info:
+                await alocks.acquire(key)
+            assert "wrong-s3cret" not in str(info.value)
+
+    asyncio.run(main())

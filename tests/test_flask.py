@@ -564,7 +564,7 @@ def test_cli_list_sweep_release(app: Flask) -> None:
         assert lines[2].endswith("s left")
 
         as_json = runner.invoke(args=["dblock", "list", "--json", "--prefix", "user:9"])
-        (row,) = [json.loads(line) for line in as_json.output.splitlines()]
+        (row,) = json.loads(as_json.output)
         assert (row["key"], row["fence"], row["expired"]) == ("user:9", held.fence, False)
 
         swept = runner.invoke(args=["dblock", "sweep"])

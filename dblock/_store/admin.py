@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 from ..schema import to_utc
 
-__all__ = ["LockRow", "LockStats", "SweepReason", "lock_row"]
+__all__ = ["LockRow", "LockStats", "SweepReason", "lock_row", "rows_json"]
 
 # The columns every admin statement selects (or returns), in this order,
 # followed by the database's current time.
@@ -125,6 +126,13 @@ class LockStats:
             "expired": self.expired,
             "oldest": None if oldest is None else oldest.as_json(),
         }
+
+
+def rows_json(rows: Sequence[LockRow]) -> str:
+    """What every ``list --json`` prints (``dblock list``, ``flask dblock
+    list``, ``manage.py dblock_list``): one JSON array of
+    :meth:`LockRow.as_json` objects, in the order given."""
+    return json.dumps([row.as_json() for row in rows], indent=2)
 
 
 def lock_row(row: Sequence[Any]) -> LockRow:

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import random
+import re
 import threading
 import time
 from collections import deque
@@ -32,9 +33,17 @@ from sqlalchemy import Table
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
-from .._engine import mask
+from .._engine import mask, mask_text
 from ..config import Config
-from ..errors import BackendError, SchemaMissing
+from ..errors import (
+    AuthenticationFailed,
+    BackendError,
+    ConnectionLost,
+    DatabaseUnreachable,
+    PoolerMismatch,
+    PoolExhausted,
+    SchemaMissing,
+)
 from ..schema import TableNames, lock_table
 from .admin import COLUMNS, LockRow, LockStats, SweepReason, lock_row
 
@@ -101,28 +110,11 @@ class Holder:
     kind: str | None = None
 
 
-class Interrupted(BackendError):
-    """The connection broke while a statement was in flight: it may or may not
-    have been committed."""
-
-
-class PoolerMismatch(BackendError):
-    """PostgreSQL answered that a statement psycopg prepared on this
-    connection is missing, already there, or takes other parameters: the
-    server connection changed under the client between transactions, as
-    behind a transaction-mode pooler (pgbouncer) used without
-    ``pooler=True``. The server is reachable; it is a configuration mistake,
-    not an outage, and retrying does not cure it."""
-
-
-class Unreachable(BackendError):
-    """No statement was sent: the database could not be reached (or no
-    connection could be had). Nothing was written; trying again may work."""
-
-
-class PoolExhausted(Unreachable):
-    """Every connection of the engine's pool is checked out, and none came
-    free in time. Nothing was sent."""
+# The public names (dblock.ConnectionLost, dblock.DatabaseUnreachable,
+# dblock.PoolExhausted, dblock.PoolerMismatch); the store's code says what
+# they mean to it.
+Interrupted = ConnectionLost
+Unreachable = DatabaseUnreachable
 
 
 @dataclasses.dataclass(slots=True)
@@ -427,7 +419,13 @@ class Executor:
                 "prepare_threshold=None (connect_args of an engine you make)"
             )
         if not sent:
-            return Unreachable(f"cannot connect to {self._url}: {detail}")
+            reason = auth_failure(exc)
+            if reason is not None:
+                return AuthenticationFailed(
+                    f"authentication failed on {self._url}: {mask_text(reason)} "
+                    "(check the user, password and grants in the URL)"
+                )
+            return Unreachable(f"cannot connect to {self._url}: {mask_text(detail)}")
         if interrupted:
             return Interrupted(f"connection to {self._url} lost during a statement: {detail}")
         return BackendError(f"statement failed on {self._url}: {detail}")
@@ -450,6 +448,35 @@ def what_failed(exc: BackendError) -> str:
     if isinstance(exc, (Unreachable, Interrupted)):
         return "the database is unreachable"
     return "the database failed a statement"
+
+
+# MySQL / MariaDB: access denied to the database (1044), for the user and
+# password (1045), for the user by its authentication plugin (1698).
+_MYSQL_AUTH_ERRORS = frozenset({1044, 1045, 1698})
+# PostgreSQL: invalid_password, invalid_authorization_specification.
+_PG_AUTH_SQLSTATES = frozenset({"28P01", "28000"})
+# libpq gives no SQLSTATE for a refused login (there is no result to carry
+# it), only the server's FATAL message: these are the authentication ones.
+_PG_AUTH_MESSAGE = re.compile(
+    r"FATAL:\s+((?:password|ident|peer|md5|scram|sspi|gss|ldap|radius|cert|pam)"
+    r"[\w-]* authentication failed.*|role \S+ does not exist.*|"
+    r"role \S+ is not permitted to log in.*|no pg_hba\.conf entry.*|"
+    r"permission denied for database.*)",
+    re.IGNORECASE,
+)
+
+
+def auth_failure(exc: BaseException) -> str | None:
+    """The server's reason if ``exc`` (a driver's connect error) says the
+    server refused to log in, as opposed to not answering at all."""
+    args: tuple[Any, ...] = getattr(exc, "args", ())
+    if len(args) >= 2 and isinstance(args[0], int) and args[0] in _MYSQL_AUTH_ERRORS:
+        return f"{args[1]} (error {args[0]})"
+    text = str(exc)
+    if getattr(exc, "sqlstate", None) in _PG_AUTH_SQLSTATES:
+        return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    found = _PG_AUTH_MESSAGE.search(text)
+    return found.group(1).strip() if found else None
 
 
 _UNSENT = "_dblock_unsent"
@@ -789,26 +816,55 @@ class Store:
     param_style: ClassVar[str] = "%({})s"
 
     def rows(
-        self, *, key: str | None = None, prefix: str | None = None, limit: int | None = None
+        self,
+        *,
+        key: str | None = None,
+        prefix: str | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
     ) -> list[LockRow]:
-        """Lock rows, oldest acquisition first: all of them, the one of
+        """Lock rows, oldest acquisition first: all of them, the ones of
         ``key``, or those whose key starts with ``prefix`` (taken literally,
-        case-sensitive); at most ``limit``."""
+        case-sensitive) and are held by ``owner`` (the owner column exactly,
+        or any owner under it: ``host:pid`` names every thread of that
+        process, ``host`` every process of that host); at most ``limit``."""
         bind = self.param_style.format
-        where = ""
+        conditions: list[str] = []
         params: dict[str, Any] = {}
         if key is not None:
-            where, params = f"WHERE lock_key = {bind('key')} ", {"key": key}
+            conditions.append(f"lock_key = {bind('key')}")
+            params["key"] = key
         elif prefix:
             # Not LIKE: its wildcards would need escaping, and SQLite's LIKE ignores case.
-            where = f"WHERE substr(lock_key, 1, {len(prefix)}) = {bind('prefix')} "
-            params = {"prefix": prefix}
+            conditions.append(f"substr(lock_key, 1, {len(prefix)}) = {bind('prefix')}")
+            params["prefix"] = prefix
+        if owner:
+            conditions.append(
+                f"(owner = {bind('owner')} "
+                f"OR substr(owner, 1, {len(owner) + 1}) = {bind('owner_under')})"
+            )
+            params.update(owner=owner, owner_under=f"{owner}:")
+        where = f"WHERE {' AND '.join(conditions)} " if conditions else ""
         bound = f" LIMIT {int(limit)}" if limit is not None else ""
         sql = (
             f"SELECT {COLUMNS}, {self.now_sql} FROM {self.quoted(self.names.table)} "
             f"{where}ORDER BY acquired_at, lock_key, slot{bound}"
         )
         return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
+
+    def is_locked_steps(self, key: str) -> Steps[bool]:
+        """Whether some row of ``key`` holds it now, by the database's clock:
+        an exclusive or fair holder, a read or write phase with holders, a
+        semaphore permit; a queued or waiting request holds nothing, and a row
+        whose lease ran out is as good as free (the next acquire takes it
+        over). One statement."""
+        bind = self.param_style.format
+        sql = (
+            f"SELECT 1 FROM {self.quoted(self.names.table)} WHERE lock_key = {bind('key')} "
+            f"AND expires_at > {self.now_sql} AND holders > 0 "
+            "AND mode NOT IN ('queued', 'waiting') LIMIT 1"
+        )
+        return bool((yield sql, {"key": key}, True, False).rows)
 
     def release_row(self, key: str, slot: str, token: str) -> bool:
         """Delete one row of ``key`` of any kind (``dblock release --force``,

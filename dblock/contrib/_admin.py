@@ -15,11 +15,10 @@ release, so waiters wake at once instead of at their next re-check.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import TYPE_CHECKING
 
-from .._store.admin import LockRow, SweepReason
+from .._store.admin import LockRow, SweepReason, rows_json
 from ..config import check_ttl
 from ..errors import DBLockError, LockArgumentError
 from ..keys import check_key
@@ -176,10 +175,11 @@ class Sweeper:
 
 
 def list_report(manager: LockManager, *, prefix: str | None, as_json: bool) -> str:
-    locks = list_locks(manager, prefix=prefix)
     if as_json:
-        return "\n".join(json.dumps(info.as_json()) for info in locks)
-    return render_table(locks)
+        # The shape and order of `dblock list --json` (oldest first), so one
+        # script reads the output of every command.
+        return rows_json(manager.store.rows(prefix=prefix))
+    return render_table(list_locks(manager, prefix=prefix))
 
 
 def sweep_report(manager: LockManager, *, max_age: float | None) -> str:
@@ -188,6 +188,7 @@ def sweep_report(manager: LockManager, *, max_age: float | None) -> str:
 
 
 def release_report(manager: LockManager, key: str, *, force: bool) -> str:
+    key = check_key(key)  # as the API and `dblock release` check it, before anything else
     if not force:
         raise LockArgumentError(
             f"releasing {key!r} takes it from its holder, which goes on without mutual "

@@ -450,7 +450,7 @@ def sweep_command(max_age: float | None) -> None:
 
 @cli.command("list")
 @click.option("--prefix", default=None, help="Only keys starting with this.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON array, as `dblock list --json`.")
 def list_command(prefix: str | None, as_json: bool) -> None:
     """Show the locks held now."""
     _run(lambda: _admin.list_report(_manager(), prefix=prefix, as_json=as_json))

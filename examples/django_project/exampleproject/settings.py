@@ -1,4 +1,5 @@
-"""Settings of the dblock example project (PostgreSQL by default; see the README).
+"""Settings of the dblock example project (PostgreSQL by default). How to run it:
+docs/django.md; what ``DBLOCK`` takes: the Settings section of docs/django.md.
 
 The database comes from the environment: EXAMPLE_DB_NAME (default
 ``dblock_example``), EXAMPLE_DB_HOST, EXAMPLE_DB_PORT, EXAMPLE_DB_USER,

@@ -15,7 +15,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--prefix", default=None, help="only keys starting with this")
-        parser.add_argument("--json", action="store_true", help="one JSON object per line")
+        parser.add_argument(
+            "--json", action="store_true", help="a JSON array, as `dblock list --json`"
+        )
 
     def handle(self, *args: Any, **options: Any) -> str:
         return run(
