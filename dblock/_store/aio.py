@@ -197,7 +197,8 @@ class AsyncStore:
         except ImportError as exc:
             raise LockArgumentError(
                 f"AsyncLockManager needs SQLAlchemy's asyncio support (greenlet), "
-                f"which is not installed: pip install 'dblock[{extra}]' ({exc})"
+                f"which is not installed: pip install 'dblock[{extra}]' "
+                f"(from a clone: pip install '.[{extra}]') ({exc})"
             ) from exc
         try:
             engine = create_async_engine(self._url, **self._options)
