@@ -54,9 +54,8 @@ def install_args(block: Block) -> list[str]:
     assert words[:2] == ["pip", "install"], f"{block.id}: not a `pip install` line: {words}"
     args = []
     for word in words[2:]:
-        if word == "." or word.startswith(".["):
-            word = f"{ROOT}{word[1:]}"
-        args.append(word)
+        from_clone = word == "." or word.startswith(".[")
+        args.append(f"{ROOT}{word[1:]}" if from_clone else word)
     assert any(a.startswith(str(ROOT)) for a in args), f"{block.id}: does not install the clone"
     return args
 
