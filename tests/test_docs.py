@@ -357,6 +357,7 @@ def test_the_site_builds_in_strict_mode() -> None:
         pytest.param("leases.md", "[gone](internals.md#nowhere)", "#nowhere", id="anchor"),
         pytest.param("README.md", "[gone](docs/nowhere.md)", "nowhere.md", id="readme-link"),
         pytest.param("orphan.md", "# Not in the nav", "orphan.md", id="page-not-in-nav"),
+        pytest.param("leases.md", "![gone](img/nowhere.svg)", "nowhere.svg", id="picture"),
     ],
 )
 def test_a_broken_site_fails_the_build(
