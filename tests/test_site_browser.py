@@ -184,3 +184,27 @@ def test_code_blocks_scroll_visibly_and_pictures_load(
     # Not vacuous: the front page's shell block and the internals page's SQL
     # are wider than a phone, and the front page's at 1280 px too.
     assert overflowing > 0, f"no code block overflows at {w} px: the check saw nothing"
+
+
+def test_searching_per_user_finds_the_service_layer_first(site: str, browser: WebDriver) -> None:
+    """A newcomer's first search: the pages that show how to lock per user
+    (their headings say "per user") come before Semaphore and Operations."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    w, h = WIDTHS["laptop"]
+    show(browser, site, w, h)
+    browser.execute_script("document.querySelector('input.md-search__input').focus()")
+    browser.find_element(By.CSS_SELECTOR, "input.md-search__input").send_keys("per user")
+
+    def pages(driver: Any) -> list[str]:
+        links = driver.find_elements(By.CSS_SELECTOR, ".md-search-result__item > a")
+        found = []
+        for link in links:
+            page = (link.get_attribute("href") or "").removeprefix(site).split("?")[0]
+            if page not in found:
+                found.append(page)
+        return found
+
+    first = WebDriverWait(browser, 20).until(lambda d: pages(d)[:2] if len(pages(d)) >= 2 else None)
+    assert set(first) == {"service-layer/", "getting-started/"}, pages(browser)
