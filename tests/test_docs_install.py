@@ -80,6 +80,15 @@ def test_every_install_line_is_one_line_from_the_clone() -> None:
         ], f"{block.id}: a second install line on the page"
 
 
+@pytest.mark.parametrize("page", ["docs/flask.md", "docs/django.md", "docs/fastapi.md"])
+def test_every_framework_page_opens_with_a_minimal_example(page: str) -> None:
+    """Before the page's first section: a complete app that runs (its
+    ``runs`` block), so a reader sees the whole of it first."""
+    text = (ROOT / page).read_text()
+    top = text[: text.index("\n## ")]
+    assert "<!-- tested: runs -->" in top, f"{page}: no runnable example before its first section"
+
+
 def test_every_page_with_an_install_line_says_how_to_install_from_a_clone() -> None:
     """The site says once (Getting started, Install) how to install from a
     clone or a wheel; a page with an install line links there."""
