@@ -32,7 +32,7 @@ from dblock.contrib.django import _ddl, conf
 from dblock.contrib.django.apps import current_sweeper, stop_sweeper
 from dblock.contrib.django.middleware import LockBusyMiddleware
 from dblock.schema import TableNames
-from tests.support import web
+from tests.support import ledger, web
 from tests.support.db import private_database
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "django_project"
@@ -60,10 +60,16 @@ def other_manager() -> LockManager:
     return LockManager(conf.url_for("default"))
 
 
-def ledger() -> list[tuple[Any, ...]]:
-    from accounts.models import Ledger
-
-    return list(Ledger.objects.order_by("id").values_list("user_id", "request_id", "event"))
+@pytest.fixture
+def ledger_path(tmp_path: Path) -> Iterator[Path]:
+    """The example's critical sections watched in this process (and in the
+    servers started with ``$DBLOCK_TEST_LEDGER``): tests/support/ledger.py."""
+    path = tmp_path / "ledger"
+    for module in ledger.django_modules():
+        ledger.watch(module, path)
+    yield path
+    for module in ledger.django_modules():
+        ledger.unwatch(module)
 
 
 # -- the migration ------------------------------------------------------------------
@@ -338,15 +344,18 @@ def test_url_from_databases() -> None:
 # -- the example through Django's test client -----------------------------------------
 
 
-def test_withdraw_through_the_test_client(accounts: None) -> None:
+def test_withdraw_through_the_test_client(accounts: None, ledger_path: Path) -> None:
     client = Client()
     response = client.post("/users/1/withdraw", {"amount": 5}, content_type="application/json")
     assert response.json() == {"user_id": 1, "balance": 995}
     too_much = client.post("/users/1/withdraw", {"amount": 5000}, content_type="application/json")
     assert too_much.status_code == 400
     assert client.get("/users/1/balance").json()["balance"] == 995
-    rows = ledger()
-    assert [r[2] for r in rows] == ["enter", "exit", "enter", "exit"]
+    assert client.get("/users/9/balance").status_code == 404  # as in every example
+    missing = client.post("/users/9/withdraw", {"amount": 5}, content_type="application/json")
+    assert missing.status_code == 404
+    rows = ledger.rows(ledger_path)
+    assert [r[2] for r in rows] == ["enter", "exit"]  # the refused one paid nothing
     assert web.ledger_problems(rows) == []
 
 
@@ -609,7 +618,7 @@ def test_sweeper_starts_with_the_first_request(accounts: None) -> None:
     ],
 )
 def test_running_servers_let_one_request_per_user_in(
-    accounts: None, dblock: dict[str, Any]
+    accounts: None, dblock: dict[str, Any], ledger_path: Path
 ) -> None:
     """Two `manage.py runserver` processes (threaded) on the test database;
     many concurrent withdrawals for two users. Each request holds Django's
@@ -622,6 +631,7 @@ def test_running_servers_let_one_request_per_user_in(
         "PYTHONPATH": f"{EXAMPLE.parent.parent}{os.pathsep}{EXAMPLE}",
         "DJANGO_SETTINGS_MODULE": "tests.support.django_env_settings",
         "EXAMPLE_DBLOCK": json.dumps(dblock),
+        ledger.ENV: str(ledger_path),
     }
     ports = [web.free_port(), web.free_port()]
     per_user = 24
@@ -642,7 +652,7 @@ def test_running_servers_let_one_request_per_user_in(
         ]
         statuses = web.concurrently(calls, threads=12)
     assert statuses == [200] * len(calls)
-    rows = ledger()
+    rows = ledger.rows(ledger_path)
     assert web.ledger_problems(rows) == []
     assert len(rows) == 2 * len(calls)
     from accounts.models import Account

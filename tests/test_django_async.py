@@ -23,7 +23,7 @@ from django.test import AsyncClient, override_settings
 import dblock.contrib.django as dj
 from dblock import AsyncLockManager, LockBusy, LockManager, LockTimeout
 from dblock.contrib.django import conf
-from tests.support import web
+from tests.support import ledger, web
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "django_project"
 
@@ -50,10 +50,16 @@ def other_manager() -> LockManager:
     return LockManager(conf.url_for("default"))
 
 
-def ledger() -> list[tuple[Any, ...]]:
-    from accounts.models import Ledger
-
-    return list(Ledger.objects.order_by("id").values_list("user_id", "request_id", "event"))
+@pytest.fixture
+def ledger_path(tmp_path: Path) -> Iterator[Path]:
+    """The example's critical sections watched in this process (and in the
+    servers started with ``$DBLOCK_TEST_LEDGER``): tests/support/ledger.py."""
+    path = tmp_path / "ledger"
+    for module in ledger.django_modules():
+        ledger.watch(module, path)
+    yield path
+    for module in ledger.django_modules():
+        ledger.unwatch(module)
 
 
 async def closing_django_connections(main: Any) -> Any:
@@ -81,7 +87,9 @@ def _held_elsewhere(key: str) -> bool:
 # -- the decorators on async def ------------------------------------------------------
 
 
-def test_async_views_withdraw_and_answer_409_through_the_async_client(accounts: None) -> None:
+def test_async_views_withdraw_and_answer_409_through_the_async_client(
+    accounts: None, ledger_path: Path
+) -> None:
     async def main() -> None:
         client = AsyncClient()
         r = await client.post(
@@ -94,6 +102,12 @@ def test_async_views_withdraw_and_answer_409_through_the_async_client(accounts: 
         assert r.status_code == 400
         r = await client.get("/async/users/1/balance")
         assert r.json()["balance"] == 995
+        r = await client.get("/async/users/9/balance")
+        assert r.status_code == 404  # as in every example
+        r = await client.post(
+            "/async/users/9/withdraw", {"amount": 5}, content_type="application/json"
+        )
+        assert r.status_code == 404
         with other_manager() as other, other.lock("user:1"):
             as_json = await client.get(
                 "/async/users/1/balance", headers={"Accept": "application/json"}
@@ -123,15 +137,17 @@ def test_async_views_withdraw_and_answer_409_through_the_async_client(accounts: 
         assert [r.status_code for r in rs] == [200] * 10
 
     asyncio.run(closing_django_connections(main()))
-    rows = ledger()
+    rows = ledger.rows(ledger_path)
     assert web.ledger_problems(rows) == []
-    assert len(rows) == 2 * 12
+    assert len(rows) == 2 * 11  # the refused withdrawal paid nothing
     from accounts.models import Account
 
     assert dict(Account.objects.values_list("id", "balance")) == {1: 995, 2: 990}
 
 
-def test_async_views_served_under_wsgi_get_a_loop_per_request(accounts: None) -> None:
+def test_async_views_served_under_wsgi_get_a_loop_per_request(
+    accounts: None, ledger_path: Path
+) -> None:
     """Django's sync test client (as a WSGI server) runs each async view in an
     event loop of its own: the async manager's connections of a loop that
     closed are replaced, request after request."""
@@ -142,7 +158,8 @@ def test_async_views_served_under_wsgi_get_a_loop_per_request(accounts: None) ->
         r = client.post("/async/users/1/withdraw", {"amount": 10}, content_type="application/json")
         assert (r.status_code, r.json()) == (200, {"user_id": 1, "balance": balance})
     assert client.get("/async/users/1/balance").json()["balance"] == 970
-    assert web.ledger_problems(ledger()) == []
+    assert web.ledger_problems(ledger.rows(ledger_path)) == []
+    assert len(ledger.rows(ledger_path)) == 2 * 3
 
 
 def test_the_async_decorator_takes_the_sync_ones_options() -> None:
@@ -300,7 +317,7 @@ def test_a_sync_view_is_still_served_by_the_sync_decorator() -> None:
 
 
 @pytest.mark.slow
-def test_two_uvicorn_servers_let_one_request_per_user_in(accounts: None) -> None:
+def test_two_uvicorn_servers_let_one_request_per_user_in(accounts: None, ledger_path: Path) -> None:
     """Two uvicorn processes serving the example project's ASGI application
     on the test database. Concurrent withdrawals for two users go to both
     servers, half to the async view (tasks on the server's loop) and half to
@@ -313,6 +330,7 @@ def test_two_uvicorn_servers_let_one_request_per_user_in(accounts: None) -> None
         "PYTHONPATH": f"{EXAMPLE.parent.parent}{os.pathsep}{EXAMPLE}",
         "DJANGO_SETTINGS_MODULE": "tests.support.django_env_settings",
         "EXAMPLE_DBLOCK": json.dumps({}),
+        ledger.ENV: str(ledger_path),
     }
     ports = [web.free_port(), web.free_port()]
     per_user = 32
@@ -346,7 +364,7 @@ def test_two_uvicorn_servers_let_one_request_per_user_in(accounts: None) -> None
         assert sum("/async/" in url for _, url, _ in calls) == per_user
         statuses = web.concurrently(calls, threads=16)
     assert statuses == [200] * len(calls)
-    rows = ledger()
+    rows = ledger.rows(ledger_path)
     assert web.ledger_problems(rows) == []
     assert len(rows) == 2 * len(calls)
     from accounts.models import Account

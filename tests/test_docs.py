@@ -18,6 +18,9 @@ read for fenced code blocks. The line right before a fence may carry a tag:
   table, whitespace aside;
 * ``<!-- tested: ddl DIALECT -->``: the DDL that creates the lock table on
   DIALECT, whitespace aside;
+* ``<!-- tested: install -->``: the page's install line (``pip install
+  '.[EXTRAS]' ...``, from a clone's root), installed into a fresh virtualenv
+  where the page's examples then run (tests/test_docs_install.py);
 * ``<!-- not tested: REASON -->``: not run, for the reason given (a Python
   block must still compile).
 
@@ -53,7 +56,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 PYTHON = {"python", "py", "python3"}
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})\s*(?P<lang>[\w+-]*)")
 TAG = re.compile(r"^\s*<!-- (?P<kind>tested|not tested): (?P<what>.+?) -->\s*$")
-SPECIAL = ("runs", "continues", "django-shell", "sql ", "ddl ")
+SPECIAL = ("runs", "continues", "django-shell", "sql ", "ddl ", "install")
 
 
 @dataclass(frozen=True)
@@ -354,6 +357,7 @@ def test_the_site_builds_in_strict_mode() -> None:
         pytest.param("leases.md", "[gone](internals.md#nowhere)", "#nowhere", id="anchor"),
         pytest.param("README.md", "[gone](docs/nowhere.md)", "nowhere.md", id="readme-link"),
         pytest.param("orphan.md", "# Not in the nav", "orphan.md", id="page-not-in-nav"),
+        pytest.param("leases.md", "![gone](img/nowhere.svg)", "nowhere.svg", id="picture"),
     ],
 )
 def test_a_broken_site_fails_the_build(

@@ -12,7 +12,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import httpx
 import pytest
@@ -20,7 +19,7 @@ import sqlalchemy as sa
 
 from dblock import AsyncLockManager, LockArgumentError
 from dblock.contrib.fastapi import add_busy_handler
-from tests.support import web
+from tests.support import ledger, web
 from tests.support.db import private_database
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,18 +47,14 @@ def private_url(db: str, tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-def ledger(url: str) -> list[tuple[Any, ...]]:
-    engine = sa.create_engine(url)
-    try:
-        with engine.connect() as conn:
-            return [
-                tuple(r)
-                for r in conn.execute(
-                    sa.text("SELECT user_id, request_id, event FROM ledger ORDER BY id")
-                )
-            ]
-    finally:
-        engine.dispose()
+@pytest.fixture
+def ledger_path(tmp_path: Path) -> Iterator[Path]:
+    """The example's critical section watched in this process (and in the
+    servers started with ``$DBLOCK_TEST_LEDGER``): tests/support/ledger.py."""
+    path = tmp_path / "ledger"
+    ledger.watch(example, path)
+    yield path
+    ledger.unwatch(example)
 
 
 def balances(url: str) -> dict[int, int]:
@@ -82,6 +77,10 @@ async def _in_process(url: str) -> None:
         assert r.status_code == 400
         r = await client.get("/users/1/balance")
         assert (r.status_code, r.json()) == (200, {"user_id": 1, "balance": 970})
+        r = await client.get("/users/9/balance")
+        assert r.status_code == 404  # as in every example
+        r = await client.post("/users/9/withdraw", json={"amount": 5})
+        assert r.status_code == 404
         # Another process holds user 2: the fail-fast balance view answers 409.
         async with AsyncLockManager(example.locks_url(url)) as other:
             async with other.lock("user:2"):
@@ -108,11 +107,11 @@ async def _in_process(url: str) -> None:
     await app.state.engine.dispose()
 
 
-def test_the_example_in_process(private_url: str) -> None:
+def test_the_example_in_process(private_url: str, ledger_path: Path) -> None:
     asyncio.run(_in_process(private_url))
-    rows = ledger(private_url)
+    rows = ledger.rows(ledger_path)
     assert web.ledger_problems(rows) == []
-    assert len(rows) == 2 * 12  # the refused withdrawal entered and left too
+    assert len(rows) == 2 * 11  # the refused withdrawal paid nothing
     assert balances(private_url) == {1: 970, 2: 990}
 
 
@@ -152,14 +151,17 @@ def test_the_busy_status_must_be_409_or_423() -> None:
 
 
 @pytest.mark.slow
-def test_two_uvicorn_servers_let_one_request_per_user_in(private_url: str) -> None:
+def test_two_uvicorn_servers_let_one_request_per_user_in(
+    private_url: str, ledger_path: Path
+) -> None:
     """Two uvicorn processes (one event loop each, so requests of one process
     contend as tasks at level 1, and across processes at level 2) on one
     database; many concurrent withdrawals for two users. The ledger shows no
     two requests for one user inside at once, and no update was lost."""
-    env = {"DATABASE_URL": private_url, "PYTHONPATH": str(ROOT)}
+    env = {"DATABASE_URL": private_url, "PYTHONPATH": str(ROOT), ledger.ENV: str(ledger_path)}
     ports = [web.free_port(), web.free_port()]
-    command = [sys.executable, "-m", "uvicorn", "--factory", "app:create_app"]
+    watched = "tests.support.ledger:fastapi_app"  # the example's app, its pay_out watched
+    command = [sys.executable, "-m", "uvicorn", "--factory", watched]
     per_user = 30
     with (
         web.serving(
@@ -183,7 +185,7 @@ def test_two_uvicorn_servers_let_one_request_per_user_in(private_url: str) -> No
         ]
         statuses = web.concurrently(calls, threads=16)
     assert statuses == [200] * len(calls)
-    rows = ledger(private_url)
+    rows = ledger.rows(ledger_path)
     assert web.ledger_problems(rows) == []
     assert len(rows) == 2 * len(calls)
     assert balances(private_url) == {1: 1000 - per_user, 2: 1000 - per_user}

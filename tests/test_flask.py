@@ -31,7 +31,7 @@ from dblock import (
 )
 from dblock.contrib._beside import beside
 from dblock.contrib.flask import DBLock
-from tests.support import web
+from tests.support import ledger, web
 from tests.support.db import private_database
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,15 +73,14 @@ def app(private_url: str) -> Iterator[Flask]:
     app.extensions["dblock"].manager.close()
 
 
-def ledger(app: Flask) -> list[tuple[Any, ...]]:
-    with app.app_context():
-        rows = example.db.session.execute(
-            sa.select(
-                example.Ledger.user_id, example.Ledger.request_id, example.Ledger.event
-            ).order_by(example.Ledger.id)
-        ).all()
-        example.db.session.remove()
-    return [tuple(r) for r in rows]
+@pytest.fixture
+def ledger_path(tmp_path: Path) -> Iterator[Path]:
+    """The example's critical section watched in this process (and in the
+    servers started with ``$DBLOCK_TEST_LEDGER``): tests/support/ledger.py."""
+    path = tmp_path / "ledger"
+    ledger.watch(example, path)
+    yield path
+    ledger.unwatch(example)
 
 
 def other_manager(app: Flask) -> LockManager:
@@ -92,7 +91,7 @@ def other_manager(app: Flask) -> LockManager:
 # -- the example through the test client ---------------------------------------
 
 
-def test_withdraw_through_the_test_client(app: Flask) -> None:
+def test_withdraw_through_the_test_client(app: Flask, ledger_path: Path) -> None:
     client = app.test_client()
     assert client.post("/users/1/withdraw", json={"amount": 5}).get_json() == {
         "user_id": 1,
@@ -101,8 +100,10 @@ def test_withdraw_through_the_test_client(app: Flask) -> None:
     too_much = client.post("/users/1/withdraw", json={"amount": 5000})
     assert too_much.status_code == 400
     assert client.get("/users/1/balance").get_json()["balance"] == 995
-    rows = ledger(app)
-    assert [r[2] for r in rows] == ["enter", "exit", "enter", "exit"]
+    assert client.get("/users/9/balance").status_code == 404  # as in every example
+    assert client.post("/users/9/withdraw", json={"amount": 5}).status_code == 404
+    rows = ledger.rows(ledger_path)
+    assert [r[2] for r in rows] == ["enter", "exit"]  # the refused one paid nothing
     assert web.ledger_problems(rows) == []
 
 
@@ -644,13 +645,20 @@ def test_sweeper_starts_with_the_first_request(private_url: str) -> None:
 
 
 @pytest.mark.slow
-def test_running_servers_let_one_request_per_user_in(db: str, app: Flask, private_url: str) -> None:
+def test_running_servers_let_one_request_per_user_in(
+    db: str, app: Flask, private_url: str, ledger_path: Path
+) -> None:
     """Two `flask run` processes, threaded, on one database; many concurrent
     withdrawals for two users. The ledger shows no two requests for one user
     inside the critical section at once, and no update was lost."""
-    env = {"DATABASE_URL": private_url, "PYTHONPATH": str(EXAMPLE.parent.parent)}
+    env = {
+        "DATABASE_URL": private_url,
+        "PYTHONPATH": str(ROOT),
+        ledger.ENV: str(ledger_path),
+    }
     ports = [web.free_port(), web.free_port()]
-    command = [sys.executable, "-m", "flask", "--app", "app", "run", "--with-threads"]
+    watched = "tests.support.ledger:flask_app"  # the example's app, its pay_out watched
+    command = [sys.executable, "-m", "flask", "--app", watched, "run", "--with-threads"]
     per_user = 24
     with (
         web.serving(
@@ -674,7 +682,7 @@ def test_running_servers_let_one_request_per_user_in(db: str, app: Flask, privat
         ]
         statuses = web.concurrently(calls, threads=12)
     assert statuses == [200] * len(calls)
-    rows = ledger(app)
+    rows = ledger.rows(ledger_path)
     assert web.ledger_problems(rows) == []
     assert len(rows) == 2 * len(calls)
     with app.app_context():

@@ -193,12 +193,20 @@ class AsyncStore:
         self._lock = threading.Lock()
 
     def _make_engine(self) -> AsyncEngine:
-        from sqlalchemy.ext.asyncio import create_async_engine
-
+        _, extra = ASYNC_DRIVERS[self._backend]
+        try:
+            # Without greenlet (SQLAlchemy 2.1 no longer installs it; the
+            # asyncio extras do) this import is what fails.
+            from sqlalchemy.ext.asyncio import create_async_engine
+        except ImportError as exc:
+            raise LockArgumentError(
+                f"AsyncLockManager needs SQLAlchemy's asyncio support (greenlet), "
+                f"which is not installed: pip install 'dblock[{extra}]' "
+                f"(from a clone: pip install '.[{extra}]') ({exc})"
+            ) from exc
         try:
             engine = create_async_engine(self._url, **self._options)
         except ImportError as exc:
-            _, extra = ASYNC_DRIVERS[self._backend]
             raise LockArgumentError(
                 f"the asyncio driver for {self._backend} is not installed: "
                 f"pip install 'dblock[{extra}]' ({exc})"

@@ -11,3 +11,7 @@ from exampleproject.settings import *  # noqa: F403
 from exampleproject.settings import DBLOCK
 
 DBLOCK = {**DBLOCK, **json.loads(os.environ.get("EXAMPLE_DBLOCK") or "{}")}
+
+# The tests' probe in the example's critical sections (tests/support/ledger.py).
+if os.environ.get("DBLOCK_TEST_LEDGER"):
+    INSTALLED_APPS = [*INSTALLED_APPS, "tests.support.ledger.WatchDjangoExample"]  # noqa: F405

@@ -9,30 +9,39 @@ commits on its own, so the balance update commits inside the lock.
 
 import asyncio
 import json
-import uuid
 
 from django.db import transaction
-from django.http import HttpRequest, JsonResponse
+from django.http import Http404, HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
 from dblock.contrib.django import locked, locked_view
 
-from .models import Account, Ledger
+from .models import Account
+
+
+async def account_or_404(user_id: int) -> Account:
+    try:
+        return await Account.objects.aget(pk=user_id)
+    except Account.DoesNotExist:
+        raise Http404("no such account") from None
+
+
+async def pay_out(user_id: int, amount: int) -> None:
+    """The slow part of a withdrawal: a payment provider's API, say."""
+    await asyncio.sleep(0.02)
 
 
 @locked("user:{user_id}", timeout=30)
-async def withdraw(user_id: int, amount: int, request_id: str) -> int | None:
+async def withdraw(user_id: int, amount: int) -> int | None:
     """Read, check and write a balance, one request per user at a time."""
-    await Ledger.objects.acreate(user_id=user_id, request_id=request_id, event="enter")
-    account = await Account.objects.aget(pk=user_id)
-    balance = account.balance
-    await asyncio.sleep(0.02)  # the slow part: a payment provider, say
-    if amount <= balance:
-        account.balance = balance - amount
-        await account.asave(update_fields=["balance"])
-    await Ledger.objects.acreate(user_id=user_id, request_id=request_id, event="exit")
-    return account.balance if amount <= balance else None
+    account = await account_or_404(user_id)
+    if amount > account.balance:
+        return None
+    await pay_out(user_id, amount)
+    account.balance -= amount
+    await account.asave(update_fields=["balance"])
+    return account.balance
 
 
 @transaction.non_atomic_requests
@@ -40,7 +49,7 @@ async def withdraw(user_id: int, amount: int, request_id: str) -> int | None:
 @require_POST
 async def withdraw_view(request: HttpRequest, user_id: int) -> JsonResponse:
     amount = int(json.loads(request.body)["amount"])
-    balance = await withdraw(user_id, amount, uuid.uuid4().hex)
+    balance = await withdraw(user_id, amount)
     if balance is None:
         return JsonResponse({"error": "insufficient funds"}, status=400)
     return JsonResponse({"user_id": user_id, "balance": balance})
@@ -50,5 +59,5 @@ async def withdraw_view(request: HttpRequest, user_id: int) -> JsonResponse:
 @require_GET
 @locked_view("user:{user_id}", blocking=False)  # busy: 409 from the decorator
 async def balance_view(request: HttpRequest, user_id: int) -> JsonResponse:
-    account = await Account.objects.aget(pk=user_id)
+    account = await account_or_404(user_id)
     return JsonResponse({"user_id": user_id, "balance": account.balance})

@@ -1,7 +1,7 @@
 import json
-import uuid
 
 from django.http import HttpRequest, JsonResponse
+from django.shortcuts import get_object_or_404
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
@@ -15,7 +15,7 @@ from .services import withdraw as withdraw_service
 @require_POST
 def withdraw(request: HttpRequest, user_id: int) -> JsonResponse:
     amount = int(json.loads(request.body)["amount"])
-    balance = withdraw_service(user_id, amount, uuid.uuid4().hex)
+    balance = withdraw_service(user_id, amount)
     if balance is None:
         return JsonResponse({"error": "insufficient funds"}, status=400)
     return JsonResponse({"user_id": user_id, "balance": balance})
@@ -24,4 +24,5 @@ def withdraw(request: HttpRequest, user_id: int) -> JsonResponse:
 @require_GET
 @locked_view("user:{user_id}", blocking=False)  # busy: 409 from the decorator
 def balance(request: HttpRequest, user_id: int) -> JsonResponse:
-    return JsonResponse({"user_id": user_id, "balance": Account.objects.get(pk=user_id).balance})
+    account = get_object_or_404(Account, pk=user_id)
+    return JsonResponse({"user_id": user_id, "balance": account.balance})

@@ -23,19 +23,5 @@ class Migration(migrations.Migration):
                 ("balance", models.IntegerField()),
             ],
         ),
-        migrations.CreateModel(
-            name="Ledger",
-            fields=[
-                (
-                    "id",
-                    models.BigAutoField(
-                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
-                    ),
-                ),
-                ("user_id", models.IntegerField()),
-                ("request_id", models.CharField(max_length=32)),
-                ("event", models.CharField(max_length=5)),
-            ],
-        ),
         migrations.RunPython(create_accounts, migrations.RunPython.noop),
     ]
