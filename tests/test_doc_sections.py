@@ -27,7 +27,8 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 SOURCES = sorted((ROOT / "examples").glob("**/*.py"))
 
 _FENCE = re.compile(r"^\s*(```|~~~)")
-_HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*(?:\{#(?P<id>[\w-]+)\})?\s*#*\s*$")
+# (attr_list's `{#id}` or `{ #id }` sets the anchor)
+_HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*(?:\{\s*#(?P<id>[\w-]+)\s*\})?\s*#*\s*$")
 _LINK = re.compile(r"\]\((?P<page>[^)\s#]*)#(?P<anchor>[^)\s]+)\)")
 # A bold lead of a paragraph or list item ("* **No herd.** ...") names a
 # section as a heading does.
