@@ -239,7 +239,7 @@ def _sqlite(counter: DriverCounter) -> None:
     # Connection.execute makes its cursor with self.cursor() and runs it in
     # C, past Cursor.execute: counted here, once.
     class Connection(sqlite3.Connection):
-        def cursor(self, factory: Any = Cursor) -> Any:  # type: ignore[override]
+        def cursor(self, factory: Any = Cursor) -> Any:
             return super().cursor(factory)
 
         def execute(self, sql: str, parameters: Any = (), /) -> Any:

@@ -958,7 +958,8 @@ def summarise(spec: ManySpec, parts: list[dict[str, Any]]) -> list[ManyResult]:
     for g, group in enumerate(spec.groups):
         per_round: dict[str, dict[int, float]] = {}
         made: dict[str, ManyResult] = {}
-        for contender in dict.fromkeys(w.contender for w in spec.windows if w.group == g):
+        present = {w.contender for w in spec.windows if w.group == g}
+        for contender in (c for c in CONTENDERS if c in present):
             mine = [p for p in parts if p["group"] == g and p["contender"] == contender]
             by_round: dict[int, list[dict[str, Any]]] = {}
             for p in mine:
