@@ -142,10 +142,10 @@ class BenchOptions:
             "memory_keys": 20_000,
             "memory_burst": 1_500,
             "many_processes": (2,),
-            "many_threads": (1, 3),
+            "many_threads": (3,),
             "many_tasks": ((2, 3),),
             "many_rounds": 1,
-            "many_seconds": 0.2,
+            "many_seconds": 0.1,
         }
         small.update(overrides)
         return cls(**small)
