@@ -32,7 +32,7 @@ from typing import Any
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import event
 from sqlalchemy.engine import URL
-from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 from sqlalchemy.util import greenlet_spawn
 
 from .._engine import _sqlite_pragmas
@@ -230,6 +230,8 @@ class AsyncStore:
             await _close(conn)
         try:
             return await self.engine.raw_connection()
+        except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
+            raise self.store.executor._exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
             raise self.store.executor._translate(exc.orig or exc, sent=False) from exc
         except (self._error, OSError) as exc:
@@ -239,13 +241,27 @@ class AsyncStore:
             raise
 
     def _checkin(self, conn: PoolProxiedConnection) -> None:
-        if len(self._idle) < self._max_idle:
+        if len(self._idle) < self._max_idle and not self._pool_exhausted():
             self._idle.append((conn, time.monotonic(), asyncio.get_running_loop()))
         else:
-            # Rare (more tasks in statements at once than the pool's size):
-            # the pool's return runs driver calls, on a task of its own.
+            # More tasks in statements at once than the pool's size: back to
+            # the pool, where a task may be waiting for it (kept idle here,
+            # it would wait until the pool's timeout). The pool's return runs
+            # driver calls, on a task of its own.
             task = asyncio.ensure_future(_close(conn))
             task.add_done_callback(_retrieve)
+
+    def _pool_exhausted(self) -> bool:
+        """Whether every connection the pool may make is checked out (those
+        idle here included), as the blocking executor asks: only then can a
+        task be waiting for one."""
+        pool = self._sync_engine.pool
+        if not isinstance(pool, QueuePool):
+            return False
+        max_overflow: int = getattr(pool, "_max_overflow", -1)
+        if max_overflow < 0 or pool.overflow() < max_overflow:  # it may still open another
+            return False
+        return pool.checkedout() >= pool.size() + max_overflow
 
     async def _discard(self, conn: PoolProxiedConnection, exc: BaseException | None) -> None:
         with contextlib.suppress(Exception):
