@@ -27,8 +27,8 @@ all, ``connections // P`` per process, everything included (dblock's LISTEN
 connection on PostgreSQL, the asyncio manager's blocking engine). A
 contender with more threads than that shares its connections (dblock and
 sqlalchemy-dlock through their SQLAlchemy pools, the raw driver through a
-LIFO queue, statement by statement as dblock does); with fewer, each thread
-has its own. The default budget, 80, keeps a run under PostgreSQL's default
+first-come first-served hand-off, statement by statement as dblock does);
+with fewer, each thread has its own. The default budget, 80, keeps a run under PostgreSQL's default
 ``max_connections`` of 100 with room for the admin and other clients.
 
 Per window and contender: grants, refusals, timeouts, errors; the acquire
@@ -41,11 +41,11 @@ listener threads included).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import multiprocessing
 import os
-import queue
 import random
 import threading
 import time
@@ -150,7 +150,7 @@ class ManyResult:
     errors: int
     error: str = ""
     # Per round, dblock's grants/s over the raw driver's (same configuration,
-    # adjacent windows): median [min-max]; and p99 over the raw driver's p99.
+    # adjacent windows): (min, median, max) over rounds; and p99 over the raw driver's p99.
     ratio: tuple[float, float, float] | None = None
     p99_ratio: float | None = None
     round_grants_per_s: list[float] = dataclasses.field(default_factory=list)
@@ -361,6 +361,62 @@ def _run_connection(conn: Any, sql: str, params: Any, fetch: bool) -> tuple[Any,
     return (cursor.fetchall() if fetch else ()), cursor.rowcount
 
 
+class _FairPool:
+    """The raw driver's connections when there are more threads than them:
+    one coming back goes straight to the longest-waiting thread. (A
+    ``queue.Queue`` lets the thread that puts one back take it again before
+    the waiter it woke runs, and that waiter queues again at the back: some
+    threads starved for a whole window.)"""
+
+    def __init__(self, conns: list[Any]) -> None:
+        self._idle = collections.deque(conns)
+        self._waiters: collections.deque[tuple[Any, list[Any]]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._idle:  # then nobody waits
+                return self._idle.pop()
+            signal = threading.Lock()
+            box: list[Any] = []
+            signal.acquire()
+            self._waiters.append((signal, box))
+        signal.acquire()  # released by put(), with the connection in the box
+        return box[0]
+
+    def put(self, conn: Any) -> None:
+        with self._lock:
+            if not self._waiters:
+                self._idle.append(conn)
+                return
+            signal, box = self._waiters.popleft()
+        box.append(conn)
+        signal.release()
+
+
+class _AsyncFairPool:
+    """:class:`_FairPool` for tasks of one event loop."""
+
+    def __init__(self) -> None:
+        self._idle: collections.deque[Any] = collections.deque()
+        self._waiters: collections.deque[asyncio.Future[Any]] = collections.deque()
+
+    async def get(self) -> Any:
+        if self._idle:  # then nobody waits
+            return self._idle.pop()
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        return await waiter
+
+    def put(self, conn: Any) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        self._idle.append(conn)
+
+
 class _RawSync(_SyncContender):
     """The driver alone: dblock's acquire statement, then its release; a
     refused waiting request tries again after a capped, doubling pause."""
@@ -371,9 +427,7 @@ class _RawSync(_SyncContender):
         n = _budget(spec, group.threads)
         self.conns = [driver.connect() for _ in range(n)]
         self.shared = n < group.threads
-        self.pool: queue.LifoQueue[Any] = queue.LifoQueue()
-        for conn in self.conns:
-            self.pool.put(conn)
+        self.pool = _FairPool(self.conns)
         self.run = _run_cursor if spec.database in ("mariadb", "galera") else _run_connection
         self.driver, self.granted, self.group, self.spec = driver, granted, group, spec
         self.owner = _owner()
@@ -693,14 +747,14 @@ class _RawAsync(_AsyncContender):
         self.size = _budget(spec, group.threads)
         self.conns: list[Any] = []
         self.shared = self.size < group.threads
-        self.pool: asyncio.LifoQueue[Any] = asyncio.LifoQueue()
+        self.pool = _AsyncFairPool()
         self.group, self.spec, self.owner = group, spec, _owner()
 
     async def connect(self) -> None:
         for _ in range(self.size):
             conn = await self.driver.connect()
             self.conns.append(conn)
-            self.pool.put_nowait(conn)
+            self.pool.put(conn)
 
     def cycle_for(self, i: int) -> Callable[[str], Awaitable[float]]:
         d, granted = self.sql, self.granted
@@ -719,7 +773,7 @@ class _RawAsync(_AsyncContender):
             try:
                 return await run(conn, sql, params, fetch)
             finally:
-                pool.put_nowait(conn)
+                pool.put(conn)
 
         async def cycle(key: str) -> float:
             t0 = _perf()
@@ -1008,7 +1062,7 @@ def summarise(spec: ManySpec, parts: list[dict[str, Any]]) -> list[ManyResult]:
                 continue
             paired = [rate / raw[r] for r, rate in per_round[contender].items() if raw.get(r)]
             if paired:
-                result.ratio = (percentile(paired, 50), min(paired), max(paired))
+                result.ratio = (min(paired), percentile(paired, 50), max(paired))
             if made["raw"].p99_ms and result.grants:
                 result.p99_ratio = result.p99_ms / made["raw"].p99_ms
         out += made.values()

@@ -817,6 +817,8 @@ def write_many_chart(results: Results, path: Path) -> Path:
                     y = getattr(m, attr) if m is not None else None
                     ys.append(0.0 if y is None or (isinstance(y, float) and math.isnan(y)) else y)
                 name = next((m.name for m in rows if m.contender == c), c)
+                if c == "redis" and dbs and db != dbs[0]:
+                    name += f" (beside {dbs[0]})"
                 ax.bar(xs, ys, w, label=name, color=_MANY_COLOURS[c])
             ax.set_xticks(range(len(configs)), labels, fontsize=7)
             if log:
