@@ -600,3 +600,32 @@ def test_200_tasks_on_5_keys_in_4_processes_count_exactly(db_url: str, keys: Any
         assert w.exitcode == 0
     per_key = processes * (tasks // len(ks)) * rounds
     assert [procs.read_counter(db_url, name) for name in names] == [per_key] * len(ks)
+
+
+def test_more_tasks_than_pooled_connections_all_get_their_turn(db_url: str, keys: Any) -> None:
+    """30 tasks on 3 pooled connections and no overflow: a connection coming
+    back while tasks wait for the pool goes to them, not to the store's idle
+    stack (where it would stay while they time out after ``pool_timeout``)."""
+
+    async def main() -> int:
+        alocks = AsyncLockManager(
+            db_url, async_engine_options={"pool_size": 3, "max_overflow": 0, "pool_timeout": 5}
+        )
+        done = 0
+
+        async def one(prefix: str) -> None:
+            nonlocal done
+            for i in range(3):
+                async with alocks.lock(f"{prefix}:{i}"):
+                    pass
+                done += 1
+
+        try:
+            await asyncio.gather(*(one(k) for k in keys(30)))
+        finally:
+            await alocks.close()
+        return done
+
+    t0 = time.monotonic()
+    assert run(main()) == 90
+    assert time.monotonic() - t0 < 5  # nobody waited out the pool's timeout

@@ -120,12 +120,62 @@ def _check_async_rows(results: dict[str, Any]) -> None:
     assert all(g["max_concurrent"] == 1 and g["errors"] == 0 for g in lag)
 
 
+@pytest.mark.slow
+def test_bench_many_users_quick(tmp_path: Path) -> None:
+    """``--only many`` at the smallest size: every configuration has every
+    contender, and the counts add up (the raw driver sends exactly two
+    statements, each its own commit, per grant; dblock at most as many)."""
+    done = _bench(
+        "--only", "many", "--quick", "--databases", "postgresql,sqlite",
+        "--many-processes", "2", "--many-threads", "3", "--many-tasks", "2x3",
+        "--many-seconds", "0.1", "--no-progress", "--no-chart", "--out", "out",
+        "--postgresql", DEFAULT_URLS["postgresql"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr  # 1: a target missed (group commit)
+    assert "**Many users at once**" in done.stdout
+    assert "many users (threads): dblock grants/s vs the raw driver" in done.stdout
+    rows = json.loads((tmp_path / "out" / "bench.json").read_text())["many"]
+    configs = {(face, mode) for face in ("threads", "asyncio") for mode in ("fail-fast", "waiting")}
+    contenders = {
+        "postgresql": {"dblock", "raw", "sadlock"},
+        "redis": {"redis"},  # measured beside the first database only
+        "sqlite": {"dblock", "raw"},
+    }
+    seen = {(r["database"], r["face"], r["mode"], r["contender"]) for r in rows}
+    assert seen == {
+        (db, face, mode, c) for db, cs in contenders.items() for face, mode in configs for c in cs
+    }
+    assert all((r["processes"], r["threads"]) == (2, 3) for r in rows)
+    for r in rows:
+        what = (r["database"], r["face"], r["mode"], r["name"])
+        assert r["grants"] > 0, what
+        assert r["errors"] == 0, what
+        assert not r["error"], what
+        assert r["p50_ms"] <= r["p99_ms"], what
+        assert r["cpu_us_per_grant"] > 0, what
+        if r["contender"] == "redis":
+            assert r["statements_per_grant"] is None, what
+            continue
+        assert r["connections"] <= 40, what  # 80 in all, over 2 processes
+        if r["contender"] == "raw":
+            # 1,000,000 keys for 6 users: a refusal is all but impossible.
+            assert r["statements_per_grant"] == pytest.approx(2.0, abs=0.01), what
+            assert r["commits_per_grant"] == r["statements_per_grant"], what
+        else:
+            assert r["ratio"] is not None, what
+            assert 0 < r["statements_per_grant"] <= 2.01, what
+            assert r["commits_per_grant"] <= r["statements_per_grant"], what
+
+
 def test_bench_bad_arguments_are_one_line(tmp_path: Path) -> None:
     for args, message in (
         (["--only", "nope"], "--only takes"),
         (["--variant", "x:no_such_option=1"], "unknown option 'no_such_option'"),
         (["--variant", "missing-colon"], "NAME:option=value"),
         (["--rounds", "0"], "rounds must be at least 1"),
+        (["--many-tasks", "4by50"], "--many-tasks takes"),
+        (["--many-connections", "8"], "many-connections 8 leaves under 3"),
     ):
         done = _bench(*args, cwd=tmp_path)
         assert done.returncode == 2, (args, done.stderr)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import event
 from sqlalchemy.engine import URL
-from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 from sqlalchemy.util import greenlet_spawn
 
 from .._engine import _sqlite_pragmas
@@ -109,6 +109,18 @@ class _LoopPool:
         bound = getattr(inner, "_loop", None)
         if inner is not None and bound is not None and bound.is_closed():
             inner._loop = None
+
+    def exhausted(self) -> bool:
+        """Whether every connection the pool may make is checked out (those
+        idle here included), as the blocking executor asks: only then can a
+        task be waiting for one."""
+        pool = self.sync_engine.pool
+        if not isinstance(pool, QueuePool):
+            return False
+        max_overflow: int = getattr(pool, "_max_overflow", -1)
+        if max_overflow < 0 or pool.overflow() < max_overflow:  # it may still open another
+            return False
+        return pool.checkedout() >= pool.size() + max_overflow
 
     async def aclose(self) -> None:
         idle, self.idle = self.idle, []
@@ -401,6 +413,8 @@ class AsyncStore:
             await _close(conn)
         try:
             return await pool.engine.raw_connection()
+        except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
+            raise self.store.executor._exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
             raise self.store.executor._translate(exc.orig or exc, sent=False) from exc
         except (pool.error, OSError) as exc:
@@ -410,11 +424,13 @@ class AsyncStore:
             raise
 
     def _checkin(self, pool: _LoopPool, conn: PoolProxiedConnection) -> None:
-        if len(pool.idle) < pool.max_idle:
+        if len(pool.idle) < pool.max_idle and not pool.exhausted():
             pool.idle.append((conn, time.monotonic()))
         else:
-            # Rare (more tasks in statements at once than the pool's size):
-            # the pool's return runs driver calls, on a task of its own.
+            # More tasks in statements at once than the pool's size: back to
+            # the pool, where a task may be waiting for it (kept idle here,
+            # it would wait until the pool's timeout). The pool's return runs
+            # driver calls, on a task of its own.
             task = asyncio.ensure_future(_close(conn))
             task.add_done_callback(_retrieve)
 

@@ -11,10 +11,13 @@
 * memory after a million distinct keys (:mod:`~dblock.bench.memory`);
 * asyncio (:mod:`~dblock.bench.aio`): ``AsyncLockManager`` uncontended
   against the raw asyncio driver, level 1 for tasks, hot key P processes x
-  T tasks, and the event loop's lag while tasks contend.
+  T tasks, and the event loop's lag while tasks contend;
+* many users at once (:mod:`~dblock.bench.many`): P processes x T threads
+  (and asyncio tasks) on random keys of a large space, dblock against the
+  raw driver sending its statements, sqlalchemy-dlock and redis-py ``Lock``.
 
 It prints Markdown tables (with the PostgreSQL targets judged) and writes
-``bench.md``, ``bench.json`` and ``bench.png`` to ``--out``. Its own
+``bench.md``, ``bench.json`` and ``bench.png`` (and ``bench-many.png``) to ``--out``. Its own
 dependencies (the ``bench`` extra: redis, sqlalchemy-dlock, matplotlib, tqdm)
 are imported only while it runs, so ``import dblock`` never needs them.
 """
@@ -43,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
             "pip install 'dblock[bench]'"
         )
     options = BenchOptions.from_args(args)
-    from .report import render_markdown, targets, write_chart
+    from .report import render_markdown, targets, write_chart, write_many_chart
     from .runner import run_bench
 
     results = run_bench(options)
@@ -54,4 +57,7 @@ def main(args: argparse.Namespace) -> int:
     if options.chart:
         chart = write_chart(results, options.out / "bench.png")
         print(f"\nChart: {chart}", file=sys.stderr)
+        if results.many:
+            chart = write_many_chart(results, options.out / "bench-many.png")
+            print(f"Chart of the many-users rows: {chart}", file=sys.stderr)
     return 0 if all(t.met is not False for t in targets(results)) else 1

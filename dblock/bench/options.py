@@ -23,7 +23,7 @@ __all__ = ["CLUSTERS", "DATABASES", "SECTIONS", "BenchOptions", "Variant", "add_
 DATABASES = ("postgresql", "mariadb", "sqlite")
 # Measured only when asked for: a MariaDB Galera cluster, given by its nodes' URLs.
 CLUSTERS = ("galera",)
-SECTIONS = ("uncontended", "level1", "hotkey", "fair", "handoff", "memory", "async")
+SECTIONS = ("uncontended", "level1", "hotkey", "fair", "handoff", "memory", "async", "many")
 
 _DEFAULT_URLS = {
     "postgresql": (
@@ -110,6 +110,19 @@ class BenchOptions:
     # memory
     memory_keys: int = 1_000_000
     memory_burst: int = 2_000
+    # many users: P processes x T threads, and asyncio (P, tasks per process),
+    # each looping on random keys of many_keys; contenders interleaved in
+    # windows of many_seconds, many_rounds per contender and configuration.
+    many_processes: tuple[int, ...] = (1, 4)
+    many_threads: tuple[int, ...] = (1, 8, 32)
+    many_tasks: tuple[tuple[int, int], ...] = ((1, 200), (4, 50))
+    many_rounds: int = 3
+    many_seconds: float = 2.0
+    many_keys: int = 1_000_000
+    # Server connections in all for the contender of a window (connections //
+    # P per process, everything included): under PostgreSQL's default 100.
+    many_connections: int = 80
+    many_timeout: float = 5.0
 
     def url(self, database: str) -> str:
         return dict(self.urls)[database]
@@ -128,6 +141,11 @@ class BenchOptions:
             "handoffs": 10,
             "memory_keys": 20_000,
             "memory_burst": 1_500,
+            "many_processes": (2,),
+            "many_threads": (3,),
+            "many_tasks": ((2, 3),),
+            "many_rounds": 1,
+            "many_seconds": 0.1,
         }
         small.update(overrides)
         return cls(**small)
@@ -147,9 +165,19 @@ class BenchOptions:
                 "handoffs",
                 "memory_keys",
                 "seed",
+                "many_rounds",
+                "many_seconds",
+                "many_connections",
+                "many_keys",
             )
             if getattr(args, name) is not None
         }
+        if args.many_processes:
+            given["many_processes"] = _ints(args.many_processes, "--many-processes")
+        if args.many_threads:
+            given["many_threads"] = _ints(args.many_threads, "--many-threads")
+        if args.many_tasks:
+            given["many_tasks"] = _shapes(args.many_tasks)
         if args.hold is not None:
             given["hold"] = args.hold / 1000.0
         if args.hotkey_hold is not None:
@@ -191,6 +219,8 @@ class BenchOptions:
             "lag_tasks",
             "lag_keys",
             "handoffs",
+            "many_rounds",
+            "many_keys",
         ):
             if getattr(self, name) < 1:
                 raise LockArgumentError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -198,6 +228,20 @@ class BenchOptions:
             raise LockArgumentError("handoffs must be at least 2")
         if self.seconds <= 0 or self.hold < 0 or self.hotkey_hold < 0:
             raise LockArgumentError("seconds must be > 0, hold and hotkey-hold >= 0")
+        if self.many_seconds <= 0 or self.many_timeout <= 0:
+            raise LockArgumentError("many-seconds and the many timeout must be > 0")
+        if not self.many_processes or not self.many_threads:
+            raise LockArgumentError("many: give at least one process count and thread count")
+        if min((*self.many_processes, *self.many_threads)) < 1 or any(
+            p < 1 or n < 1 for p, n in self.many_tasks
+        ):
+            raise LockArgumentError("many: processes, threads and tasks must be at least 1")
+        most = max((*self.many_processes, *(p for p, _ in self.many_tasks)))
+        if self.many_connections // most < 3:
+            raise LockArgumentError(
+                f"many-connections {self.many_connections} leaves under 3 connections per "
+                f"process for {most} processes (dblock asyncio needs 3 on PostgreSQL)"
+            )
         if self.memory_keys < self.memory_burst:
             raise LockArgumentError("memory-keys must be at least the burst size")
         if "galera" in self.databases and not dict(self.urls).get("galera"):
@@ -220,6 +264,30 @@ def _choices(
             f"{flag} takes a comma-separated list of {', '.join(allowed)}; got {text!r}"
         )
     return chosen
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        values = ()
+    if not values:
+        raise LockArgumentError(f"{flag} takes comma-separated integers, got {text!r}")
+    return values
+
+
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        p, sep, n = part.lower().partition("x")
+        if not sep or not p.strip().isdigit() or not n.strip().isdigit():
+            raise LockArgumentError(
+                f"--many-tasks takes PROCESSESxTASKS,... (e.g. 1x200,4x50), got {text!r}"
+            )
+        shapes.append((int(p), int(n)))
+    if not shapes:
+        raise LockArgumentError(f"--many-tasks takes PROCESSESxTASKS,..., got {text!r}")
+    return tuple(shapes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -278,3 +346,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--handoffs", type=int, help="hand-off: measured hand-offs (100)")
     how.add_argument("--memory-keys", type=int, help="memory: distinct keys (1000000)")
     how.add_argument("--seed", type=int, help="shuffle seed for the interleaving")
+    many = parser.add_argument_group("many users (--only many)")
+    many.add_argument("--many-processes", metavar="LIST", help="processes, comma-separated (1,4)")
+    many.add_argument(
+        "--many-threads", metavar="LIST", help="threads per process, comma-separated (1,8,32)"
+    )
+    many.add_argument(
+        "--many-tasks",
+        metavar="PxN,...",
+        help="asyncio: processes x tasks per process (1x200,4x50)",
+    )
+    many.add_argument("--many-rounds", type=int, help="interleaved rounds per configuration (3)")
+    many.add_argument("--many-seconds", type=float, help="seconds per contender per round (2)")
+    many.add_argument(
+        "--many-connections",
+        type=int,
+        help="server connections in all for one contender, split over the processes (80)",
+    )
+    many.add_argument("--many-keys", type=int, help="size of the random key space (1000000)")

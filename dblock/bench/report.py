@@ -12,7 +12,14 @@ from .aio import TICK
 from .runner import Results
 from .uncontended import READ_LOCK
 
-__all__ = ["Target", "render_markdown", "targets", "write_chart"]
+__all__ = [
+    "Target",
+    "many_targets",
+    "render_markdown",
+    "targets",
+    "write_chart",
+    "write_many_chart",
+]
 
 
 @dataclasses.dataclass
@@ -183,6 +190,7 @@ def targets(results: Results) -> list[Target]:
                 )
             )
     out += _async_targets(results)
+    out += many_targets(results)
     for m in results.memory:
         if m.what.startswith("registry"):
             # "Baseline" allows a few stray objects (a dict from the interpreter's
@@ -249,6 +257,124 @@ def _fair_lines(results: Results) -> list[str]:
         ],
         rows,
     )
+    lines.append("")
+    return lines
+
+
+def _shape(m: Any) -> str:
+    return f"{m.processes}×{m.threads}"
+
+
+def many_targets(results: Results, database: str = "postgresql") -> list[Target]:
+    """The many-users targets (issue "Many users at once"), on ``database``."""
+    out: list[Target] = []
+    rows = [m for m in results.many if m.database in (database, "redis")]
+    if not rows:
+        return out
+    for face, what in (("threads", "threads"), ("asyncio", "asyncio tasks")):
+        mine = [m for m in rows if m.face == face and m.contender == "dblock" and m.ratio]
+        if not mine:
+            continue
+        worst = min(mine, key=lambda m: m.ratio[1] if m.ratio else math.inf)
+        assert worst.ratio is not None
+        out.append(
+            Target(
+                f"many users ({what}): dblock grants/s vs the raw driver (same SQL), "
+                "every P×T point and mode",
+                "≥ 1.0×",
+                f"lowest {worst.ratio[1]:.2f}× at {_shape(worst)} {worst.mode} "
+                f"(min–max over rounds {worst.ratio[0]:.2f}–{worst.ratio[2]:.2f}); "
+                f"{sum(1 for m in mine if m.ratio and m.ratio[1] >= 1.0)} of {len(mine)} "
+                "points ≥ 1.0×",
+                all(m.ratio[1] >= 1.0 for m in mine if m.ratio),
+            )
+        )
+    by = {(m.face, m.processes, m.threads, m.mode, m.contender): m for m in rows}
+    for mode in ("fail-fast", "waiting"):
+        ours = by.get(("threads", 4, 32, mode, "dblock"))
+        raw = by.get(("threads", 4, 32, mode, "raw"))
+        redis = by.get(("threads", 4, 32, mode, "redis"))
+        if ours is None:
+            continue
+        if redis is not None and redis.grants_per_s:
+            vs = ours.grants_per_s / redis.grants_per_s
+            out.append(
+                Target(
+                    f"many users 4×32 {mode}: dblock grants/s vs redis-py Lock",
+                    "≥ 1.0×",
+                    f"{vs:.2f}× ({ours.grants_per_s:,.0f} vs {redis.grants_per_s:,.0f}/s)",
+                    vs >= 1.0,
+                )
+            )
+        if raw is not None and ours.ratio is not None:
+            out.append(
+                Target(
+                    f"many users 4×32 {mode}: dblock grants/s vs the raw driver",
+                    "≥ 2×",
+                    f"{ours.ratio[1]:.2f}× ({ours.grants_per_s:,.0f} vs {raw.grants_per_s:,.0f}/s)",
+                    ours.ratio[1] >= 2.0,
+                    "needs group commit",
+                )
+            )
+        if ours.statements_per_grant is not None:
+            out.append(
+                Target(
+                    f"many users 4×32 {mode}: dblock statements per grant",
+                    "≤ 0.5",
+                    f"{ours.statements_per_grant:.2f} statements, "
+                    f"{_f(ours.commits_per_grant, 2)} commits",
+                    ours.statements_per_grant <= 0.5,
+                    "needs group commit",
+                )
+            )
+        if raw is not None and ours.p99_ratio is not None:
+            out.append(
+                Target(
+                    f"many users 4×32 {mode}: dblock p99 acquire latency vs the raw driver's",
+                    "shown (no goal set)",
+                    f"{ours.p99_ratio:.2f}× ({ours.p99_ms:.1f} vs {raw.p99_ms:.1f} ms)",
+                    None,
+                )
+            )
+    return out
+
+
+def _many_lines(results: Results) -> list[str]:
+    """The many-users table: every configuration, every contender."""
+    if not results.many:
+        return []
+    o = results.options
+    lines = [
+        f"**Many users at once**: P processes × T threads (or asyncio tasks), each "
+        f"locking and unlocking random keys of {int(o['many_keys']):,} (empty critical "
+        "section), fail-fast and waiting "
+        f"(timeout {float(o['many_timeout']):g} s). Contenders take turns in windows of "
+        f"{float(o['many_seconds']):g} s, {o['many_rounds']} rounds per configuration, "
+        "shuffled each round; only the contender of a window has connections open, at "
+        f"most {o['many_connections']} server connections in all (÷ P per process, "
+        "dblock's LISTEN and blocking-engine connections included). vs raw: grants/s over "
+        "the raw driver's of the same round (median over rounds). Latency: request to "
+        "granted, every grant. Statements and commits counted at the driver in every "
+        "process; client CPU: `time.process_time` of the whole process (every thread).",
+        "",
+    ]
+    lines += _table(
+        ["database", "P × T", "mode", "contender", "conns/proc", "grants/s", "vs raw",
+         "p50 ms", "p99 ms", "p99 vs raw", "SQL/grant", "commits/grant", "CPU µs/grant",
+         "refused, timeouts, errors"],
+        (
+            (m.database, ("asyncio " if m.face == "asyncio" else "") + _shape(m), m.mode,
+             m.name if not m.error or m.grants else f"{m.name}: failed: {m.error}",
+             m.connections, _f(m.grants_per_s),
+             "1 (baseline)" if m.contender == "raw" else
+             (f"{m.ratio[1]:.2f}×" if m.ratio else "–"),
+             _f(m.p50_ms, 2), _f(m.p99_ms, 1),
+             "" if m.contender == "raw" else (_f(m.p99_ratio, 2) + ("×" if m.p99_ratio else "")),
+             _f(m.statements_per_grant, 2), _f(m.commits_per_grant, 2),
+             _f(m.cpu_us_per_grant), f"{m.refused:,}, {m.timeouts:,}, {m.errors:,}")
+            for m in results.many
+        ),
+    )  # fmt: skip
     lines.append("")
     return lines
 
@@ -570,6 +696,7 @@ def render_markdown(results: Results) -> str:
         )
         lines.append("")
     lines += _render_async(results)
+    lines += _many_lines(results)
     lines.append(f"Whole run: {results.seconds:.0f} s.")
     return "\n".join(lines)
 
@@ -635,6 +762,74 @@ def write_chart(results: Results, path: Path) -> Path:
         ax.legend()
     ax.set_title("Hand-off across processes")
     fig.suptitle(f"dblock bench, {results.started} ({results.machine.get('cpus')} CPUs)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+_MANY_COLOURS = {
+    "dblock": "tab:blue",
+    "raw": "tab:gray",
+    "sadlock": "tab:green",
+    "redis": "tab:red",
+}
+
+
+def write_many_chart(results: Results, path: Path) -> Path:
+    """The many-users rows: per database, grants/s and p99 latency by
+    configuration, one bar per contender; and dblock's statements per grant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dbs = [db for db in dict.fromkeys(m.database for m in results.many) if db != "redis"]
+    fig, axes = plt.subplots(3, len(dbs), figsize=(6.5 * len(dbs), 11), squeeze=False)
+    for col, db in enumerate(dbs):
+        rows = [m for m in results.many if m.database in (db, "redis")]
+        configs = list(
+            dict.fromkeys(
+                (m.face, m.processes, m.threads, m.mode) for m in rows if m.database == db
+            )
+        )
+        value = {(m.face, m.processes, m.threads, m.mode, m.contender): m for m in rows}
+        contenders = [c for c in _MANY_COLOURS if any(m.contender == c for m in rows)]
+        labels = [
+            f"{'a ' if face == 'asyncio' else ''}{p}×{t}\n{'ff' if mode == 'fail-fast' else 'wait'}"
+            for face, p, t, mode in configs
+        ]
+        for row, (attr, title, log) in enumerate(
+            (
+                ("grants_per_s", "grants/s", False),
+                ("p99_ms", "p99 acquire latency, ms (log)", True),
+                ("statements_per_grant", "statements per grant", False),
+            )
+        ):
+            ax = axes[row][col]
+            shown = contenders if attr != "statements_per_grant" else ["dblock", "raw"]
+            w = 0.8 / len(shown)
+            for j, c in enumerate(shown):
+                xs = [i + (j - (len(shown) - 1) / 2) * w for i in range(len(configs))]
+                ys = []
+                for cfg in configs:
+                    m = value.get((*cfg, c))
+                    y = getattr(m, attr) if m is not None else None
+                    ys.append(0.0 if y is None or (isinstance(y, float) and math.isnan(y)) else y)
+                name = next((m.name for m in rows if m.contender == c), c)
+                if c == "redis" and dbs and db != dbs[0]:
+                    name += f" (beside {dbs[0]})"
+                ax.bar(xs, ys, w, label=name, color=_MANY_COLOURS[c])
+            ax.set_xticks(range(len(configs)), labels, fontsize=7)
+            if log:
+                ax.set_yscale("log")
+            ax.set_title(f"{db}: {title}", fontsize=10)
+            if row == 0:
+                ax.legend(fontsize=7)
+    fig.suptitle(
+        f"dblock bench, many users at once, {results.started} "
+        f"({results.machine.get('cpus')} CPUs; ff = fail-fast, a = asyncio tasks)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -37,6 +37,7 @@ from .aio import (
 )
 from .handoff import HandoffResult, HandoffSpec, run_handoff
 from .hotkey import HotKeyResult, HotKeySpec, run_hot_key
+from .many import ManyResult, make_specs, run_many, summarise
 from .memory import MemoryResult, run_memory
 from .options import BenchOptions
 from .uncontended import (
@@ -72,6 +73,7 @@ class Results:
     async_level1: list[AsyncLevel1Result] = dataclasses.field(default_factory=list)
     async_hotkey: list[HotKeyResult] = dataclasses.field(default_factory=list)
     lag: list[LagResult] = dataclasses.field(default_factory=list)
+    many: list[ManyResult] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, default=str)
@@ -124,7 +126,16 @@ def _plan(options: BenchOptions) -> float:
         total += 4.0
     if "async" in options.sections:
         total += dbs * (4.0 + 2.0 + 2 * (options.seconds + 3) + 2 * (options.seconds + 3))
+    if "many" in options.sections:
+        total += _many_windows(options) * (options.many_seconds + 0.3)
     return total
+
+
+def _many_windows(options: BenchOptions) -> int:
+    """Windows of the many-users section (an upper bound: 4 contenders)."""
+    configs = len(options.many_processes) * len(options.many_threads) + len(options.many_tasks)
+    dbs = len([db for db in options.databases if db != "galera"])
+    return dbs * configs * 2 * options.many_rounds * 4
 
 
 def run_bench(options: BenchOptions) -> Results:
@@ -320,6 +331,34 @@ def _async(
             progress.advance(options.seconds + 3)
 
 
+def _many(
+    options: BenchOptions, benches: dict[str, Bench], results: Results, progress: _Progress
+) -> None:
+    rng = random.Random(options.seed + 2)
+    dbs = [db for db in benches if db != "galera"]
+    step = options.many_seconds + 0.3
+    for db in dbs:
+        specs = make_specs(
+            benches[db],
+            redis_url=options.redis_url,
+            with_redis=db == dbs[0],  # the same Redis whichever database: measured once
+            processes=options.many_processes,
+            threads=options.many_threads,
+            tasks=options.many_tasks,
+            rounds=options.many_rounds,
+            seconds=options.many_seconds,
+            keys=options.many_keys,
+            connections=options.many_connections,
+            timeout=options.many_timeout,
+            rng=rng,
+        )
+        for spec in specs:
+            shape = f"{spec.processes} process{'es' if spec.processes > 1 else ''}"
+            progress.stage(f"many users, {db}, {spec.face}, {shape}")
+            parts = run_many(spec, lambda: progress.advance(step))
+            results.many += summarise(spec, parts)
+
+
 _SECTIONS: dict[str, Callable[[BenchOptions, dict[str, Bench], Results, _Progress], None]] = {
     "uncontended": _uncontended,
     "level1": _level1,
@@ -328,6 +367,7 @@ _SECTIONS: dict[str, Callable[[BenchOptions, dict[str, Bench], Results, _Progres
     "handoff": _handoff,
     "memory": _memory,
     "async": _async,
+    "many": _many,
 }
 
 
