@@ -32,7 +32,7 @@ from ._store.admin import LockRow, LockStats, rows_json
 from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
 from .errors import DBLockError, LockArgumentError
-from .keys import check_key
+from .keys import MAX_KEY_LENGTH, check_key
 from .manager import LockManager
 from .schema import TableNames
 from .sweeper import Sweeper, SweeperConfig
@@ -529,8 +529,9 @@ def _checked(option: str, value: str) -> str:
         raise LockArgumentError(str(exc).replace("lock key", option, 1)) from None
 
 
-#: Keys and values longer than this are shortened when echoed.
-QUOTED_LENGTH = 60
+#: Keys and values longer than this are shortened when echoed: a valid key
+#: (at most MAX_KEY_LENGTH) is always shown whole, as an admin must read it.
+QUOTED_LENGTH = MAX_KEY_LENGTH
 # A value argparse quoted in its message, too long to echo whole.
 _LONG_QUOTED = re.compile(rf"'([^']{{{QUOTED_LENGTH + 1},}})'")
 

@@ -100,7 +100,7 @@ def test_long_values_are_shortened_when_echoed(tmp_path: Path) -> None:
     for args in (["list", "--limit", long], ["sweep", "--every", long]):
         line = _one_line(dblock(*args, cwd=tmp_path), 2)
         assert "... (10000 characters)" in line
-        assert len(line) < 300
+        assert len(line) < 500  # the value shortened to a key's longest
 
 
 # -- release --prefix / --owner -------------------------------------------------
