@@ -194,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--lock-ttl", type=parse_duration, help="lease of the sweeper's own lock (10s)"
     )
+    sweep.add_argument(
+        "--runs-retention",
+        type=parse_duration,
+        help="delete job runs (dblock jobs) started longer ago than this (30d)",
+    )
     sweep.set_defaults(command=cmd_sweep)
 
     _add_top(sub, common)
@@ -590,7 +595,7 @@ def _who() -> str:
 def cmd_sweep(args: argparse.Namespace) -> int:
     options = {
         name: getattr(args, name)
-        for name in ("grace", "max_hold", "batch_size", "lock_ttl")
+        for name in ("grace", "max_hold", "batch_size", "lock_ttl", "runs_retention")
         if getattr(args, name) is not None
     }
     if args.every is not None:

@@ -482,3 +482,54 @@ def test_async_at_least_and_raise(private: LockManager, alocks: Any) -> None:
 def test_async_once_refuses_a_plain_function(alocks: Any) -> None:
     with pytest.raises(LockArgumentError, match="not a coroutine function"):
         alocks.once("x", at_most=5)(lambda: None)
+
+
+# -- the sweeper: one of the jobs, and the pruner of the record --------------------------
+
+
+def _age_runs(manager: LockManager, job: str, days: int) -> None:
+    """Make ``job``'s recorded runs ``days`` older (as if they ran then)."""
+    runs_table = manager.store.quoted(manager.names.runs_table)
+    minus = {
+        "postgresql": f"started_at - interval '{days} days'",
+        "mysql": f"started_at - INTERVAL {days} DAY",
+        "mariadb": f"started_at - INTERVAL {days} DAY",
+        "sqlite": f"started_at - {days * 86400}",
+    }[manager.dialect]
+    with manager.engine.begin() as conn:
+        conn.exec_driver_sql(f"UPDATE {runs_table} SET started_at = {minus} WHERE job = '{job}'")
+
+
+def test_the_sweeper_prunes_runs_past_their_retention(private: LockManager) -> None:
+    from dblock.sweeper import Sweeper
+
+    for day in range(3):
+        private.run_job("old", lambda: None, at_most=5, fire_time=FIRE + timedelta(days=day))
+    private.run_job("recent", lambda: None, at_most=5)
+    _age_runs(private, "old", 31)
+    result = Sweeper(private, batch_size=2).run_once()
+    assert result.runs == 3
+    assert "pruned 3 old job runs" in result.describe()
+    assert runs(private, "old") == []
+    assert len(runs(private, "recent")) == 1
+    kept = Sweeper(private, runs_retention=None)
+    _age_runs(private, "recent", 400)
+    assert kept.run_once().runs == 0
+    assert len(runs(private, "recent")) == 1
+
+
+def test_the_sweeper_takes_turns_through_the_job_lock(
+    private: LockManager, make_manager: MakeManager
+) -> None:
+    from dblock.sweeper import Sweeper
+
+    sweeper = Sweeper(private)
+    assert sweeper.key == f"job:dblock:sweeper:{private.config.table}"
+    second = other(private, make_manager)
+    # Another process runs the sweeper's job (however it came to run it): this one skips.
+    seen: list[object] = []
+    second.run_job(sweeper.job, lambda: seen.append(sweeper.run_once()), at_most=10)
+    (result,) = seen
+    assert result.busy is not None  # type: ignore[attr-defined]
+    assert sweeper.run_once().busy is None
+    assert lock_row(private, sweeper.key) is None  # released after the run
