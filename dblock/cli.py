@@ -40,7 +40,7 @@ from .manager import LockManager
 from .schema import RUNNING, TableNames
 from .sweeper import Sweeper, SweeperConfig
 
-__all__ = ["main", "parse_duration"]
+__all__ = ["main", "parse_args", "parse_duration"]
 
 log = logging.getLogger("dblock.cli")
 
@@ -58,8 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     bad = _undecodable(args)
     if bad is not None:
         print(f"dblock: error: {bad}", file=sys.stderr)
@@ -86,10 +85,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Parse ``argv``; for ``dblock run … -- COMMAND …`` everything after the
-    first ``--`` is the command, untouched (argparse would take options
-    written after KEY for the command's own)."""
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The ``dblock`` command line ``argv`` parsed (exits 2 on a mistake, as
+    argparse does). For ``dblock run … -- COMMAND …`` everything after the
+    first ``--`` is the command, untouched: argparse alone would give options
+    written after KEY to no one."""
+    parser = build_parser()
+    argv = list(argv)
     if "--" in argv:
         cut = argv.index("--")
         head, tail = argv[:cut], argv[cut + 1 :]
