@@ -683,6 +683,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     except runner.CommandFailed as exc:
         return exc.status
     except runner.Interrupted as exc:
+        if exc.after:
+            # The command ran; its run's record or release was cut short (the
+            # key is deleted as soon as the database answers, else by its lease).
+            print(f"dblock run: {exc} while recording the run", file=sys.stderr)
+            return exc.status if exc.status is not None else 128 + exc.signum
         print(f"dblock run: {exc} before the command started; nothing ran", file=sys.stderr)
         return 128 + exc.signum
 

@@ -66,13 +66,26 @@ FORWARDED = tuple(
 
 
 class Interrupted(BaseException):
-    """A signal arrived before the command started: the acquisition under way
-    is unwound (the lock's clean-up owns that) and ``dblock run`` exits with
-    128 + the signal's number. A BaseException, as KeyboardInterrupt is."""
+    """A signal arrived while the command was not running (before it started,
+    or as its run was being recorded): what the lock was doing is unwound
+    (the lock's clean-up owns that) and ``dblock run`` exits with 128 + the
+    signal's number. A BaseException, as KeyboardInterrupt is. ``after``:
+    the command had run already (its status is ``status``)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.after = _ran.status is not None
+        self.status = _ran.status
+
+
+class _Ran:
+    """Whether (and how) the command of this ``dblock run`` ended: one per process."""
+
+    status: int | None = None
+
+
+_ran = _Ran()
 
 
 class CommandFailed(Exception):
@@ -159,7 +172,7 @@ def supervise(command: Sequence[str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    status = exit_status(returncode)
+    status = _ran.status = exit_status(returncode)
     sys.stdout.flush()
     if status != 0:
         raise CommandFailed(status)

@@ -21,6 +21,7 @@ from dblock import (
     AsyncLockManager,
     JobSkipped,
     LockArgumentError,
+    LockLost,
     LockManager,
     LockNotAcquired,
     current_run,
@@ -332,6 +333,48 @@ def test_a_fire_time_whose_runner_died_is_not_repeated_unless_asked(
     assert private.run_job("dying", lambda: "yes", at_most=5, fire_time=FIRE, retry_failed=True)
     (run,) = runs(private, "dying")
     assert (run.outcome, run.attempt) == ("success", 2)
+
+
+def test_the_records_unique_key_is_the_arbiter(private: LockManager) -> None:
+    """Beneath the lock (should two runners ever both think they hold it):
+    one row per (job, fire time); runs without a fire time never collide."""
+    sql = statements(private.store)
+
+    def insert(run_id: str, fire_time: datetime | None) -> bool:
+        return private.store.drive(
+            sql.insert_steps(
+                run_id=run_id,
+                job="arbiter",
+                fire_time=fire_time,
+                runner="test",
+                token="t" * 32,
+                next_fire=None,
+            )
+        )
+
+    assert insert("a" * 32, FIRE)
+    assert not insert("b" * 32, FIRE)
+    assert not insert("c" * 32, FIRE.astimezone(timezone(timedelta(hours=-5))))
+    assert insert("d" * 32, FIRE + timedelta(microseconds=1))
+    assert insert("e" * 32, None)
+    assert insert("f" * 32, None)
+    assert len(runs(private, "arbiter")) == 4
+
+
+def test_a_key_lost_during_the_run_is_signalled(private: LockManager) -> None:
+    def job() -> str:
+        run = current_run()
+        assert run is not None
+        private.store.release_key(run.key)  # an operator's `dblock release --force`
+        with pytest.raises(LockLost):
+            run.held.extend()  # what renewal would find
+        assert run.held.lost
+        return "done"
+
+    with pytest.raises(LockLost):
+        private.run_job("lost", job, at_most=30)
+    (run,) = runs(private, "lost")
+    assert run.outcome == "success"  # the job itself ran to its end
 
 
 def test_fire_time_is_required_with_per_fire_time(private: LockManager) -> None:
