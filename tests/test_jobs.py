@@ -188,13 +188,13 @@ def test_at_most_is_the_lease_and_renewal_keeps_a_long_run(
     def long() -> str:
         run = current_run()
         assert run is not None
-        assert db_lease(private, run.key) == pytest.approx(1.0, abs=0.01)
-        time.sleep(2.0)  # twice the lease: renewal keeps it
-        seen.append(second.run_job("long", lambda: "other", at_most=1))
+        assert db_lease(private, run.key) == pytest.approx(2.0, abs=0.01)
+        time.sleep(4.0)  # twice the lease: renewal keeps it
+        seen.append(second.run_job("long", lambda: "other", at_most=2))
         run.held.check()
         return "done"
 
-    assert private.run_job("long", long, at_most=1) == "done"
+    assert private.run_job("long", long, at_most=2) == "done"
     assert seen == [SKIPPED]
 
 
@@ -220,18 +220,37 @@ def test_a_dead_runner_blocks_for_at_most(private: LockManager, db_url: str) -> 
         child.join()
 
 
-def test_processes_at_once_one_runs(private: LockManager, db_url: str) -> None:
+@pytest.mark.parametrize(
+    ("options", "seconds", "delays"),
+    [
+        # Three at once, the run lasting longer than their spread: the lock.
+        ({"at_most": 30}, 1.0, (0, 0, 0)),
+        # Late firings after a short run ended: at_least keeps the key.
+        ({"at_most": 30, "at_least": 20}, 0.0, (0, 0.5, 1.0)),
+        # The same, keyed by the fire time: the record of runs.
+        ({"at_most": 30, "fire_time": FIRE}, 0.0, (0, 0.5, 1.0)),
+    ],
+    ids=["overlapping", "at_least", "fire_time"],
+)
+def test_processes_one_runs(
+    private: LockManager,
+    db_url: str,
+    options: dict[str, Any],
+    seconds: float,
+    delays: tuple[float, ...],
+) -> None:
     go, report = ctx.Event(), ctx.Queue()
+    table = private.config.table
     children = [
         ctx.Process(
             target=job_procs.run_once,
-            args=(db_url, private.config.table, "herd", {"at_most": 30}, 1.0, go, report),
+            args=(db_url, table, "herd", options, seconds, go, report, delay),
         )
-        for _ in range(3)
+        for delay in delays
     ]
     for child in children:
         child.start()
-    time.sleep(1.5)  # let them import and connect
+    assert [report.get(timeout=60) for _ in children] == ["ready"] * len(children)
     go.set()
     outcomes = sorted(report.get(timeout=60) for _ in children)
     for child in children:
