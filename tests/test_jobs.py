@@ -595,3 +595,40 @@ def test_the_sweeper_takes_turns_through_the_job_lock(
     assert result.busy is not None  # type: ignore[attr-defined]
     assert sweeper.run_once().busy is None
     assert lock_row(private, sweeper.key) is None  # released after the run
+
+
+# -- a schema from before the record of runs (revision 0002) -------------------------------
+
+
+@pytest.fixture
+def at_0002(db_url: str) -> Any:
+    """A manager on a table of its own, migrated to revision 0002 only."""
+    import uuid
+
+    from dblock import migrations
+
+    table = f"dblock_j_{uuid.uuid4().hex[:8]}"
+    manager = LockManager(db_url, table=table)
+    migrations.upgrade(manager.engine, manager.names, "0002")
+    yield manager
+    manager.drop_schema()
+    manager.close()
+
+
+def test_without_the_record_unkeyed_jobs_run_and_keyed_ones_say_why(
+    at_0002: LockManager, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dblock import SchemaMissing
+    from dblock.sweeper import Sweeper
+
+    with caplog.at_level("WARNING", logger="dblock.jobs"):
+        assert at_0002.run_job("plain", lambda: "ran", at_most=5) == "ran"
+        assert at_0002.run_job("plain", lambda: "ran", at_most=5) == "ran"
+    warned = [r for r in caplog.records if "record of job runs" in r.getMessage()]
+    assert len(warned) <= 1  # once per process (an earlier test may have said it)
+    with pytest.raises(SchemaMissing, match="dblock migrate"):
+        at_0002.run_job("keyed", lambda: "no", at_most=5, fire_time=FIRE)
+    assert lock_row(at_0002, "job:keyed") is None  # the key was given back
+    assert Sweeper(at_0002).run_once().runs == 0  # nothing to prune, no error
+    at_0002.create_schema()  # to 0003: the record arrives beside the live table
+    assert at_0002.run_job("keyed", lambda: "yes", at_most=5, fire_time=FIRE) == "yes"
