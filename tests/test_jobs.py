@@ -126,6 +126,18 @@ def test_same_thread_skips_its_own_running_job(private: LockManager) -> None:
     assert inner == [SKIPPED]
 
 
+def test_a_job_key_used_as_another_kind_of_lock_is_refused(
+    private: LockManager, make_manager: MakeManager
+) -> None:
+    from dblock import KindMismatch
+
+    with private.semaphore("job:sem", permits=2):
+        with pytest.raises(KindMismatch, match="in this process"):
+            private.run_job("sem", lambda: None, at_most=5)
+        with pytest.raises(KindMismatch, match="in the table"):
+            other(private, make_manager).run_job("sem", lambda: None, at_most=5)
+
+
 def test_current_run_gives_the_job_its_lock(private: LockManager) -> None:
     seen: list[Any] = []
 
