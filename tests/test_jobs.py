@@ -134,6 +134,10 @@ def test_a_job_key_used_as_another_kind_of_lock_is_refused(
     with private.semaphore("job:sem", permits=2):
         with pytest.raises(KindMismatch, match="in this process"):
             private.run_job("sem", lambda: None, at_most=5)
+        if private.dialect in ("mysql", "mariadb"):
+            # The exclusive lock's documented limit there (docs/kinds/index.md):
+            # only a head row of another kind refuses it.
+            return
         with pytest.raises(KindMismatch, match="in the table"):
             other(private, make_manager).run_job("sem", lambda: None, at_most=5)
 
