@@ -648,3 +648,30 @@ def test_without_the_record_unkeyed_jobs_run_and_keyed_ones_say_why(
     assert Sweeper(at_0002).run_once().runs == 0  # nothing to prune, no error
     at_0002.create_schema()  # to 0003: the record arrives beside the live table
     assert at_0002.run_job("keyed", lambda: "yes", at_most=5, fire_time=FIRE) == "yes"
+
+
+def test_wait_for_the_key_sync_and_async(
+    private: LockManager, make_manager: MakeManager, alocks: Any
+) -> None:
+    second = other(private, make_manager)
+    held = second.acquire("job:waits", ttl=30)
+    threading.Timer(0.5, lambda: held.release(force=True)).start()  # another thread
+    started = time.monotonic()
+    assert private.run_job("waits", lambda: "sync", at_most=5, wait=10) == "sync"
+    assert time.monotonic() - started >= 0.4
+    # Too short a wait: skipped (a LockTimeout underneath).
+    held = second.acquire("job:waits", ttl=30)
+    try:
+        with pytest.raises(JobSkipped) as info:
+            private.run_job("waits", lambda: None, at_most=5, wait=0.3, on_skip="raise")
+        assert info.value.reason == "running"
+    finally:
+        held.release()
+
+    async def main() -> object:
+        again = await asyncio.to_thread(second.acquire, "job:waits", ttl=30)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.5, lambda: again.release(force=True))
+        return await alocks.run_job("waits", asyncio.sleep, 0, "async", at_most=5, wait=10)
+
+    assert asyncio.run(main()) == "async"
