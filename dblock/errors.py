@@ -96,7 +96,8 @@ class JobSkipped(LockNotAcquired):
     """A job run did not run (``once(..., on_skip="raise")``): another process
     runs it, its key is kept after a recent run (``at_least``), or its fire
     time already has a run. ``job`` is the job's name, ``reason`` one of
-    ``"running"``, ``"done"`` (its fire time ran), ``"failed"`` (its fire
+    ``"running"``, ``"kept"`` (the last run ended less than ``at_least``
+    after it began), ``"done"`` (its fire time ran), ``"failed"`` (its fire
     time's run failed or died, and ``retry_failed`` is off); ``holder`` names
     who holds the key when known, ``level`` as for :class:`LockBusy` (0: the
     record of runs decided, the key was free)."""

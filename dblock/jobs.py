@@ -44,7 +44,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store.base import Steps
-from ._store.jobs import statements
+from ._store.jobs import KEPT, statements
 from .config import MAX_SECONDS
 from .errors import (
     BackendError,
@@ -296,14 +296,19 @@ def begin_steps(
             waiter_type=waiter_type,
         )
     except (LockBusy, LockTimeout) as exc:
-        who = exc.holder or ("another thread of this process" if exc.level == 1 else None)
+        holder = exc.holder
+        if holder is not None and holder.endswith(KEPT):
+            return _Skip(
+                "kept",
+                f"its last run, on {holder[: -len(KEPT)]}, ended less than at_least "
+                f"after it began: its key {key!r} is kept until then",
+                exc.level,
+                holder,
+            )
+        who = holder or ("another thread of this process" if exc.level == 1 else None)
         where = f"held by {who}" if who else "held"
         return _Skip(
-            "running",
-            f"its key {key!r} is {where} (a run in progress, or one that ended less "
-            "than at_least ago)",
-            exc.level,
-            exc.holder,
+            "running", f"its key {key!r} is {where}: a run is in progress", exc.level, holder
         )
     if fire_time is None and not options.record:
         return JobRun(name, key, None, None, held)

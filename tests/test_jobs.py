@@ -170,6 +170,12 @@ def test_at_least_keeps_the_key_after_a_short_run(
     # The row stays, its lease ending at acquired_at + at_least (database time).
     assert db_lease(private, "job:short") == pytest.approx(1.5, abs=0.002)
     assert second.run_job("short", lambda: "late", at_most=30) is SKIPPED
+    with pytest.raises(JobSkipped) as info:
+        second.run_job("short", lambda: "late", at_most=30, on_skip="raise")
+    assert info.value.reason == "kept"
+    assert "ended less than at_least after it began" in str(info.value)
+    # Whoever reads the table (dblock list, the admin) sees it too.
+    assert lock_row(private, "job:short").owner.endswith(" [run ended; kept for at_least]")
     time.sleep(1.6)
     assert second.run_job("short", lambda: "next", at_most=30) == "next"
 
