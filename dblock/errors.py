@@ -189,10 +189,12 @@ class SchemaMissing(DBLockError):
 
     __module__ = "dblock"
 
-    def __init__(self, table: str, url: str) -> None:
+    def __init__(self, table: str, url: str, *, missing: str | None = None) -> None:
         option = "" if table == "dblock_locks" else f" --table {table}"
+        # ``missing``: another of the schema's tables (the record of job runs).
+        what = f"the lock table {table!r}" if missing is None else missing
         super().__init__(
-            f"the lock table {table!r} does not exist in {url}; "
+            f"{what} does not exist in {url}; "
             f"run `dblock migrate{option}` (or LockManager.create_schema()) first"
         )
         self.table = table

@@ -346,7 +346,12 @@ def _record_steps(  # noqa: PLR0917 - internal, one caller
         inserted = yield (_STEPS, insert())
     except SchemaMissing:
         if fire_time is not None:
-            raise SchemaMissing(sql.runs_name, locker.store.executor._url) from None
+            names = locker.store.names
+            raise SchemaMissing(
+                names.table,
+                locker.store.executor._url,
+                missing=f"the record of job runs {names.runs_table!r} (schema revision 0003)",
+            ) from None
         if sql.runs_name not in _warned_missing:
             _warned_missing.add(sql.runs_name)
             log.warning(

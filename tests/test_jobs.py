@@ -648,8 +648,11 @@ def test_without_the_record_unkeyed_jobs_run_and_keyed_ones_say_why(
         assert at_0002.run_job("plain", lambda: "ran", at_most=5) == "ran"
     warned = [r for r in caplog.records if "record of job runs" in r.getMessage()]
     assert len(warned) <= 1  # once per process (an earlier test may have said it)
-    with pytest.raises(SchemaMissing, match="dblock migrate"):
+    table = at_0002.config.table
+    with pytest.raises(SchemaMissing) as info:
         at_0002.run_job("keyed", lambda: "no", at_most=5, fire_time=FIRE)
+    assert str(info.value).startswith(f"the record of job runs '{table}_runs' (schema revision")
+    assert f"run `dblock migrate --table {table}`" in str(info.value)
     assert lock_row(at_0002, "job:keyed") is None  # the key was given back
     assert Sweeper(at_0002).run_once().runs == 0  # nothing to prune, no error
     at_0002.create_schema()  # to 0003: the record arrives beside the live table
