@@ -44,7 +44,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store.base import Steps
-from ._store.jobs import KEPT, statements
+from ._store.jobs import KEPT, JobSQL, statements
 from .config import MAX_SECONDS
 from .errors import (
     BackendError,
@@ -342,6 +342,32 @@ def _record_steps(  # noqa: PLR0917 - internal, one caller
             next_fire=next_fire,
         )
 
+    try:
+        return (
+            yield from _decide_steps(
+                locker, held, sql, insert, name, options, fire_time, next_fire, run_id, runner
+            )
+        )
+    except BaseException:
+        # Interrupted (a signal, a cancellation) or failed after our row may
+        # have been written: a fire time must not look like a run that died.
+        with contextlib.suppress(Exception):
+            yield (_STEPS, sql.forget_steps(run_id))
+        raise
+
+
+def _decide_steps(  # noqa: PLR0917 - internal, one caller
+    locker: Locker,
+    held: HeldLock,
+    sql: JobSQL,
+    insert: Callable[[], Steps[bool]],
+    name: str,
+    options: JobOptions,
+    fire_time: datetime | None,
+    next_fire: datetime | None,
+    run_id: str,
+    runner: str,
+) -> Op[JobRun | _Skip]:
     try:
         inserted = yield (_STEPS, insert())
     except SchemaMissing:

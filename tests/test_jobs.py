@@ -684,3 +684,28 @@ def test_wait_for_the_key_sync_and_async(
         return await alocks.run_job("waits", asyncio.sleep, 0, "async", at_most=5, wait=10)
 
     assert asyncio.run(main()) == "async"
+
+
+def test_a_start_interrupted_after_the_record_leaves_no_trace(
+    private: LockManager, make_manager: MakeManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal (here KeyboardInterrupt) right after the run's row was
+    written, before the job began: the row and the key go, so the fire time
+    is not taken for a run that died."""
+    from dblock._store import jobs as job_sql
+
+    real = job_sql.JobSQL.insert_steps
+
+    def interrupted(self: Any, **kwargs: Any) -> Any:
+        yield from real(self, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job_sql.JobSQL, "insert_steps", interrupted)
+    ran: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        private.run_job("cut", lambda: ran.append("no"), at_most=30, fire_time=FIRE)
+    monkeypatch.undo()
+    assert ran == []
+    assert runs(private, "cut") == []
+    assert lock_row(private, "job:cut") is None
+    assert other(private, make_manager).run_job("cut", lambda: "yes", at_most=30, fire_time=FIRE)

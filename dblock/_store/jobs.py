@@ -244,6 +244,15 @@ class JobSQL:
         }
         return (yield self._retake_sql, params, False, False).rowcount > 0
 
+    def forget_steps(self, run_id: str) -> Steps[bool]:
+        """Delete the row of a run that never started its job (its start was
+        interrupted), so its fire time is not taken for a run that died."""
+        sql = (
+            f"DELETE FROM {self.runs} "
+            f"WHERE run_id = {self.bind('run_id')} AND outcome = '{RUNNING}'"
+        )
+        return (yield sql, {"run_id": run_id}, False, False).rowcount > 0
+
     def finish_steps(self, run_id: str, outcome: str, detail: str | None) -> Steps[bool]:
         """Record how run ``run_id`` ended (database time)."""
         params = {"run_id": run_id, "outcome": outcome, "detail": detail}
