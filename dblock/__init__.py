@@ -18,6 +18,7 @@ from .errors import (
     DatabaseUnreachable,
     DBLockError,
     DowngradeRefused,
+    JobSkipped,
     KindMismatch,
     LockArgumentError,
     LockBusy,
@@ -31,6 +32,7 @@ from .errors import (
     SchemaMissing,
     UpgradeRefused,
 )
+from .jobs import SKIPPED, current_run
 from .lock import HeldLock
 from .manager import LockManager, LockRequest
 from .multi import HeldLocks
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from .aio import AsyncLockManager
 
 __all__ = [
+    "SKIPPED",
     "AsyncLockManager",
     "AuthenticationFailed",
     "BackendError",
@@ -49,6 +52,7 @@ __all__ = [
     "DowngradeRefused",
     "HeldLock",
     "HeldLocks",
+    "JobSkipped",
     "KindMismatch",
     "LockArgumentError",
     "LockBusy",
@@ -63,6 +67,7 @@ __all__ = [
     "PoolerMismatch",
     "SchemaMissing",
     "UpgradeRefused",
+    "current_run",
     "returns",
 ]
 

@@ -5,7 +5,9 @@
     DBLockError
      ├── LockNotAcquired          the lock was not granted
      │    ├── LockBusy            fail-fast request, someone else holds it
-     │    └── LockTimeout         a waiting request ran out of time
+     │    ├── LockTimeout         a waiting request ran out of time
+     │    └── JobSkipped          a job run skipped: running elsewhere, kept by at_least,
+     │                            or its fire time already ran (``on_skip="raise"``)
      ├── LockLost                 we held it, but the row is gone or someone else's
      ├── LockNotHeld              release of a lock that is not held, or not by this
      │                            thread / task (also RuntimeError)
@@ -36,6 +38,7 @@ __all__ = [
     "DBLockError",
     "DatabaseUnreachable",
     "DowngradeRefused",
+    "JobSkipped",
     "KindMismatch",
     "LockArgumentError",
     "LockBusy",
@@ -96,6 +99,35 @@ class LockTimeout(LockNotAcquired):
             f"lock {key!r} not acquired within {timeout:g} s{by}", key=key, level=level
         )
         self.timeout = timeout
+        self.holder = holder
+
+
+class JobSkipped(LockNotAcquired):
+    """A job run did not run (``once(..., on_skip="raise")``): another process
+    runs it, its key is kept after a recent run (``at_least``), or its fire
+    time already has a run. ``job`` is the job's name, ``reason`` one of
+    ``"running"``, ``"kept"`` (the last run ended less than ``at_least``
+    after it began), ``"done"`` (its fire time ran), ``"failed"`` (its fire
+    time's run failed or died, and ``retry_failed`` is off); ``holder`` names
+    who holds the key when known, ``level`` as for :class:`LockBusy` (0: the
+    record of runs decided, the key was free)."""
+
+    __module__ = "dblock"
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        key: str,
+        reason: str,
+        detail: str,
+        level: int = 2,
+        holder: str | None = None,
+    ) -> None:
+        super().__init__(f"job {job!r} skipped: {detail}", key=key, level=level)
+        self.job = job
+        self.reason = reason
+        self.detail = detail
         self.holder = holder
 
 
@@ -210,10 +242,12 @@ class SchemaMissing(DBLockError):
 
     __module__ = "dblock"
 
-    def __init__(self, table: str, url: str) -> None:
+    def __init__(self, table: str, url: str, *, missing: str | None = None) -> None:
         option = "" if table == "dblock_locks" else f" --table {table}"
+        # ``missing``: another of the schema's tables (the record of job runs).
+        what = f"the lock table {table!r}" if missing is None else missing
         super().__init__(
-            f"the lock table {table!r} does not exist in {url}; "
+            f"{what} does not exist in {url}; "
             f"run `dblock migrate{option}` (or LockManager.create_schema()) first"
         )
         self.table = table
