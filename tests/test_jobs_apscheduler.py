@@ -1,0 +1,261 @@
+"""APScheduler 3 across processes: each fire of a job runs once.
+
+Real processes and real schedulers: gunicorn workers that each start an
+APScheduler, and standalone schedulers on clocks skewed with ``faketime``.
+Every run writes a ledger row (tests/support/jobs_app.py), every skip too;
+the ledger and dblock's runs table must both show exactly one run per fire
+time. The ledger's verdict is tested first on hand-made ledgers, and on a
+control run with APScheduler's own executor, where it must see duplicates.
+
+Sizes: the suite's runs are short (14 s of gunicorn, ±6 s clocks for 20 s);
+``DBLOCK_JOBS_LONG=1`` runs the full ones (60 s, ±20 s clocks for 60 s).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+import uuid
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import LockManager
+from tests.support import jobs_app
+from tests.support.jobs_check import LONG, running, start, verdict, wait_until
+
+ANCHOR = "2020-01-01T00:00:00+00:00"  # every scheduler's interval starts here
+INTERVAL = 2.0
+WORK = 0.8  # seconds a run takes: the window kill -9 aims at
+AT_MOST = 4.0
+GUNICORN_SECONDS = 60.0 if LONG else 14.0
+SKEW = 20 if LONG else 6
+SKEW_SECONDS = 60.0 if LONG else 20.0
+
+
+def _env(db_url: str, ledger: str, **more: str) -> dict[str, str]:
+    return {
+        "DBLOCK_JOBS_URL": db_url,
+        "DBLOCK_JOBS_LEDGER": ledger,
+        "DBLOCK_JOBS_ANCHOR": ANCHOR,
+        "DBLOCK_JOBS_INTERVAL": str(INTERVAL),
+        "DBLOCK_JOBS_WORK": str(WORK),
+        "DBLOCK_JOBS_AT_MOST": str(AT_MOST),
+        "PYTHONUNBUFFERED": "1",
+        **more,
+    }
+
+
+def _runs_of(db_url: str, job: str) -> list[dict[str, Any]]:
+    """dblock's record of runs for ``job``: one row per fire time that ran."""
+    with LockManager(db_url) as m:
+        runs = sa.Table(m.names.runs_table, sa.MetaData(), autoload_with=m.engine)
+        with m.engine.connect() as conn:
+            rows = conn.execute(sa.select(runs).where(runs.c.job == job)).all()
+    return [dict(r._mapping) for r in rows]
+
+
+def _iso(value: datetime) -> str:
+    return value.replace(tzinfo=value.tzinfo or __import__("datetime").timezone.utc).isoformat()
+
+
+def _report(name: str, **facts: object) -> None:
+    print(f"\n[{name}] " + " ".join(f"{k}={v}" for k, v in facts.items()))
+
+
+def _kill_a_run(db_url: str, ledger: str, spare: set[int]) -> dict[str, Any]:
+    """kill -9 a process in the middle of a run (a ledger row not yet ended)."""
+
+    def in_a_run() -> dict[str, Any] | None:
+        for row in jobs_app.read_ledger(db_url, ledger):
+            if row["kind"] == "run" and row["ended"] is None and row["pid"] not in spare:
+                return row
+        return None
+
+    row = wait_until(in_a_run, timeout=30, every=0.05)
+    os.kill(row["pid"], signal.SIGKILL)
+    return row
+
+
+# -- the ledger's verdict, on hand-made ledgers ----------------------------------
+
+
+def _row(fire: str, kind: str = "run") -> dict[str, str]:
+    return {"fire_time": f"2020-01-01T00:00:{fire}+00:00", "kind": kind}
+
+
+def test_verdict_sees_a_duplicate_and_a_gap() -> None:
+    rows = [_row("00"), _row("00", "skip"), _row("02"), _row("02"), _row("06")]
+    v = verdict(rows, interval=2)
+    assert v.duplicates == ["2020-01-01T00:00:02+00:00"]
+    assert v.gaps == ["2020-01-01T00:00:04+00:00"]
+    assert v.contested(2) == 2  # 00 (a run and a skip) and 02 (two runs)
+    assert verdict(rows, interval=2, excused=["2020-01-01T00:00:04+00:00"]).gaps == []
+
+
+def test_verdict_of_a_clean_ledger() -> None:
+    rows = [_row("00"), _row("00", "skip"), _row("02"), _row("02", "skip"), _row("04")]
+    v = verdict(rows, interval=2)
+    assert (v.duplicates, v.gaps, v.fires) == ([], [], 3)
+
+
+# -- gunicorn workers, each with a scheduler ------------------------------------
+
+
+def _gunicorn(db_url: str, ledger: str, log: Path, *, workers: int, mode: str) -> Any:
+    argv = [sys.executable, "-m", "gunicorn", "-w", str(workers), "-b", "127.0.0.1:0",
+            "--graceful-timeout", "10", "tests.support.jobs_app:app"]  # fmt: skip
+    env = _env(db_url, ledger, DBLOCK_JOBS_GUNICORN="1", DBLOCK_JOBS_MODE=mode)
+    return start(argv, env=env, log=log)
+
+
+@pytest.mark.databases("sqlite")
+def test_control_plain_executor_runs_each_fire_in_every_worker(db_url: str, tmp_path: Path) -> None:
+    """Without dblock, two workers run every fire twice: the ledger sees it."""
+    ledger = uuid.uuid4().hex[:12]
+    jobs_app.reset_ledger(db_url, ledger)
+    with running([_gunicorn(db_url, ledger, tmp_path / "g.log", workers=2, mode="plain")]):
+        wait_until(
+            lambda: verdict(jobs_app.read_ledger(db_url, ledger), interval=INTERVAL).duplicates,
+            timeout=20,
+        )
+    v = verdict(jobs_app.read_ledger(db_url, ledger), interval=INTERVAL)
+    assert v.duplicates
+
+
+@pytest.mark.slow
+def test_gunicorn_workers_run_each_fire_once(db_url: str, db: str, tmp_path: Path) -> None:
+    """4 gunicorn workers, each with a scheduler firing every 2 s; one worker
+    is killed with kill -9 in the middle of a run. Exactly one run per fire
+    time in the ledger and the runs table; the killed run is not run again,
+    and the fires after it go on (a dead runner's lock blocks the job for at
+    most ``at_most``)."""
+    ledger = uuid.uuid4().hex[:12]
+    jobs_app.reset_ledger(db_url, ledger)
+    log = tmp_path / "gunicorn.log"
+    master = _gunicorn(db_url, ledger, log, workers=4, mode="once")
+    with running([master]):
+        wait_until(lambda: jobs_app.read_ledger(db_url, ledger), timeout=30)
+        began = time.monotonic()
+        time.sleep(GUNICORN_SECONDS * 0.4)
+        killed = _kill_a_run(db_url, ledger, spare={master.pid})
+        killed_at = time.monotonic()
+        time.sleep(max(GUNICORN_SECONDS - (killed_at - began), AT_MOST + 4 * INTERVAL))
+    rows = jobs_app.read_ledger(db_url, ledger)
+    fire = datetime.fromisoformat(killed["fire_time"])
+    blocked = [(fire + timedelta(seconds=INTERVAL * k)).isoformat()
+               for k in range(1, int(AT_MOST / INTERVAL) + 2)]  # fmt: skip
+    v = verdict(rows, interval=INTERVAL, excused=blocked)
+    runs = _runs_of(db_url, f"tick-{ledger}")
+    after = [f for f in v.runs if datetime.fromisoformat(f) > fire + timedelta(seconds=AT_MOST)]
+    _report(
+        f"gunicorn {db}",
+        seconds=GUNICORN_SECONDS,
+        fires=v.fires,
+        duplicates=len(v.duplicates),
+        gaps=len(v.gaps),
+        contested_by_4=v.contested(4),
+        runs_table=len(runs),
+        pids=len({r["pid"] for r in rows if r["kind"] == "run"}),
+        fires_after_kill=len(after),
+    )
+    assert v.duplicates == [], log.read_text()[-3000:]
+    assert v.gaps == [], log.read_text()[-3000:]
+    assert v.fires >= GUNICORN_SECONDS / INTERVAL * 0.6
+    assert v.contested(3) >= v.fires // 2  # the workers did compete for the fires
+    # The killed run: one ledger row, never ended, and no second run of it.
+    assert v.runs[killed["fire_time"]] == 1
+    assert len(after) >= 2  # the next fires went on
+    # The runs table agrees: one row per fire time that ran, none other.
+    by_fire: dict[str, int] = {}
+    for run in runs:
+        by_fire[_iso(run["fire_time"])] = by_fire.get(_iso(run["fire_time"]), 0) + 1
+    assert set(by_fire) == set(v.runs)
+    assert all(n == 1 for n in by_fire.values())
+    assert [r["outcome"] for r in runs if _iso(r["fire_time"]) == killed["fire_time"]] == [
+        "running"
+    ]
+
+
+# -- clocks apart: schedulers under faketime -------------------------------------
+
+
+def _ready_pid(log: Path) -> int | None:
+    for line in log.read_text().splitlines():
+        if line.startswith("ready "):
+            return int(line.split()[1])
+    return None
+
+
+def _faketime() -> str:
+    found = shutil.which("faketime")
+    if found is None:
+        pytest.fail("faketime is required (Debian's faketime package: apt-get install faketime)")
+    return found
+
+
+@pytest.mark.slow
+def test_skewed_clocks_run_each_fire_once(db_url: str, db: str, tmp_path: Path) -> None:
+    """Three schedulers whose clocks are -SKEW, 0 and +SKEW seconds off, each
+    with its job in a persistent job store of its own, on an interval
+    trigger anchored at a fixed start_date: they compute the same fire times
+    at different real times, and each fire runs once. The +SKEW scheduler is
+    killed with kill -9 in a run: the two later ones find that fire taken
+    (SKEW and 2*SKEW seconds later) and do not run it again."""
+    faketime = _faketime()
+    ledger = uuid.uuid4().hex[:12]
+    jobs_app.reset_ledger(db_url, ledger)
+    procs = []
+    for i, offset in enumerate((-SKEW, 0, SKEW)):
+        argv = [sys.executable, "-m", "tests.support.jobs_app", str(SKEW_SECONDS)]
+        if offset:
+            argv = [faketime, "-f", f"{offset:+d}s", *argv]
+        env = _env(db_url, ledger, DBLOCK_JOBS_STORE=f"sqlite:///{tmp_path / f'store{i}.sqlite'}")
+        procs.append(start(argv, env=env, log=tmp_path / f"sched{i}.log"))
+    with running(procs):
+        # faketime runs the scheduler as its child: the PIDs the ledger sees
+        # are the ones each scheduler prints when ready.
+        pids = [wait_until(lambda i=i: _ready_pid(tmp_path / f"sched{i}.log"), timeout=30)
+                for i in range(3)]  # fmt: skip
+        time.sleep(SKEW_SECONDS * 0.4)
+        spare = set(pids[:2])
+        # Only the fast clock's runs: its fires are the ones the others reach later.
+        killed = _kill_a_run(db_url, ledger, spare=spare)
+        for p in procs[:2]:
+            p.wait(SKEW_SECONDS + 30)
+    logs = "\n".join((tmp_path / f"sched{i}.log").read_text()[-1500:] for i in range(3))
+    assert [p.returncode for p in procs[:2]] == [0, 0], logs
+    rows = jobs_app.read_ledger(db_url, ledger)
+    fire = datetime.fromisoformat(killed["fire_time"])
+    blocked = [(fire + timedelta(seconds=INTERVAL * k)).isoformat()
+               for k in range(1, int((AT_MOST + 2 * SKEW) / INTERVAL) + 2)]  # fmt: skip
+    v = verdict(rows, interval=INTERVAL, excused=blocked)
+    runs = _runs_of(db_url, f"tick-{ledger}")
+    _report(
+        f"skew {db}",
+        skew=SKEW,
+        seconds=SKEW_SECONDS,
+        fires=v.fires,
+        duplicates=len(v.duplicates),
+        gaps=len(v.gaps),
+        contested_by_3=v.contested(3),
+        contested_by_2=v.contested(2),
+        runs_table=len(runs),
+        killed_fire_skips=v.skips.get(killed["fire_time"], 0),
+    )
+    assert v.duplicates == [], logs
+    assert v.gaps == [], logs
+    assert v.contested(2) >= 3, logs  # clocks apart, still the same fire times
+    assert v.runs[killed["fire_time"]] == 1
+    assert v.skips.get(killed["fire_time"], 0) >= 1  # a later clock came, and skipped it
+    by_fire: dict[str, int] = {}
+    for run in runs:
+        by_fire[_iso(run["fire_time"])] = by_fire.get(_iso(run["fire_time"]), 0) + 1
+    assert set(by_fire) == set(v.runs)
+    assert all(n == 1 for n in by_fire.values())
