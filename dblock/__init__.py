@@ -15,6 +15,7 @@ from .errors import (
     BackendError,
     DBLockError,
     DowngradeRefused,
+    JobSkipped,
     KindMismatch,
     LockArgumentError,
     LockBusy,
@@ -26,6 +27,7 @@ from .errors import (
     SchemaMissing,
     UpgradeRefused,
 )
+from .jobs import SKIPPED, current_run
 from .lock import HeldLock
 from .manager import LockManager, LockRequest
 from .multi import HeldLocks
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from .aio import AsyncLockManager
 
 __all__ = [
+    "SKIPPED",
     "AsyncLockManager",
     "BackendError",
     "Config",
@@ -41,6 +44,7 @@ __all__ = [
     "DowngradeRefused",
     "HeldLock",
     "HeldLocks",
+    "JobSkipped",
     "KindMismatch",
     "LockArgumentError",
     "LockBusy",
@@ -53,6 +57,7 @@ __all__ = [
     "ManagerClosed",
     "SchemaMissing",
     "UpgradeRefused",
+    "current_run",
     "returns",
 ]
 

@@ -26,18 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import logging
 import os
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from sqlalchemy import URL
 from sqlalchemy.engine import Engine
 
-from . import decorators
+from . import decorators, jobs
 from ._store import Store
 from ._store.aio import AsyncStore
 from ._store.base import Backoff
@@ -72,14 +75,16 @@ from .lock import (
     Unset,
     _noop,
 )
-from .manager import LockManager, _level2, _until_hook
+from .manager import LockManager, _fire_times, _level2, _until_hook
 from .multi import _TAKE, ManySteps, acquire_many_steps, order_keys
 from .registry import Entry, Waiter, current_owner
+from .schema import FAILED, SUCCESS
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
     from ._store.postgresql import Listener
+    from .jobs import Skipped
 
 __all__ = ["AsyncHeldLock", "AsyncHeldLocks", "AsyncLockManager", "AsyncLockRequest"]
 
@@ -760,6 +765,138 @@ class AsyncLockManager:
             defer=_until_hook(until),
             fair=fair,
         )
+
+    # -- jobs ----------------------------------------------------------------
+
+    def once(
+        self,
+        name: str,
+        *,
+        at_most: float | timedelta | None = None,
+        at_least: float | timedelta = 0,
+        per: str | None = None,
+        retry_failed: bool = False,
+        on_skip: str = "return",
+        wait: float | timedelta = 0,
+        record: bool = True,
+    ) -> Callable[[Callable[P, Awaitable[R]]], Callable[..., Awaitable[R | Skipped]]]:
+        """:meth:`dblock.LockManager.once` for ``async def`` jobs: the same
+        options, the same decisions (shared with the blocking side)."""
+        key = jobs.job_key(name)
+        per = jobs.check_per(per)
+        options = jobs.JobOptions.make(
+            self.sync,
+            at_most=at_most,
+            at_least=at_least,
+            retry_failed=retry_failed,
+            on_skip=on_skip,
+            wait=wait,
+            record=record,
+        )
+
+        def decorate(func: Callable[P, Awaitable[R]]) -> Callable[..., Awaitable[R | Skipped]]:
+            if not inspect.iscoroutinefunction(func):
+                raise LockArgumentError(
+                    f"{getattr(func, '__qualname__', func)!r} is not a coroutine function: "
+                    "use LockManager.once"
+                )
+            passes_fire = jobs.takes_keyword(func, "fire_time")
+
+            @functools.wraps(func)
+            async def run_once(*args: Any, **kwargs: Any) -> R | Skipped:
+                fire_time, next_fire = _fire_times(per, passes_fire, kwargs)
+                return await self._run_job(
+                    name, key, options, func, args, kwargs, fire_time, next_fire
+                )
+
+            return run_once
+
+        return decorate
+
+    async def run_job(
+        self,
+        name: str,
+        func: Callable[..., Awaitable[R]],
+        /,
+        *args: Any,
+        fire_time: datetime | None = None,
+        at_most: float | timedelta | None = None,
+        at_least: float | timedelta = 0,
+        retry_failed: bool = False,
+        on_skip: str = "return",
+        wait: float | timedelta = 0,
+        record: bool = True,
+        next_fire_time: datetime | None = None,
+        **kwargs: Any,
+    ) -> R | Skipped:
+        """``await alocks.run_job(name, coro_func, *args, ...)``: see
+        :meth:`dblock.LockManager.run_job`. ``func`` returns an awaitable."""
+        key = jobs.job_key(name)
+        options = jobs.JobOptions.make(
+            self.sync,
+            at_most=at_most,
+            at_least=at_least,
+            retry_failed=retry_failed,
+            on_skip=on_skip,
+            wait=wait,
+            record=record,
+        )
+        fire = None if fire_time is None else jobs.check_fire_time(fire_time)
+        nxt = None if next_fire_time is None else jobs.check_fire_time(next_fire_time)
+        if not callable(func):
+            raise LockArgumentError(f"run_job needs a callable to run, got {func!r}")
+        return await self._run_job(name, key, options, func, args, kwargs, fire, nxt)
+
+    async def _run_job(  # noqa: PLR0917 - internal: once and run_job call it
+        self,
+        name: str,
+        key: str,
+        options: jobs.JobOptions,
+        func: Callable[..., Awaitable[R]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        fire_time: datetime | None,
+        next_fire: datetime | None,
+    ) -> R | Skipped:
+        """The asyncio driver of :func:`dblock.jobs.begin_steps` and
+        ``finish_steps`` (the blocking one is :func:`dblock.jobs.run_job`)."""
+        locker = self._locker
+        telemetry = locker.telemetry
+        if self.sync._closed:
+            raise ManagerClosed("this LockManager is closed")
+        got = await _drive(
+            self,
+            jobs.begin_steps(
+                locker,
+                name,
+                key,
+                options,
+                fire_time=fire_time,
+                next_fire=next_fire,
+                me=current_owner(),
+                waiter_type=AsyncWaiter,
+            ),
+        )
+        if not isinstance(got, jobs.JobRun):
+            return jobs.skipped(telemetry, name, key, got, options.on_skip)
+        token = jobs._current.set(got)
+        try:
+            result = await func(*args, **kwargs)
+        except BaseException as exc:
+            jobs._current.reset(token)
+            jobs.ended(telemetry, got, FAILED)
+            try:
+                await _drive(
+                    self,
+                    jobs.finish_steps(locker, got, FAILED, jobs.describe(exc), options.at_least),
+                )
+            except LockLost:
+                log.exception("dblock: job %r lost its key while it ran and failed", name)
+            raise
+        jobs._current.reset(token)
+        jobs.ended(telemetry, got, SUCCESS)
+        await _drive(self, jobs.finish_steps(locker, got, SUCCESS, None, options.at_least))
+        return result
 
     # -- schema and shutdown -----------------------------------------------
 

@@ -5,7 +5,9 @@
     DBLockError
      ├── LockNotAcquired          the lock was not granted
      │    ├── LockBusy            fail-fast request, someone else holds it
-     │    └── LockTimeout         a waiting request ran out of time
+     │    ├── LockTimeout         a waiting request ran out of time
+     │    └── JobSkipped          a job run skipped: running elsewhere, kept by at_least,
+     │                            or its fire time already ran (``on_skip="raise"``)
      ├── LockLost                 we held it, but the row is gone or someone else's
      ├── LockNotHeld              release of a lock that is not held, or not by this
      │                            thread / task (also RuntimeError)
@@ -28,6 +30,7 @@ __all__ = [
     "BackendError",
     "DBLockError",
     "DowngradeRefused",
+    "JobSkipped",
     "KindMismatch",
     "LockArgumentError",
     "LockBusy",
@@ -86,6 +89,34 @@ class LockTimeout(LockNotAcquired):
             f"lock {key!r} not acquired within {timeout:g} s{by}", key=key, level=level
         )
         self.timeout = timeout
+        self.holder = holder
+
+
+class JobSkipped(LockNotAcquired):
+    """A job run did not run (``once(..., on_skip="raise")``): another process
+    runs it, its key is kept after a recent run (``at_least``), or its fire
+    time already has a run. ``job`` is the job's name, ``reason`` one of
+    ``"running"``, ``"done"`` (its fire time ran), ``"failed"`` (its fire
+    time's run failed or died, and ``retry_failed`` is off); ``holder`` names
+    who holds the key when known, ``level`` as for :class:`LockBusy` (0: the
+    record of runs decided, the key was free)."""
+
+    __module__ = "dblock"
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        key: str,
+        reason: str,
+        detail: str,
+        level: int = 2,
+        holder: str | None = None,
+    ) -> None:
+        super().__init__(f"job {job!r} skipped: {detail}", key=key, level=level)
+        self.job = job
+        self.reason = reason
+        self.detail = detail
         self.holder = holder
 
 

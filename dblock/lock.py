@@ -49,6 +49,7 @@ from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
 from ._store.base import Lease, never_sent
 from ._store.fair import Seat
 from ._store.fair import statements as fair_statements
+from ._store.jobs import statements as job_statements
 from .config import Config, OnLost, check_ttl
 from .errors import (
     BackendError,
@@ -885,8 +886,13 @@ class Locker:
     def release(self, held: HeldLock, *, force: bool = False) -> bool:
         return self.run(self.release_steps(held, force))
 
-    def release_steps(self, held: HeldLock, force: bool) -> Op[bool]:  # noqa: PLR0912
-        """Release, written once for threads and tasks (see :meth:`acquire_steps`)."""
+    def release_steps(  # noqa: PLR0912
+        self, held: HeldLock, force: bool, *, keep: float = 0.0
+    ) -> Op[bool]:
+        """Release, written once for threads and tasks (see :meth:`acquire_steps`).
+        ``keep`` (seconds, a job's ``at_least``): the row stays, its lease
+        ending ``keep`` after it was acquired (database time), if that is
+        still to come; it is never handed to a local waiter then."""
         if held._released:
             if held._revoked and held._lost is not None:
                 raise LockLost(held.key, held._lost)
@@ -913,7 +919,9 @@ class Locker:
                 waiter = self.registry.pop_waiter(entry)
             if waiter is not None:
                 return (yield from self._release_seating(held, waiter))
-        elif entry.queue and entry.handoffs < self._handoff_limit and held._lost is None:
+        elif (
+            entry.queue and entry.handoffs < self._handoff_limit and held._lost is None and not keep
+        ):
             waiter = self.registry.pop_waiter(entry)
         if waiter is not None:
             return (yield from self._hand_off(entry, held, waiter))
@@ -924,6 +932,11 @@ class Locker:
                 deleted = yield (
                     _STEPS,
                     fair_statements(self.store).release_steps(held.key, held.token),
+                )
+            elif keep:
+                deleted = yield (
+                    _STEPS,
+                    job_statements(self.store).keep_steps(held.key, held.token, keep),
                 )
             else:
                 deleted = yield (_RELEASE, held.key, held.token)

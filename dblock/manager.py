@@ -13,10 +13,12 @@ and the store, and hands out locks::
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime, timedelta
 from functools import partial, wraps
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar
@@ -48,6 +50,7 @@ from .schema import TableNames
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+    from .jobs import Skipped
     from .kinds.rw import RwHeld, RwLocker
     from .kinds.semaphore import HeldPermit, Semaphores  # noqa: F401 - HeldPermit: a string below
     from .sweeper import Sweeper
@@ -495,6 +498,102 @@ class LockManager:
             fair=fair,
         )
 
+    # -- jobs ----------------------------------------------------------------
+
+    def once(
+        self,
+        name: str,
+        *,
+        at_most: float | timedelta | None = None,
+        at_least: float | timedelta = 0,
+        per: str | None = None,
+        retry_failed: bool = False,
+        on_skip: str = "return",
+        wait: float | timedelta = 0,
+        record: bool = True,
+    ) -> Callable[[Callable[P, R]], Callable[..., R | Skipped]]:
+        """Decorate a job so each call runs it only if no other process runs
+        it now (else it is skipped: :data:`~dblock.SKIPPED`, or
+        :class:`~dblock.JobSkipped` with ``on_skip="raise"``). ``at_most`` is
+        the job lock's lease (renewed while the run lives; default: the
+        manager's ``ttl``), ``at_least`` how long after its start the key
+        stays taken however soon the run ends, both on the database's clock.
+        ``per="fire_time"``: one run per scheduled fire time, given as the
+        call's keyword ``fire_time=`` (passed on to the function if it takes
+        it); a fire time whose run failed or died runs again only with
+        ``retry_failed=True``. ``wait`` seconds to wait for the key before
+        skipping. See :mod:`dblock.jobs` and docs/jobs.md."""
+        from . import jobs
+
+        key = jobs.job_key(name)
+        per = jobs.check_per(per)
+        options = jobs.JobOptions.make(
+            self,
+            at_most=at_most,
+            at_least=at_least,
+            retry_failed=retry_failed,
+            on_skip=on_skip,
+            wait=wait,
+            record=record,
+        )
+
+        def decorate(func: Callable[P, R]) -> Callable[..., R | Skipped]:
+            if inspect.iscoroutinefunction(func):
+                raise LockArgumentError(
+                    f"{func.__qualname__} is a coroutine function: use AsyncLockManager.once"
+                )
+            passes_fire = jobs.takes_keyword(func, "fire_time")
+
+            @wraps(func)
+            def run_once(*args: Any, **kwargs: Any) -> R | Skipped:
+                fire_time, next_fire = _fire_times(per, passes_fire, kwargs)
+                return jobs.run_job(
+                    self, name, key, options, func, args, kwargs, fire_time, next_fire
+                )
+
+            return run_once
+
+        return decorate
+
+    def run_job(
+        self,
+        name: str,
+        func: Callable[..., R],
+        /,
+        *args: Any,
+        fire_time: datetime | None = None,
+        at_most: float | timedelta | None = None,
+        at_least: float | timedelta = 0,
+        retry_failed: bool = False,
+        on_skip: str = "return",
+        wait: float | timedelta = 0,
+        record: bool = True,
+        next_fire_time: datetime | None = None,
+        **kwargs: Any,
+    ) -> R | Skipped:
+        """Run ``func(*args, **kwargs)`` as one run of the job ``name``
+        unless another process runs it (the entry point of the scheduler
+        integrations; :meth:`once` is built on it). With ``fire_time`` (an
+        aware datetime) the run is once per that fire time. ``next_fire_time``
+        is recorded for ``dblock jobs`` to show. Options as for :meth:`once`."""
+        from . import jobs
+
+        key = jobs.job_key(name)
+        options = jobs.JobOptions.make(
+            self,
+            at_most=at_most,
+            at_least=at_least,
+            retry_failed=retry_failed,
+            on_skip=on_skip,
+            wait=wait,
+            record=record,
+        )
+        fire = None if fire_time is None else jobs.check_fire_time(fire_time)
+        nxt = None if next_fire_time is None else jobs.check_fire_time(next_fire_time)
+        if not callable(func):
+            raise LockArgumentError(f"run_job needs a callable to run, got {func!r}")
+        return jobs.run_job(self, name, key, options, func, args, kwargs, fire, nxt)
+
     def _check(
         self,
         key: object,
@@ -675,6 +774,26 @@ class LockManager:
         return acquire_many(
             self._locker, order_keys(keys), blocking=blocking, timeout=wait, ttl=lease, options=opts
         )
+
+
+def _fire_times(
+    per: str | None, passes_fire: bool, kwargs: dict[str, Any]
+) -> tuple[datetime | None, datetime | None]:
+    """The fire time (and next fire time) of a call of a ``once`` job, taken
+    from its keywords: ``fire_time`` stays for a function that takes it,
+    ``next_fire_time`` is dblock's alone."""
+    from .jobs import check_fire_time
+
+    given = kwargs.get("fire_time") if passes_fire else kwargs.pop("fire_time", None)
+    nxt = kwargs.pop("next_fire_time", None)
+    if per is None:
+        return None, None if nxt is None else check_fire_time(nxt)
+    if given is None:
+        raise LockArgumentError(
+            "this job runs once per fire time (per='fire_time'): call it with fire_time=<the "
+            "scheduled time, an aware datetime>"
+        )
+    return check_fire_time(given), None if nxt is None else check_fire_time(nxt)
 
 
 def _level2(fair: object) -> Level2 | None:

@@ -78,14 +78,17 @@ __all__ = [
     "derived_name",
     "drop_statements",
     "lock_table",
+    "runs_table",
 ]
 
 MYSQL_FAMILY = ("mysql", "mariadb")
 
 #: The newest schema revision (``alembic/versions``).
-HEAD_REVISION = "0002"
+HEAD_REVISION = "0003"
 #: The revisions whose table layout :func:`lock_table` can build.
-REVISIONS = ("0001", "0002")
+REVISIONS = ("0001", "0002", "0003")
+#: The revision that added the record of job runs (:func:`runs_table`).
+RUNS_REVISION = "0003"
 _UTC = timezone.utc
 
 
@@ -143,6 +146,21 @@ class TableNames:
         )
 
     @property
+    def runs_table(self) -> str:
+        """The record of job runs (``once(per="fire_time")``, ``dblock jobs``)."""
+        return derived_name(self.table, "_runs")
+
+    @property
+    def runs_fire_key(self) -> str:
+        """Unique ``(job, fire_time)``: the arbiter of one run per fire time."""
+        return derived_name(self.table, "_runs_fire_key")
+
+    @property
+    def runs_started_index(self) -> str:
+        """``started_at``: the sweeper prunes old runs by it."""
+        return derived_name(self.table, "_runs_started_idx")
+
+    @property
     def version_table(self) -> str:
         """alembic's version table for this lock table (never the app's ``alembic_version``).
         alembic names its primary key ``<version_table>_pkc``, so it stays 4 short."""
@@ -162,6 +180,9 @@ class TableNames:
             self.fence_key,
             self.fence_table,
             *self.triggers,
+            self.runs_table,
+            self.runs_fire_key,
+            self.runs_started_index,
             self.version_table,
         )
 
@@ -263,6 +284,52 @@ def lock_table(
     )
 
 
+#: The values of the runs table's ``outcome`` column.
+RUNNING, SUCCESS, FAILED = "running", "success", "failed"
+
+
+def runs_table(names: TableNames, metadata: MetaData | None = None) -> Table:
+    """The record of job runs (revision 0003), one row per run of a job
+    started through ``LockManager.once`` / ``run_job`` / ``dblock run``.
+
+    ``(job, fire_time)`` is unique: for a run keyed by its scheduled fire
+    time, the INSERT of its row decides whether that fire time runs (a NULL
+    fire time, an unkeyed run, never collides). ``token`` is the job lock's
+    token while it ran, so a reader can tell a live run from one whose runner
+    died (its lock row is gone or someone else's). Times are database time,
+    stored as the lock table stores them."""
+    return Table(
+        names.runs_table,
+        metadata if metadata is not None else MetaData(),
+        Column("run_id", String(32), primary_key=True),
+        Column("job", _exact(255), nullable=False),
+        Column("fire_time", UTCDateTime(), nullable=True),
+        Column("runner", String(255), nullable=False),
+        Column("token", String(32), nullable=False),
+        Column("started_at", UTCDateTime(), nullable=False),
+        Column("finished_at", UTCDateTime(), nullable=True),
+        Column("outcome", String(16), nullable=False),
+        Column("detail", String(255), nullable=True),
+        Column("attempt", Integer, nullable=False, server_default=text("1")),
+        Column("next_fire", UTCDateTime(), nullable=True),
+        UniqueConstraint("job", "fire_time", name=names.runs_fire_key),
+        Index(names.runs_started_index, "started_at"),
+        mysql_engine="InnoDB",
+        mysql_charset="utf8mb4",
+    )
+
+
+def runs_create_statements(names: TableNames) -> list[Executable]:
+    """DDL creating the runs table and its index (revision 0003)."""
+    table = runs_table(names)
+    return [CreateTable(table), *(CreateIndex(index) for index in table.indexes)]
+
+
+def runs_drop_statements(names: TableNames) -> list[ExecutableDDLElement]:
+    table = runs_table(names)
+    return [*(DropIndex(index) for index in table.indexes), DropTable(table)]
+
+
 def fence_table(names: TableNames, metadata: MetaData | None = None) -> Table:
     """SQLite only: the one-row fencing counter."""
     return Table(
@@ -295,6 +362,8 @@ def create_statements(
     out += [CreateTable(table, include_foreign_key_constraints=[]), CreateIndex(index)]
     if dialect == "sqlite":
         out += [CreateTable(fence_table(names, metadata)), *_sqlite_fence_ddl(names)]
+    if revision >= RUNS_REVISION:
+        out += runs_create_statements(names)
     return out
 
 
@@ -306,6 +375,8 @@ def drop_statements(
     table = lock_table(names, metadata, revision=revision)
     index = next(iter(table.indexes))
     out: list[ExecutableDDLElement | TextClause] = []
+    if revision >= RUNS_REVISION:
+        out += runs_drop_statements(names)
     if dialect == "sqlite":
         quote = sqlite_quote
         out += [text(f"DROP TRIGGER IF EXISTS {quote(trigger)}") for trigger in names.triggers]

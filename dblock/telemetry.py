@@ -19,6 +19,9 @@ Metrics (attributes in brackets; all low-cardinality, never a key):
 ``dblock.lock.handoffs``           counter    rows passed to a local waiter without a
                                               round trip through the table
 ``dblock.sweeper.deleted``         counter    rows the sweeper deleted [reason]
+``dblock.job.runs``                counter    job runs [outcome]: success, failed,
+                                              skipped (with [reason]: running, done,
+                                              failed)
 =================================  =========  ==========================================
 
 Every instrument also carries ``dblock.table``, so two managers on two tables
@@ -151,6 +154,9 @@ class Recorder:
         self._swept = meter.create_counter(
             "dblock.sweeper.deleted", unit="{row}", description="rows deleted by the sweeper"
         )
+        self._jobs = meter.create_counter(
+            "dblock.job.runs", unit="{run}", description="job runs by outcome (skipped included)"
+        )
         # Attribute sets built once: recording reuses them (no dict per event).
         base = {"dblock.table": table}
         self._base = base
@@ -220,6 +226,13 @@ class Recorder:
 
     def handoff(self) -> None:
         self._handoffs.add(1, self._base)
+
+    def job_run(self, outcome: str, reason: str | None) -> None:
+        """A job ran (``success``, ``failed``) or was skipped (and why)."""
+        attributes = {**self._base, "dblock.outcome": outcome}
+        if reason is not None:
+            attributes["dblock.reason"] = reason
+        self._jobs.add(1, attributes)
 
     def swept(self, reason: str, count: int) -> None:
         if count:

@@ -1,0 +1,484 @@
+"""Jobs that run once across the cluster (``once`` / ``run_job``) on the three
+databases: several managers stand for several processes, and real processes
+where the behaviour is about a process dying."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import (
+    SKIPPED,
+    AsyncLockManager,
+    JobSkipped,
+    LockArgumentError,
+    LockManager,
+    LockNotAcquired,
+    current_run,
+)
+from dblock._store.jobs import statements
+from tests.support import job_procs
+
+ctx = multiprocessing.get_context("spawn")
+UTC = timezone.utc
+FIRE = datetime(2026, 11, 25, 3, 0, tzinfo=UTC)
+
+MakeManager = Callable[..., LockManager]
+
+
+def other(private: LockManager, make_manager: MakeManager) -> LockManager:
+    """Another "process": a manager of its own on the same table."""
+    return make_manager(table=private.config.table)
+
+
+def lock_row(manager: LockManager, key: str) -> Any:
+    table = manager.store.table
+    with manager.engine.connect() as conn:
+        return conn.execute(sa.select(table).where(table.c.lock_key == key)).first()
+
+
+def runs(manager: LockManager, job: str) -> list[Any]:
+    return statements(manager.store).latest(job, limit=100)
+
+
+def db_lease(manager: LockManager, key: str) -> float:
+    """expires_at - acquired_at of the key's row, in seconds (database times)."""
+    row = lock_row(manager, key)
+    assert row is not None
+    return float((row.expires_at - row.acquired_at).total_seconds())
+
+
+# -- once: one run at a time across processes -----------------------------------
+
+
+def test_skipped_is_a_falsy_singleton() -> None:
+    assert not SKIPPED
+    assert repr(SKIPPED) == "dblock.SKIPPED"
+    assert pickle.loads(pickle.dumps(SKIPPED)) is SKIPPED
+    assert issubclass(JobSkipped, LockNotAcquired)
+
+
+def test_runs_when_free_and_skips_while_another_runs(
+    private: LockManager, make_manager: MakeManager
+) -> None:
+    second = other(private, make_manager)
+    started, finish = threading.Event(), threading.Event()
+
+    @private.once("report", at_most=30)
+    def long_run() -> str:
+        started.set()
+        assert finish.wait(10)
+        return "first"
+
+    calls: list[str] = []
+
+    @second.once("report", at_most=30)
+    def report() -> str:
+        calls.append("second")
+        return "second"
+
+    result: list[object] = []
+    runner = threading.Thread(target=lambda: result.append(long_run()))
+    runner.start()
+    assert started.wait(10)
+    assert report() is SKIPPED
+    assert calls == []
+    finish.set()
+    runner.join()
+    assert result == ["first"]
+    assert report() == "second"  # free again: no at_least
+    assert lock_row(private, "job:report") is None
+    assert [r.outcome for r in runs(private, "report")] == ["success", "success"]
+
+
+def test_on_skip_raise(private: LockManager, make_manager: MakeManager) -> None:
+    second = other(private, make_manager)
+    # A run in progress elsewhere, as far as anyone can tell:
+    with private.lock("job:nightly"), pytest.raises(JobSkipped) as info:
+        second.run_job("nightly", lambda: None, at_most=5, on_skip="raise")
+    exc = info.value
+    assert exc.job == "nightly"
+    assert exc.key == "job:nightly"
+    assert exc.reason == "running"
+    assert exc.level == 2
+    assert "job:nightly" in str(exc)
+
+
+def test_same_thread_skips_its_own_running_job(private: LockManager) -> None:
+    inner: list[object] = []
+
+    @private.once("nested", at_most=5)
+    def job() -> str:
+        inner.append(private.run_job("nested", lambda: "inner", at_most=5))
+        return "outer"
+
+    assert job() == "outer"
+    assert inner == [SKIPPED]
+
+
+def test_current_run_gives_the_job_its_lock(private: LockManager) -> None:
+    seen: list[Any] = []
+
+    @private.once("introspect", at_most=5, per="fire_time")
+    def job(fire_time: datetime) -> None:
+        seen.append((current_run(), fire_time))
+
+    job(fire_time=FIRE)
+    run, fire_time = seen[0]
+    assert run.name == "introspect"
+    assert run.key == "job:introspect"
+    assert run.fire_time == FIRE == fire_time
+    assert run.held.fence > 0
+    assert run.attempt == 1
+    assert current_run() is None
+
+
+# -- at_least and at_most, on the database's clock --------------------------------
+
+
+def test_at_least_keeps_the_key_after_a_short_run(
+    private: LockManager, make_manager: MakeManager
+) -> None:
+    second = other(private, make_manager)
+    assert private.run_job("short", lambda: "ran", at_most=30, at_least=1.5) == "ran"
+    # The row stays, its lease ending at acquired_at + at_least (database time).
+    assert db_lease(private, "job:short") == pytest.approx(1.5, abs=0.002)
+    assert second.run_job("short", lambda: "late", at_most=30) is SKIPPED
+    time.sleep(1.6)
+    assert second.run_job("short", lambda: "next", at_most=30) == "next"
+
+
+def test_at_least_passed_during_the_run_releases_at_once(private: LockManager) -> None:
+    def slow() -> str:
+        time.sleep(0.4)
+        return "done"
+
+    assert private.run_job("slow", slow, at_most=30, at_least=0.2) == "done"
+    assert lock_row(private, "job:slow") is None
+
+
+def test_at_least_applies_after_a_failed_run_too(private: LockManager) -> None:
+    def boom() -> None:
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError):
+        private.run_job("boom", boom, at_most=30, at_least=timedelta(seconds=5))
+    assert lock_row(private, "job:boom") is not None
+    (run,) = runs(private, "boom")
+    assert run.outcome == "failed"
+    assert run.detail == "RuntimeError: no"
+
+
+def test_at_most_is_the_lease_and_renewal_keeps_a_long_run(
+    private: LockManager, make_manager: MakeManager
+) -> None:
+    second = other(private, make_manager)
+    seen: list[object] = []
+
+    def long() -> str:
+        run = current_run()
+        assert run is not None
+        assert db_lease(private, run.key) == pytest.approx(1.0, abs=0.01)
+        time.sleep(2.0)  # twice the lease: renewal keeps it
+        seen.append(second.run_job("long", lambda: "other", at_most=1))
+        run.held.check()
+        return "done"
+
+    assert private.run_job("long", long, at_most=1) == "done"
+    assert seen == [SKIPPED]
+
+
+def test_a_dead_runner_blocks_for_at_most(private: LockManager, db_url: str) -> None:
+    report = ctx.Queue()
+    child = ctx.Process(
+        target=job_procs.run_forever,
+        args=(db_url, private.config.table, "crashy", 2.0, None, report),
+    )
+    child.start()
+    try:
+        assert report.get(timeout=30) == "running"
+        child.kill()
+        child.join()
+        assert private.run_job("crashy", lambda: "mine", at_most=5) is SKIPPED
+        deadline = time.monotonic() + 10
+        while (result := private.run_job("crashy", lambda: "mine", at_most=5)) is SKIPPED:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert result == "mine"
+    finally:
+        child.kill()
+        child.join()
+
+
+def test_processes_at_once_one_runs(private: LockManager, db_url: str) -> None:
+    go, report = ctx.Event(), ctx.Queue()
+    children = [
+        ctx.Process(
+            target=job_procs.run_once,
+            args=(db_url, private.config.table, "herd", {"at_most": 30}, 1.0, go, report),
+        )
+        for _ in range(3)
+    ]
+    for child in children:
+        child.start()
+    time.sleep(1.5)  # let them import and connect
+    go.set()
+    outcomes = sorted(report.get(timeout=60) for _ in children)
+    for child in children:
+        child.join(30)
+        assert child.exitcode == 0
+    assert outcomes == ["ran", "skipped", "skipped"]
+
+
+# -- once per fire time -------------------------------------------------------------
+
+
+def test_once_per_fire_time(private: LockManager, make_manager: MakeManager) -> None:
+    second = other(private, make_manager)
+    ran: list[tuple[str, datetime]] = []
+
+    def job_on(manager: LockManager, who: str) -> Callable[..., Any]:
+        @manager.once("mail", at_most=30, per="fire_time")
+        def mail(fire_time: datetime) -> str:
+            ran.append((who, fire_time))
+            return who
+
+        return mail
+
+    first_mail, second_mail = job_on(private, "a"), job_on(second, "b")
+    assert first_mail(fire_time=FIRE) == "a"
+    # A skewed host firing 30 s late, after the run completed: skipped.
+    assert second_mail(fire_time=FIRE) is SKIPPED
+    # Given in another zone, the same instant: still skipped.
+    assert second_mail(fire_time=FIRE.astimezone(timezone(timedelta(hours=2)))) is SKIPPED
+    assert second_mail(fire_time=FIRE + timedelta(days=1)) == "b"
+    assert ran == [("a", FIRE), ("b", FIRE + timedelta(days=1))]
+    recorded = runs(private, "mail")
+    assert {r.fire_time for r in recorded} == {FIRE, FIRE + timedelta(days=1)}
+    assert all(r.outcome == "success" and r.finished_at is not None for r in recorded)
+
+
+def test_per_fire_time_skip_says_why(private: LockManager, make_manager: MakeManager) -> None:
+    private.run_job("why", lambda: None, at_most=5, fire_time=FIRE)
+    with pytest.raises(JobSkipped) as info:
+        other(private, make_manager).run_job(
+            "why", lambda: None, at_most=5, fire_time=FIRE, on_skip="raise"
+        )
+    assert info.value.reason == "done"
+    assert info.value.level == 0
+    assert FIRE.isoformat() in str(info.value)
+
+
+def test_failed_fire_time_runs_again_only_with_retry_failed(
+    private: LockManager, make_manager: MakeManager
+) -> None:
+    second = other(private, make_manager)
+
+    def boom() -> None:
+        raise ValueError("smtp down")
+
+    with pytest.raises(ValueError, match="smtp down"):
+        private.run_job("retry", boom, at_most=5, fire_time=FIRE)
+    assert second.run_job("retry", lambda: "again", at_most=5, fire_time=FIRE) is SKIPPED
+    with pytest.raises(JobSkipped) as info:
+        second.run_job("retry", lambda: "again", at_most=5, fire_time=FIRE, on_skip="raise")
+    assert info.value.reason == "failed"
+    assert (
+        second.run_job("retry", lambda: "again", at_most=5, fire_time=FIRE, retry_failed=True)
+        == "again"
+    )
+    (run,) = runs(private, "retry")
+    assert run.outcome == "success"
+    assert run.attempt == 2
+    # Succeeded now: even retry_failed skips it.
+    assert (
+        private.run_job("retry", lambda: "third", at_most=5, fire_time=FIRE, retry_failed=True)
+        is SKIPPED
+    )
+
+
+def test_a_fire_time_whose_runner_died_is_not_repeated_unless_asked(
+    private: LockManager, db_url: str
+) -> None:
+    report = ctx.Queue()
+    child = ctx.Process(
+        target=job_procs.run_forever,
+        args=(db_url, private.config.table, "dying", 1.0, FIRE, report),
+    )
+    child.start()
+    try:
+        assert report.get(timeout=30) == "running"
+        child.kill()
+        child.join()
+    finally:
+        child.kill()
+        child.join()
+    time.sleep(1.1)  # its lease (at_most) runs out
+    (run,) = runs(private, "dying")
+    assert run.outcome == "running"  # as far as the record knows
+    with pytest.raises(JobSkipped) as info:
+        private.run_job("dying", lambda: "no", at_most=5, fire_time=FIRE, on_skip="raise")
+    assert info.value.reason == "failed"
+    assert "died" in info.value.detail
+    assert private.run_job("dying", lambda: "yes", at_most=5, fire_time=FIRE, retry_failed=True)
+    (run,) = runs(private, "dying")
+    assert (run.outcome, run.attempt) == ("success", 2)
+
+
+def test_fire_time_is_required_with_per_fire_time(private: LockManager) -> None:
+    @private.once("needs", at_most=5, per="fire_time")
+    def job() -> None:
+        pass
+
+    with pytest.raises(LockArgumentError, match="fire_time"):
+        job()
+    assert job(fire_time=FIRE) is None  # the function need not take it
+    with pytest.raises(LockArgumentError, match="timezone-aware"):
+        job(fire_time=datetime(2026, 1, 1))
+
+
+def test_next_fire_time_is_recorded(private: LockManager) -> None:
+    nxt = FIRE + timedelta(hours=1)
+    private.run_job("nxt", lambda: None, at_most=5, fire_time=FIRE, next_fire_time=nxt)
+    (run,) = runs(private, "nxt")
+    assert run.next_fire == nxt
+
+
+def test_unrecorded_runs(private: LockManager) -> None:
+    assert private.run_job("quiet", lambda: 1, at_most=5, record=False) == 1
+    assert runs(private, "quiet") == []
+
+
+# -- bad input: a clear error before any SQL ------------------------------------------
+
+
+@pytest.fixture
+def plain(tmp_path: Any) -> Any:
+    """A manager whose database has no tables at all: any SQL would fail."""
+    with LockManager(f"sqlite:///{tmp_path / 'none.sqlite3'}") as locks:
+        yield locks
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"at_most": 5, "at_least": 10}, "at_least .* must not exceed at_most"),
+        ({"at_most": -1}, "at_most must be a duration > 0"),
+        ({"at_most": 0}, "at_most must be a duration > 0"),
+        ({"at_most": 5, "at_least": -1}, "at_least must be a duration >= 0"),
+        ({"at_most": timedelta(seconds=-3)}, "at_most must be a duration > 0"),
+        ({"at_most": float("nan")}, "at_most"),
+        ({"at_most": "5"}, "at_most must be a number of seconds or a timedelta"),
+        ({"at_most": 5, "on_skip": "ignore"}, "on_skip"),
+        ({"at_most": 5, "per": "minute"}, "per must be None or 'fire_time'"),
+        ({"at_most": 5, "retry_failed": 1}, "retry_failed must be True or False"),
+        ({"at_most": 5, "wait": -1}, "wait must be a duration >= 0"),
+    ],
+)
+def test_bad_options(options: dict[str, Any], message: str, plain: LockManager) -> None:
+    with pytest.raises(LockArgumentError, match=message):
+        plain.once("job", **options)
+    if "per" not in options:  # run_job keys by its fire_time argument instead
+        with pytest.raises(LockArgumentError, match=message):
+            plain.run_job("job", lambda: None, **options)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("", "non-empty str"),
+        (42, "non-empty str"),
+        ("x" * 300, "makes no valid lock key"),
+        ("a\x00b", "makes no valid lock key"),
+        ("\ud800", "makes no valid lock key"),
+    ],
+)
+def test_bad_job_names(name: object, message: str, plain: LockManager) -> None:
+    locks = plain
+    if True:
+        with pytest.raises(LockArgumentError, match=message):
+            locks.once(name, at_most=5)  # type: ignore[arg-type]
+        with pytest.raises(LockArgumentError, match=message):
+            locks.run_job(name, lambda: None, at_most=5)  # type: ignore[arg-type]
+
+
+def test_bad_input_sends_no_sql(private: LockManager, count_statements: Any) -> None:
+    with count_statements(private.engine) as counter:
+        with pytest.raises(LockArgumentError):
+            private.run_job("x", lambda: None, at_most=1, at_least=2)
+        with pytest.raises(LockArgumentError):
+            private.run_job("x", lambda: None, at_most=1, fire_time=datetime(2026, 1, 1))
+        with pytest.raises(LockArgumentError):
+            private.run_job("x", "not callable", at_most=1)  # type: ignore[arg-type]
+    assert counter.count == 0
+
+
+def test_once_refuses_the_wrong_kind_of_function(plain: LockManager) -> None:
+    async def coro() -> None:
+        pass
+
+    with pytest.raises(LockArgumentError, match=r"use AsyncLockManager\.once"):
+        plain.once("job", at_most=5)(coro)
+
+
+# -- asyncio: the same decisions ----------------------------------------------------
+
+
+@pytest.fixture
+def alocks(private: LockManager) -> Any:
+    made = AsyncLockManager(private)
+    yield made
+    asyncio.run(made.close())
+
+
+def test_async_once(private: LockManager, make_manager: MakeManager, alocks: Any) -> None:
+    second = other(private, make_manager)
+
+    async def main() -> list[object]:
+        started, finish = asyncio.Event(), asyncio.Event()
+
+        @alocks.once("amail", at_most=30, per="fire_time")
+        async def mail(fire_time: datetime) -> str:
+            started.set()
+            await finish.wait()
+            return f"sent {fire_time:%H:%M}"
+
+        task = asyncio.create_task(mail(fire_time=FIRE))
+        await started.wait()
+        during = await asyncio.to_thread(
+            second.run_job, "amail", lambda: "b", at_most=5, fire_time=FIRE + timedelta(days=1)
+        )
+        finish.set()
+        first = await task
+        late = await mail(fire_time=FIRE)
+        other_task = await alocks.run_job(
+            "amail", asyncio.sleep, 0, "x", fire_time=FIRE + timedelta(days=2)
+        )
+        return [first, during, late, other_task]
+
+    assert asyncio.run(main()) == ["sent 03:00", SKIPPED, SKIPPED, "x"]
+    assert lock_row(private, "job:amail") is None
+
+
+def test_async_at_least_and_raise(private: LockManager, alocks: Any) -> None:
+    async def main() -> None:
+        assert await alocks.run_job("ashort", asyncio.sleep, 0, "ok", at_most=5, at_least=2) == "ok"
+        with pytest.raises(JobSkipped):
+            await alocks.run_job("ashort", asyncio.sleep, 0, at_most=5, on_skip="raise")
+
+    asyncio.run(main())
+    assert db_lease(private, "job:ashort") == pytest.approx(2.0, abs=0.002)
+
+
+def test_async_once_refuses_a_plain_function(alocks: Any) -> None:
+    with pytest.raises(LockArgumentError, match="not a coroutine function"):
+        alocks.once("x", at_most=5)(lambda: None)
