@@ -27,6 +27,7 @@ import pytest
 import sqlalchemy as sa
 
 from dblock import LockManager
+from dblock.schema import to_utc
 from tests.support import jobs_app
 from tests.support.jobs_check import LONG, running, start, verdict, wait_until
 
@@ -61,8 +62,12 @@ def _runs_of(db_url: str, job: str) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in rows]
 
 
-def _iso(value: datetime) -> str:
-    return value.replace(tzinfo=value.tzinfo or __import__("datetime").timezone.utc).isoformat()
+def _iso(value: object) -> str:
+    """A runs-table time (a datetime, or SQLite's epoch seconds) as the
+    ledger writes fire times."""
+    found = to_utc(value)
+    assert found is not None
+    return found.isoformat()
 
 
 def _report(name: str, **facts: object) -> None:
