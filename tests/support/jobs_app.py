@@ -24,6 +24,7 @@ dblock's: the control run, where every process runs every fire.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import socket
 import sys
@@ -35,7 +36,7 @@ from typing import Any
 import sqlalchemy as sa
 
 LEDGER = sa.Table(
-    "dblock_test_job_ledger",
+    "dblock_test_jobs_ledger",
     sa.MetaData(),
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("ledger", sa.String(64), nullable=False, index=True),
@@ -45,8 +46,8 @@ LEDGER = sa.Table(
     sa.Column("pid", sa.Integer, nullable=False),
     sa.Column("host", sa.String(100), nullable=False),
     # time.time() of the process: a skewed host's clock, as it saw it
-    sa.Column("started", sa.Float, nullable=False),
-    sa.Column("ended", sa.Float, nullable=True),
+    sa.Column("started", sa.Float(precision=53), nullable=False),
+    sa.Column("ended", sa.Float(precision=53), nullable=True),
 )
 
 _engine: sa.Engine | None = None
@@ -142,7 +143,15 @@ def build_scheduler(*, store: str | None = None) -> Any:
         args=[ledger, work],
         id=f"tick-{ledger}",
         replace_existing=True,
-        misfire_grace_time=max(1, int(interval)),
+        # A fire may wait this long for the job lock (dblock's executor waits
+        # for what is left of the grace): under skewed clocks three fires are
+        # tried at once, and one runs while the others wait their turn.
+        misfire_grace_time=max(1, int(2 * interval)),
+        # dblock's job lock keeps runs from overlapping, across processes and
+        # in this one; max_instances only bounds how many fires of this
+        # scheduler may wait for it at once (a fire that waits for another
+        # fire's run, as under skewed clocks, must not turn the next away).
+        max_instances=3,
     )
     return scheduler
 
@@ -167,6 +176,8 @@ class _Recording:
 
 def _record_skip(ledger: str) -> Any:
     def record(event: Any) -> None:
+        if event.job_id != f"tick-{ledger}":
+            return
         engine = _engine or ledger_engine(os.environ["DBLOCK_JOBS_URL"])
         fire = event.scheduled_run_time.astimezone(timezone.utc).isoformat()
         now = time.time()
@@ -202,7 +213,29 @@ if os.environ.get("DBLOCK_JOBS_GUNICORN") == "1":
     _start_in_worker()
 
 
+def _sleep_for_libfaketime() -> None:
+    """Under ``faketime`` (libfaketime 0.9.10, run with
+    FAKETIME_DONT_FAKE_MONOTONIC=1 so that only the wall clock is skewed, as
+    on a host whose clock is off): Python's time.sleep sleeps until an
+    absolute CLOCK_MONOTONIC deadline with clock_nanosleep, which that
+    libfaketime answers with EINVAL. Condition waits work, so time.sleep
+    (dblock's backoff, the job's work) waits on one instead. Without
+    FAKETIME_DONT_FAKE_MONOTONIC the condition waits hang instead."""
+    if "FAKETIME" not in os.environ:
+        return
+    idle = threading.Event()
+
+    def sleep(seconds: float) -> None:
+        idle.wait(seconds)
+
+    time.sleep = sleep
+
+
 def main(argv: list[str]) -> int:
+    _sleep_for_libfaketime()
+    # Why each skip was a skip (dblock.jobs logs it at INFO), in the log.
+    logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("dblock.jobs").setLevel(logging.INFO)
     seconds = float(argv[0])
     scheduler = build_scheduler(store=os.environ.get("DBLOCK_JOBS_STORE"))
     scheduler.start()
