@@ -8,6 +8,8 @@ code, never a traceback:
 
 * 0: done; 1: the database refused or failed (unreachable, no lock table, a
   check failed, nothing to release); 2: bad arguments.
+* ``dblock run`` exits with its command's status, or 75 when skipped (see
+  :mod:`dblock.runner` for the full list).
 """
 
 from __future__ import annotations
@@ -23,20 +25,22 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import NoReturn
 
 from . import __version__, migrations
 from ._engine import ENV_URL, check_url, mask, mask_text, resolve_url
 from ._store.admin import LockRow, LockStats
+from ._store.jobs import RunRow
 from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
-from .errors import DBLockError, LockArgumentError
+from .errors import DBLockError, JobSkipped, LockArgumentError, SchemaMissing
 from .manager import LockManager
-from .schema import TableNames
+from .schema import RUNNING, TableNames
 from .sweeper import Sweeper, SweeperConfig
 
-__all__ = ["main", "parse_duration"]
+__all__ = ["main", "parse_args", "parse_duration"]
 
 log = logging.getLogger("dblock.cli")
 
@@ -54,8 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     bad = _undecodable(args)
     if bad is not None:
         print(f"dblock: error: {bad}", file=sys.stderr)
@@ -80,6 +83,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `dblock list | head`: the reader left, nothing to report
         sys.stdout = None  # no flush (and error) at exit
         return 1
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The ``dblock`` command line ``argv`` parsed (exits 2 on a mistake, as
+    argparse does). For ``dblock run … -- COMMAND …`` everything after the
+    first ``--`` is the command, untouched: argparse alone would give options
+    written after KEY to no one."""
+    parser = build_parser()
+    argv = list(argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        head, tail = argv[:cut], argv[cut + 1 :]
+        if "run" in head:
+            args = parser.parse_args(head)
+            if args.command is cmd_run:
+                args.argv = [*args.argv, *tail]
+                return args
+    return parser.parse_args(argv)
 
 
 def _add_common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
@@ -175,9 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--lock-ttl", type=parse_duration, help="lease of the sweeper's own lock (10s)"
     )
+    sweep.add_argument(
+        "--runs-retention",
+        type=parse_duration,
+        help="delete job runs (dblock jobs) started longer ago than this (30d)",
+    )
     sweep.set_defaults(command=cmd_sweep)
 
     _add_top(sub, common)
+    _add_jobs(sub, common)
 
     demo = sub.add_parser(
         "demo",
@@ -228,6 +255,80 @@ def _add_top(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
     top.set_defaults(command=cmd_top)
 
 
+def _add_jobs(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    from .runner import EX_TEMPFAIL
+
+    run = sub.add_parser(
+        "run",
+        parents=[common],
+        help="run a command on one host of the cluster at a time (a cluster-wide flock)",
+        description="Run COMMAND as one run of the job KEY (lock job:KEY): if another host "
+        "runs it, or ran it less than --at-least ago, skip it and exit with the skip "
+        f"status ({EX_TEMPFAIL}). Signals are passed on to the command; the lease is "
+        "renewed while it runs; the exit status is the command's. For cron: "
+        "`dblock run nightly-cleanup --at-least 5m -- /usr/local/bin/cleanup`.",
+    )
+    run.add_argument("key", metavar="KEY", help="the job's name (its lock key is job:KEY)")
+    run.add_argument(
+        "--at-most",
+        type=_signed_duration,
+        metavar="DURATION",
+        help="lease of the job's lock, renewed while the command runs: how long a host "
+        "that dies mid-run keeps the job from running elsewhere (default: the lock ttl, 30s)",
+    )
+    run.add_argument(
+        "--at-least",
+        type=_signed_duration,
+        default=0.0,
+        metavar="DURATION",
+        help="keep the job's key this long after the run began, however soon the command "
+        "ends, so a late firing elsewhere skips (database time; default 0)",
+    )
+    run.add_argument(
+        "--wait",
+        type=_signed_duration,
+        default=0.0,
+        metavar="DURATION",
+        help="wait this long for the key before skipping (default: skip at once)",
+    )
+    run.add_argument(
+        "--fire-time",
+        type=_fire_time,
+        metavar="ISO8601",
+        help="run once per this scheduled time (e.g. 2026-11-25T03:00Z): a fire time that "
+        "already ran anywhere is skipped",
+    )
+    run.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="with --fire-time: run a fire time again whose run failed or died",
+    )
+    run.add_argument(
+        "--skip-status",
+        type=_status,
+        default=EX_TEMPFAIL,
+        metavar="N",
+        help=f"exit status when skipped (default {EX_TEMPFAIL}, EX_TEMPFAIL; as flock -E)",
+    )
+    run.add_argument(
+        "-q", "--quiet", action="store_true", help="say nothing when skipped (cron mails output)"
+    )
+    run.add_argument("argv", nargs="*", metavar="-- COMMAND", help="what to run, after --")
+    run.set_defaults(command=cmd_run)
+
+    jobs = sub.add_parser(
+        "jobs",
+        parents=[common],
+        help="the jobs' runs: last run, who ran it, outcome, duration, next fire",
+    )
+    jobs.add_argument("job", nargs="?", metavar="JOB", help="the recent runs of this job only")
+    jobs.add_argument("--json", action="store_true", help="a JSON array, for scripts")
+    jobs.add_argument(
+        "--limit", type=_positive_int, default=20, help="with JOB: this many runs (20)"
+    )
+    jobs.set_defaults(command=cmd_jobs)
+
+
 # -- argument types ------------------------------------------------------------
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -242,6 +343,36 @@ def parse_duration(text: str) -> float:
             f"not a duration: {text!r} (write e.g. 30s, 500ms, 5m, 2h)"
         )
     return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+
+
+def _signed_duration(text: str) -> float:
+    """A duration that may be written negative, so the job's own check names it."""
+    text = text.strip()
+    return -parse_duration(text[1:]) if text.startswith("-") else parse_duration(text)
+
+
+def _fire_time(text: str) -> datetime:
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 time: {text!r} (write e.g. 2026-11-25T03:00Z)"
+        ) from None
+    if value.tzinfo is None:
+        raise argparse.ArgumentTypeError(
+            f"a fire time needs its UTC offset: {text!r} (e.g. 2026-11-25T03:00Z or +01:00)"
+        )
+    return value
+
+
+def _status(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value <= 255:
+        raise argparse.ArgumentTypeError(f"an exit status is 0 to 255, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -466,7 +597,7 @@ def _who() -> str:
 def cmd_sweep(args: argparse.Namespace) -> int:
     options = {
         name: getattr(args, name)
-        for name in ("grace", "max_hold", "batch_size", "lock_ttl")
+        for name in ("grace", "max_hold", "batch_size", "lock_ttl", "runs_retention")
         if getattr(args, name) is not None
     }
     if args.every is not None:
@@ -502,6 +633,128 @@ def _sweep_until_signalled(sweeper: Sweeper) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``dblock run``: see :mod:`dblock.runner` for what it does and its exit statuses."""
+    from . import jobs, runner
+
+    argv = list(args.argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    # Everything is checked before the database is touched.
+    jobs.job_key(args.key)
+    options = jobs.JobOptions(
+        at_most=Config().ttl if args.at_most is None else args.at_most,
+        at_least=args.at_least,
+        wait=args.wait,
+        retry_failed=args.retry_failed,
+        on_skip="raise",
+    )
+    if args.retry_failed and args.fire_time is None:
+        raise LockArgumentError("--retry-failed needs --fire-time (a fire time to run again)")
+    try:
+        command = runner.resolve_command(argv)
+    except runner.CommandError as exc:
+        print(f"dblock run: error: {exc}; nothing was taken", file=sys.stderr)
+        return exc.status
+    if not args.verbose:
+        # The skip is said once, below, not also as a log line.
+        logging.getLogger("dblock.jobs").setLevel(logging.WARNING)
+    try:
+        with runner.interruptible(), _manager(args) as manager:
+            status = manager.run_job(
+                args.key,
+                runner.supervise,
+                command,
+                fire_time=args.fire_time,
+                at_most=options.at_most,
+                at_least=options.at_least,
+                wait=options.wait,
+                retry_failed=options.retry_failed,
+                on_skip="raise",
+            )
+            assert isinstance(status, int)  # on_skip="raise": a skip raises
+            return status
+    except JobSkipped as exc:
+        if not args.quiet:
+            print(f"dblock run: {exc}", file=sys.stderr)
+        return int(args.skip_status)
+    except runner.CommandFailed as exc:
+        return exc.status
+    except runner.Interrupted as exc:
+        if exc.after:
+            # The command ran; its run's record or release was cut short (the
+            # key is deleted as soon as the database answers, else by its lease).
+            print(f"dblock run: {exc} while recording the run", file=sys.stderr)
+            return exc.status if exc.status is not None else 128 + exc.signum
+        print(f"dblock run: {exc} before the command started; nothing ran", file=sys.stderr)
+        return 128 + exc.signum
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from ._store.jobs import statements
+    from .jobs import JOB_PREFIX
+
+    with _manager(args) as manager:
+        sql = statements(manager.store)
+        try:
+            runs = sql.latest(args.job, limit=args.limit)
+        except SchemaMissing:
+            raise DBLockError(
+                f"the record of job runs {sql.runs_name!r} does not exist in {manager.url}; "
+                "run `dblock migrate`"
+            ) from None
+        held = {row.key: row for row in manager.store.rows(prefix=JOB_PREFIX)}
+        where = f"{sql.runs_name} on {manager.url}"
+    shown = []
+    for run in runs:
+        status = run.outcome
+        if status == RUNNING:
+            # "running" as recorded: alive only while its runner still holds the key.
+            lock = held.get(JOB_PREFIX + run.job)
+            alive = lock is not None and lock.token == run.token and lock.lease_left > 0
+            status = RUNNING if alive else "died"
+        shown.append((run, status))
+    if args.json:
+        print(json.dumps([{**run.as_json(), "status": status} for run, status in shown], indent=2))
+        return 0
+    what = f"runs of {args.job!r}" if args.job else "jobs"
+    print(f"{where}: {len(shown)} {what}")
+    if shown:
+        print()
+        print(_jobs_table(shown))
+    return 0
+
+
+def _jobs_table(shown: list[tuple[RunRow, str]]) -> str:
+    def when(value: datetime | None) -> str:
+        return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+
+    lines = [("JOB", "FIRE TIME", "STATUS", "RUNNER", "STARTED", "DURATION", "NEXT FIRE", "DETAIL")]
+    for run, status in shown:
+        duration = run.duration
+        lines.append(
+            (
+                run.job,
+                when(run.fire_time),
+                status if run.attempt == 1 else f"{status} (attempt {run.attempt})",
+                run.runner,
+                f"{span((run.now - run.started_at).total_seconds())} ago",
+                "-" if duration is None else span(duration),
+                when(run.next_fire),
+                run.detail or "",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(7)]
+    return "\n".join(
+        (
+            "  ".join(cell.ljust(width) for cell, width in zip(line[:7], widths, strict=True))
+            + "  "
+            + line[7]
+        ).rstrip()
+        for line in lines
+    )
 
 
 def cmd_top(args: argparse.Namespace) -> int:

@@ -424,7 +424,11 @@ def finish_steps(
 
 
 def describe(exc: BaseException) -> str:
-    """A failed run's ``detail``: the exception, one line, storable."""
+    """A failed run's ``detail``: the exception, one line, storable (an
+    exception may say it itself, as ``job_detail``: ``exit status 3``)."""
+    own = getattr(exc, "job_detail", None)
+    if isinstance(own, str):
+        return db_text(own)[:_DETAIL_MAX]
     text = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
     return db_text(text)[:_DETAIL_MAX]
 

@@ -9,12 +9,16 @@ the owner and the age. A live row is never deleted for any other reason.
 
 It deletes in bounded batches (``batch_size`` rows per statement, in each
 database's idiom, see the store), so a huge backlog never holds a long lock
-on the table. Several sweepers may run on many machines: a run first takes a
-dblock lock of its own (``dblock:sweeper:<table>``, fail-fast, a lease of
-``lock_ttl``); whoever does not get it skips the run. A sweeper that dies
-mid-run blocks the others for at most that lease. A run ends once half the
-lease is used up, so it never sweeps past its own lease; the next run goes
-on where it stopped.
+on the table. Several sweepers may run on many machines: each run is a run
+of the job ``dblock:sweeper:<table>`` (:mod:`dblock.jobs`, the mechanism
+``LockManager.once`` gives applications: lock ``job:dblock:sweeper:<table>``,
+fail-fast, ``at_most=lock_ttl``); whoever does not get it skips the run. A
+sweeper that dies mid-run blocks the others for at most that lease. A run
+ends once half of ``lock_ttl`` has passed, so a run stays short; the next run
+goes on where it stopped.
+
+It also prunes the record of job runs (``<table>_runs``): runs started more
+than ``runs_retention`` ago (default 30 days) go, in the same bounded batches.
 
 Runs are scheduled with APScheduler (3.x, a ``BackgroundScheduler``):
 in an application through ``LockManager.start_sweeper()``, alone through
@@ -31,16 +35,17 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from ._store.admin import LockRow, SweepReason
+from ._store.jobs import statements as job_statements
 from .config import MAX_SECONDS, apply_options, check_ttl
-from .errors import DBLockError, LockArgumentError, LockBusy, LockLost
+from .errors import DBLockError, JobSkipped, LockArgumentError, LockLost, SchemaMissing
+from .jobs import job_key
 
 if TYPE_CHECKING:
-    from .lock import HeldLock
     from .manager import LockManager
 
 __all__ = ["SweepResult", "Sweeper", "SweeperConfig"]
@@ -67,8 +72,12 @@ class SweeperConfig:
     batch_size
         Rows per DELETE: the most any one statement locks.
     lock_ttl
-        Lease of the sweeper's own lock. A run stops once half of it is used
-        up; a sweeper that dies mid-run holds the others off this long at most.
+        Lease of the sweeper's own job lock (its ``at_most``). A run stops
+        once half of it has passed; a sweeper that dies mid-run holds the
+        others off this long at most.
+    runs_retention
+        Delete job runs (``dblock jobs``) started longer ago than this;
+        ``None`` keeps them all.
     """
 
     interval: float = 30.0
@@ -76,6 +85,7 @@ class SweeperConfig:
     max_hold: float | None = None
     batch_size: int = 500
     lock_ttl: float = 10.0
+    runs_retention: float | None = 30 * 86400.0
 
     def __post_init__(self) -> None:
         for name in ("interval", "lock_ttl"):
@@ -99,6 +109,10 @@ class SweeperConfig:
                     "or the sweeper would sweep its own lock"
                 )
             object.__setattr__(self, "max_hold", max_hold)
+        if self.runs_retention is not None:
+            object.__setattr__(
+                self, "runs_retention", check_ttl(self.runs_retention, "runs_retention")
+            )
         size = self.batch_size
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= _MAX_BATCH:
             raise LockArgumentError(
@@ -127,6 +141,8 @@ class SweepResult:
     complete: bool = True
     """False when the run stopped with rows possibly left (stop requested, or
     half its lease used up); the next run goes on."""
+    runs: int = 0
+    """Job runs deleted from the record of runs (older than ``runs_retention``)."""
 
     @property
     def swept(self) -> int:
@@ -140,6 +156,8 @@ class SweepResult:
             f" and {self.max_hold} held past max_hold in {self.batches} "
             f"batch{'es' if self.batches != 1 else ''}, {self.seconds:.2f} s"
         )
+        if self.runs:
+            text += f"; pruned {self.runs} old job run{'s' if self.runs != 1 else ''}"
         return text if self.complete else text + " (stopped early; the next run goes on)"
 
 
@@ -157,12 +175,15 @@ class Sweeper:
             options = {**options, "max_hold": manager.config.max_hold}
         self.config = SweeperConfig.from_options(config, options)
         self.table = manager.config.table
-        self.key = f"dblock:sweeper:{self.table}"
+        #: The sweeper's job (see dblock.jobs), and its lock key.
+        self.job = f"dblock:sweeper:{self.table}"
+        self.key = job_key(self.job)
         self._stopping = threading.Event()
         self._state_lock = threading.Lock()
         self._scheduler: Any = None
         #: Runs that held the sweeper lock, and the rows they deleted, so far.
         self.runs = 0
+        self._last = SweepResult()  # the latest run's, for one whose lock was lost
         self.swept = 0
 
     def __repr__(self) -> str:
@@ -173,57 +194,100 @@ class Sweeper:
 
     def run_once(self) -> SweepResult:
         """Sweep expired rows (then rows past ``max_hold``, if set) in batches,
-        unless another sweeper holds the sweeper lock. Database errors raise
-        :class:`~dblock.BackendError`."""
+        then prune old job runs, unless another sweeper runs the sweeper's job
+        now. Database errors raise :class:`~dblock.BackendError`."""
         config = self.config
         start = time.monotonic()
         try:
-            # Not renewed: a run is bounded by this one lease (see the module doc).
-            held = self.manager.acquire(self.key, blocking=False, ttl=config.lock_ttl, renew=False)
-        except LockBusy as exc:
+            result = self.manager.run_job(
+                self.job,
+                self._sweep,
+                start,
+                at_most=config.lock_ttl,
+                on_skip="raise",
+                record=False,  # one run every interval: not history worth keeping
+            )
+        except JobSkipped as exc:
             log.info("dblock sweeper: %s holds %r; skipping this run", exc.holder, self.key)
             return SweepResult(busy=exc.holder or "another process")
+        except LockLost:
+            log.warning(
+                "dblock sweeper: the sweeper lock %r ran out during the run; another "
+                "sweeper may have swept at the same time (harmless: every deletion "
+                "checks its condition again)",
+                self.key,
+            )
+            result = self._last
+        assert isinstance(result, SweepResult)
+        with self._state_lock:
+            self.runs += 1
+            self.swept += result.swept
+        log.log(
+            logging.INFO if result.swept or result.runs or not result.complete else logging.DEBUG,
+            "dblock sweeper: %s: %s",
+            self.table,
+            result.describe(),
+        )
+        return result
+
+    def _sweep(self, start: float) -> SweepResult:
+        """One run, under the sweeper's job lock."""
+        config = self.config
         passes = [(SweepReason.EXPIRED, config.grace)]
         if config.max_hold is not None:
             passes.append((SweepReason.MAX_HOLD, config.max_hold))
         swept = dict.fromkeys(SweepReason, 0)
         batches = 0
         complete = True
-        try:
-            for reason, older_than in passes:
-                while True:
-                    if self._stopping.is_set() or held.remaining < config.lock_ttl / 2:
-                        complete = False
-                        break
-                    rows = self.manager.store.sweep(
-                        reason, older_than=older_than, limit=config.batch_size
-                    )
-                    batches += 1
-                    swept[reason] += len(rows)
-                    self._report(reason, rows)
-                    if len(rows) < config.batch_size:
-                        break
-                if not complete:
+
+        def time_is_up() -> bool:
+            # Half the lease: renewal keeps the lock, but a run stays short.
+            return self._stopping.is_set() or time.monotonic() - start >= config.lock_ttl / 2
+
+        for reason, older_than in passes:
+            while True:
+                if time_is_up():
+                    complete = False
                     break
-        finally:
-            self._release(held)
-        result = SweepResult(
+                rows = self.manager.store.sweep(
+                    reason, older_than=older_than, limit=config.batch_size
+                )
+                batches += 1
+                swept[reason] += len(rows)
+                self._report(reason, rows)
+                if len(rows) < config.batch_size:
+                    break
+            if not complete:
+                break
+        pruned = 0
+        if complete and config.runs_retention is not None:
+            pruned, complete = self._prune_runs(config.runs_retention, time_is_up)
+        self._last = result = SweepResult(
             expired=swept[SweepReason.EXPIRED],
             max_hold=swept[SweepReason.MAX_HOLD],
             batches=batches,
             seconds=time.monotonic() - start,
             complete=complete,
-        )
-        with self._state_lock:
-            self.runs += 1
-            self.swept += result.swept
-        log.log(
-            logging.INFO if result.swept or not complete else logging.DEBUG,
-            "dblock sweeper: %s: %s",
-            self.table,
-            result.describe(),
+            runs=pruned,
         )
         return result
+
+    def _prune_runs(self, retention: float, time_is_up: Callable[[], bool]) -> tuple[int, bool]:
+        """Delete job runs older than ``retention``, in batches; (how many, done)."""
+        sql = job_statements(self.manager.store)
+        pruned = 0
+        while True:
+            if time_is_up():
+                return pruned, False
+            try:
+                gone = sql.prune(retention, self.config.batch_size)
+            except SchemaMissing:
+                # A schema from before revision 0003: nothing to prune.
+                log.debug("dblock sweeper: no record of job runs %r", sql.runs_name)
+                return pruned, True
+            pruned += gone
+            if gone < self.config.batch_size:
+                return pruned, True
 
     def _report(self, reason: SweepReason, rows: list[LockRow]) -> None:
         telemetry = self.manager.telemetry
@@ -248,17 +312,6 @@ class Sweeper:
                     row.age,
                     -row.lease_left,
                 )
-
-    def _release(self, held: HeldLock) -> None:
-        try:
-            held.release()  # a database error here is logged by the lock itself
-        except LockLost:
-            log.warning(
-                "dblock sweeper: the sweeper lock %r ran out during the run; another "
-                "sweeper may have swept at the same time (harmless: every deletion "
-                "checks its condition again)",
-                self.key,
-            )
 
     # -- on a schedule ---------------------------------------------------------
 

@@ -49,14 +49,14 @@ def test_migrate_honours_table_and_index_names(db_url: str) -> None:
         done = dblock("migrate", *names)
         assert done.returncode == 0, done.stderr
         assert f"migrated {table}" in done.stdout
-        assert "empty -> 0002" in done.stdout
+        assert "empty -> 0003" in done.stdout
         inspector = sa.inspect(engine)
         assert inspector.has_table(table)
         assert inspector.has_table(f"{table}_version")
         assert index in {ix["name"] for ix in inspector.get_indexes(table)}
         again = dblock("migrate", *names)
         assert again.returncode == 0, again.stderr
-        assert "up to date (revision 0002)" in again.stdout
+        assert "up to date (revision 0003)" in again.stdout
         with LockManager(db_url, table=table, index=index) as m, m.lock("k", blocking=False):
             pass
     finally:

@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +190,7 @@ def test_migration_0002_upgrades_a_0001_table_in_place_and_back() -> None:
             )
         call_command("migrate", "dblock", "0001", "--fake", verbosity=0)
         call_command("migrate", "dblock", verbosity=0)
-        assert migrations.current(m.engine, names) == "0002"
+        assert migrations.current(m.engine, names) == "0003"
         with pytest.raises(LockBusy), other_manager() as other:
             other.acquire("dj:old", blocking=False)
         permit = m.semaphore("dj:sem", permits=2).__enter__()
@@ -546,6 +547,33 @@ def test_admin_lists_locks_read_only_and_force_releases() -> None:
         assert "admin:held" not in client.get("/admin/dblock/lock/").content.decode()
         with pytest.raises(Exception, match="lost"):
             held.release()
+
+
+def test_admin_lists_job_runs_read_only() -> None:
+    admin_user = User.objects.create_superuser("jobs", "jobs@example.com", "pw")
+    client = Client()
+    client.force_login(admin_user)
+    fire = datetime(2026, 11, 25, 3, 0, tzinfo=timezone.utc)
+    with other_manager() as other:
+        other.run_job("admin-nightly", lambda: None, at_most=5, fire_time=fire)
+        with pytest.raises(RuntimeError):
+            other.run_job("admin-broken", _boom, at_most=5)
+    page = client.get("/admin/dblock/jobrun/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "admin-nightly" in html
+    assert "success" in html
+    assert "RuntimeError: broken" in html
+    assert "/admin/dblock/jobrun/add/" not in html
+    assert client.get("/admin/dblock/jobrun/add/").status_code == 403
+    assert (
+        client.get("/admin/dblock/jobrun/?outcome=failed").content.decode().count("admin-broken")
+        >= 1
+    )
+
+
+def _boom() -> None:
+    raise RuntimeError("broken")
 
 
 def test_admin_permissions() -> None:

@@ -417,11 +417,11 @@ def command_lines() -> list[tuple[str, list[str]]]:
 def test_documented_commands_parse(where: str, argv: list[str]) -> None:
     """The commands and options the pages show are the ones `dblock` takes
     (parsed, not run: they name servers of the reader's)."""
-    from dblock.cli import build_parser
+    from dblock.cli import parse_args
 
     code: object = 0
     try:
-        build_parser().parse_args(argv)
+        parse_args(argv)
     except SystemExit as exc:  # --help exits 0; a mistake exits 2
         code = exc.code
     assert code == 0, f"{where}: dblock {shlex.join(argv)} is refused"

@@ -21,6 +21,7 @@ from dblock import (
     AsyncLockManager,
     JobSkipped,
     LockArgumentError,
+    LockLost,
     LockManager,
     LockNotAcquired,
     current_run,
@@ -187,13 +188,13 @@ def test_at_most_is_the_lease_and_renewal_keeps_a_long_run(
     def long() -> str:
         run = current_run()
         assert run is not None
-        assert db_lease(private, run.key) == pytest.approx(1.0, abs=0.01)
-        time.sleep(2.0)  # twice the lease: renewal keeps it
-        seen.append(second.run_job("long", lambda: "other", at_most=1))
+        assert db_lease(private, run.key) == pytest.approx(2.0, abs=0.01)
+        time.sleep(4.0)  # twice the lease: renewal keeps it
+        seen.append(second.run_job("long", lambda: "other", at_most=2))
         run.held.check()
         return "done"
 
-    assert private.run_job("long", long, at_most=1) == "done"
+    assert private.run_job("long", long, at_most=2) == "done"
     assert seen == [SKIPPED]
 
 
@@ -219,18 +220,37 @@ def test_a_dead_runner_blocks_for_at_most(private: LockManager, db_url: str) -> 
         child.join()
 
 
-def test_processes_at_once_one_runs(private: LockManager, db_url: str) -> None:
+@pytest.mark.parametrize(
+    ("options", "seconds", "delays"),
+    [
+        # Three at once, the run lasting longer than their spread: the lock.
+        ({"at_most": 30}, 1.0, (0, 0, 0)),
+        # Late firings after a short run ended: at_least keeps the key.
+        ({"at_most": 30, "at_least": 20}, 0.0, (0, 0.5, 1.0)),
+        # The same, keyed by the fire time: the record of runs.
+        ({"at_most": 30, "fire_time": FIRE}, 0.0, (0, 0.5, 1.0)),
+    ],
+    ids=["overlapping", "at_least", "fire_time"],
+)
+def test_processes_one_runs(
+    private: LockManager,
+    db_url: str,
+    options: dict[str, Any],
+    seconds: float,
+    delays: tuple[float, ...],
+) -> None:
     go, report = ctx.Event(), ctx.Queue()
+    table = private.config.table
     children = [
         ctx.Process(
             target=job_procs.run_once,
-            args=(db_url, private.config.table, "herd", {"at_most": 30}, 1.0, go, report),
+            args=(db_url, table, "herd", options, seconds, go, report, delay),
         )
-        for _ in range(3)
+        for delay in delays
     ]
     for child in children:
         child.start()
-    time.sleep(1.5)  # let them import and connect
+    assert [report.get(timeout=60) for _ in children] == ["ready"] * len(children)
     go.set()
     outcomes = sorted(report.get(timeout=60) for _ in children)
     for child in children:
@@ -332,6 +352,48 @@ def test_a_fire_time_whose_runner_died_is_not_repeated_unless_asked(
     assert private.run_job("dying", lambda: "yes", at_most=5, fire_time=FIRE, retry_failed=True)
     (run,) = runs(private, "dying")
     assert (run.outcome, run.attempt) == ("success", 2)
+
+
+def test_the_records_unique_key_is_the_arbiter(private: LockManager) -> None:
+    """Beneath the lock (should two runners ever both think they hold it):
+    one row per (job, fire time); runs without a fire time never collide."""
+    sql = statements(private.store)
+
+    def insert(run_id: str, fire_time: datetime | None) -> bool:
+        return private.store.drive(
+            sql.insert_steps(
+                run_id=run_id,
+                job="arbiter",
+                fire_time=fire_time,
+                runner="test",
+                token="t" * 32,
+                next_fire=None,
+            )
+        )
+
+    assert insert("a" * 32, FIRE)
+    assert not insert("b" * 32, FIRE)
+    assert not insert("c" * 32, FIRE.astimezone(timezone(timedelta(hours=-5))))
+    assert insert("d" * 32, FIRE + timedelta(microseconds=1))
+    assert insert("e" * 32, None)
+    assert insert("f" * 32, None)
+    assert len(runs(private, "arbiter")) == 4
+
+
+def test_a_key_lost_during_the_run_is_signalled(private: LockManager) -> None:
+    def job() -> str:
+        run = current_run()
+        assert run is not None
+        private.store.release_key(run.key)  # an operator's `dblock release --force`
+        with pytest.raises(LockLost):
+            run.held.extend()  # what renewal would find
+        assert run.held.lost
+        return "done"
+
+    with pytest.raises(LockLost):
+        private.run_job("lost", job, at_most=30)
+    (run,) = runs(private, "lost")
+    assert run.outcome == "success"  # the job itself ran to its end
 
 
 def test_fire_time_is_required_with_per_fire_time(private: LockManager) -> None:
@@ -482,3 +544,54 @@ def test_async_at_least_and_raise(private: LockManager, alocks: Any) -> None:
 def test_async_once_refuses_a_plain_function(alocks: Any) -> None:
     with pytest.raises(LockArgumentError, match="not a coroutine function"):
         alocks.once("x", at_most=5)(lambda: None)
+
+
+# -- the sweeper: one of the jobs, and the pruner of the record --------------------------
+
+
+def _age_runs(manager: LockManager, job: str, days: int) -> None:
+    """Make ``job``'s recorded runs ``days`` older (as if they ran then)."""
+    runs_table = manager.store.quoted(manager.names.runs_table)
+    minus = {
+        "postgresql": f"started_at - interval '{days} days'",
+        "mysql": f"started_at - INTERVAL {days} DAY",
+        "mariadb": f"started_at - INTERVAL {days} DAY",
+        "sqlite": f"started_at - {days * 86400}",
+    }[manager.dialect]
+    with manager.engine.begin() as conn:
+        conn.exec_driver_sql(f"UPDATE {runs_table} SET started_at = {minus} WHERE job = '{job}'")
+
+
+def test_the_sweeper_prunes_runs_past_their_retention(private: LockManager) -> None:
+    from dblock.sweeper import Sweeper
+
+    for day in range(3):
+        private.run_job("old", lambda: None, at_most=5, fire_time=FIRE + timedelta(days=day))
+    private.run_job("recent", lambda: None, at_most=5)
+    _age_runs(private, "old", 31)
+    result = Sweeper(private, batch_size=2).run_once()
+    assert result.runs == 3
+    assert "pruned 3 old job runs" in result.describe()
+    assert runs(private, "old") == []
+    assert len(runs(private, "recent")) == 1
+    kept = Sweeper(private, runs_retention=None)
+    _age_runs(private, "recent", 400)
+    assert kept.run_once().runs == 0
+    assert len(runs(private, "recent")) == 1
+
+
+def test_the_sweeper_takes_turns_through_the_job_lock(
+    private: LockManager, make_manager: MakeManager
+) -> None:
+    from dblock.sweeper import Sweeper
+
+    sweeper = Sweeper(private)
+    assert sweeper.key == f"job:dblock:sweeper:{private.config.table}"
+    second = other(private, make_manager)
+    # Another process runs the sweeper's job (however it came to run it): this one skips.
+    seen: list[object] = []
+    second.run_job(sweeper.job, lambda: seen.append(sweeper.run_once()), at_most=10)
+    (result,) = seen
+    assert result.busy is not None  # type: ignore[attr-defined]
+    assert sweeper.run_once().busy is None
+    assert lock_row(private, sweeper.key) is None  # released after the run

@@ -121,9 +121,10 @@ class Sweeper:
     use it: rows are swept as soon as their lease ends (no grace), ``max_age``
     is the max-hold safety net, and :meth:`run_once` returns the count.
 
-    Several sweepers (one per application process) may run: each round first
-    takes the dblock lock ``dblock:sweeper:<table>`` fail-fast, so one sweeps
-    at a time and the others skip that round.
+    Several sweepers (one per application process) may run: each round is a
+    run of the job ``dblock:sweeper:<table>`` (its lock taken fail-fast, as
+    ``LockManager.once`` does), so one sweeps at a time and the others skip
+    that round.
     """
 
     def __init__(

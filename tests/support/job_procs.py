@@ -31,15 +31,19 @@ def run_once(
     seconds: float,
     go: Any,
     report: Any,
+    delay: float = 0.0,
 ) -> None:
-    """Wait for ``go``, then call job ``name`` once (it lasts ``seconds``);
-    report ``ran`` or ``skipped``."""
+    """Wait for ``go`` (and ``delay`` more: a scheduler firing late), then
+    call job ``name`` once (it lasts ``seconds``); report ``ran`` or ``skipped``."""
     with LockManager(url, table=table) as manager:
 
         def job() -> str:
             time.sleep(seconds)
             return "ran"
 
+        manager.store.rows(limit=0)  # connected: the start line is the same for all
+        report.put("ready")
         go.wait()
+        time.sleep(delay)
         outcome = manager.run_job(name, job, **options)
         report.put("ran" if outcome == "ran" else "skipped")

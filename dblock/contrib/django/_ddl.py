@@ -16,15 +16,24 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.schema import CreateTable, DropTable
 
 from ...errors import DowngradeRefused
-from ...schema import HEAD_REVISION, TableNames, create_statements, drop_statements
+from ...schema import (
+    HEAD_REVISION,
+    TableNames,
+    create_statements,
+    drop_statements,
+    runs_create_statements,
+    runs_drop_statements,
+)
 from ...schema_upgrade import downgrade_0002, live_other_kinds_sql, upgrade_0002
 
 __all__ = [
     "ALEMBIC_REVISION",
     "create_sql",
     "downgrade_0002_sql",
+    "downgrade_0003_sql",
     "drop_sql",
     "upgrade_0002_sql",
+    "upgrade_0003_sql",
 ]
 
 #: The alembic revision the schema made by :func:`create_sql` is (``alembic/versions``).
@@ -74,10 +83,13 @@ def create_sql(vendor: str, names: TableNames) -> list[str]:
     return sql
 
 
-def drop_sql(vendor: str, names: TableNames) -> list[str]:
+def drop_sql(vendor: str, names: TableNames, revision: str = HEAD_REVISION) -> list[str]:
+    """Statements dropping what the schema at ``revision`` has."""
     dialect = _dialect(vendor)
     sql = [_compile(DropTable(_version_table(names)), dialect)]
-    return sql + [_compile(s, dialect) for s in drop_statements(names, dialect.name)]
+    return sql + [
+        _compile(s, dialect) for s in drop_statements(names, dialect.name, revision=revision)
+    ]
 
 
 def _pk_name(connection: Any, table: str) -> str | None:
@@ -103,6 +115,19 @@ def version_of(connection: Any, names: TableNames) -> str | None:
 def _set_version(dialect: Dialect, names: TableNames, revision: str) -> str:
     quote = dialect.identifier_preparer.quote
     return f"UPDATE {quote(names.version_table)} SET version_num = '{revision}'"
+
+
+def upgrade_0003_sql(connection: Any, names: TableNames) -> list[str]:
+    """Statements bringing a 0002 schema to 0003: the record of job runs beside the lock table."""
+    dialect = _dialect(connection.vendor)
+    sql = [_compile(s, dialect) for s in runs_create_statements(names)]
+    return [*sql, _set_version(dialect, names, "0003")]
+
+
+def downgrade_0003_sql(connection: Any, names: TableNames) -> list[str]:
+    dialect = _dialect(connection.vendor)
+    sql = [_compile(s, dialect) for s in runs_drop_statements(names)]
+    return [*sql, _set_version(dialect, names, "0002")]
 
 
 def upgrade_0002_sql(connection: Any, names: TableNames) -> list[str]:

@@ -10,7 +10,7 @@ Ages and leases here use this web server's clock, not the database's: the
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
 from django.contrib import admin, messages
@@ -22,7 +22,7 @@ from django.utils.html import format_html
 from ...errors import DBLockError
 from .. import _admin
 from . import conf, get_manager
-from .models import Lock
+from .models import JobRun, Lock
 
 #: How many distinct key prefixes the prefix filter offers at most.
 _PREFIXES = 50
@@ -175,6 +175,58 @@ class LockAdmin(admin.ModelAdmin):
             "Their holders were not told and run on without mutual exclusion.",
             messages.WARNING,
         )
+
+
+@admin.register(JobRun)
+class JobRunAdmin(admin.ModelAdmin):
+    """The record of job runs, newest first: who ran which fire time, how it
+    ended and how long it took (database times, as recorded). Read-only."""
+
+    list_display = (
+        "job",
+        "fire_time",
+        "outcome",
+        "runner",
+        "started_at",
+        "duration",
+        "attempt",
+        "detail",
+        "next_fire",
+    )
+    list_filter = ("outcome", "job")
+    search_fields = ("job", "runner")
+    date_hierarchy = None
+    readonly_fields = (
+        "job",
+        "fire_time",
+        "outcome",
+        "detail",
+        "runner",
+        "started_at",
+        "finished_at",
+        "attempt",
+        "next_fire",
+    )
+    exclude = ("token",)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[JobRun]:
+        return super().get_queryset(request).using(conf.database_alias())
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # the sweeper prunes runs after their retention
+
+    @admin.display(description="duration", ordering="finished_at")
+    def duration(self, obj: JobRun) -> str:
+        finished: datetime | None = getattr(obj, "finished_at", None)  # NULL while running
+        if finished is None:
+            return "-"
+        return _span((finished - obj.started_at).total_seconds())
 
 
 def _span(seconds: float) -> str:

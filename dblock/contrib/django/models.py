@@ -66,3 +66,31 @@ class Lock(models.Model):
 
     def __str__(self) -> str:
         return str(self.lock_key)
+
+
+class JobRun(models.Model):
+    """One run of a job (``LockManager.once`` / ``run_job`` / ``dblock run``),
+    from the record of runs (``<table>_runs``, revision 0003). Read-only:
+    dblock writes it."""
+
+    run_id = models.CharField(max_length=32, primary_key=True)
+    job = models.CharField(max_length=255)
+    fire_time = LockTimeField("fire time", null=True)
+    runner = models.CharField(max_length=255)
+    token = models.CharField(max_length=32)
+    started_at = LockTimeField("started")
+    finished_at = LockTimeField("finished", null=True)
+    outcome = models.CharField(max_length=16)
+    detail = models.CharField(max_length=255, null=True)
+    attempt = models.IntegerField(default=1)
+    next_fire = LockTimeField("next fire", null=True)
+
+    class Meta:
+        managed = False
+        db_table = conf.table_names().runs_table
+        ordering = ("-started_at",)
+        default_permissions = ("view",)
+        verbose_name = "job run"
+
+    def __str__(self) -> str:
+        return f"{self.job} @ {self.fire_time or self.started_at}"

@@ -54,7 +54,8 @@ def drop_lock_table(apps: Any, schema_editor: Any) -> None:
     names = conf.table_names()
     if names.table not in connection.introspection.table_names():
         return
-    for sql in _ddl.drop_sql(connection.vendor, names):
+    revision = _ddl.version_of(connection, names) or _ddl.ALEMBIC_REVISION
+    for sql in _ddl.drop_sql(connection.vendor, names, revision):
         schema_editor.execute(sql, params=None)
 
 

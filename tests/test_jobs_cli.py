@@ -1,0 +1,309 @@
+"""``dblock run`` (a cluster-wide flock for cron) and ``dblock jobs``, as an
+operator drives them: the real command in subprocesses and shells, on
+SQLite, PostgreSQL and MariaDB."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import LockManager
+from dblock._store.jobs import statements
+from tests.support.cli import COMMAND, dblock, start_dblock
+
+SKIP = 75
+
+
+def _on(private: LockManager, db_url: str) -> tuple[str, ...]:
+    return ("--url", db_url, "--table", private.config.table)
+
+
+def _lock_row(manager: LockManager, key: str) -> object:
+    table = manager.store.table
+    with manager.engine.connect() as conn:
+        return conn.execute(sa.select(table).where(table.c.lock_key == key)).first()
+
+
+def _runs(manager: LockManager, job: str) -> list[object]:
+    return statements(manager.store).latest(job, limit=100)  # type: ignore[return-value]
+
+
+def _wait_for(path: Path, text: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+def _shell_dblock(private: LockManager, db_url: str) -> str:
+    return " ".join(shlex.quote(part) for part in [*COMMAND, *_on(private, db_url)])
+
+
+# -- one runs, the others skip ----------------------------------------------------------
+
+
+def test_three_shells_at_once_one_runs(private: LockManager, db_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "ran"
+    procs = [
+        start_dblock(
+            *_on(private, db_url),
+            "run",
+            "herd",
+            "--at-least",
+            "30s",
+            "--",
+            "sh",
+            "-c",
+            f"echo $$ >> {shlex.quote(str(out))}; sleep 1",
+        )
+        for _ in range(3)
+    ]
+    statuses = sorted(p.wait(timeout=120) for p in procs)
+    for p in procs:
+        p.communicate()
+    assert statuses == [0, SKIP, SKIP]
+    assert len(out.read_text().splitlines()) == 1
+    (run,) = _runs(private, "herd")
+    assert run.outcome == "success"  # type: ignore[attr-defined]
+
+
+def test_cron_like_loops_on_three_hosts_run_once(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    """Three "hosts" whose crons fire the same minute, each a little late
+    (0 to 0.6 s): the first run's at_least keeps the late ones out."""
+    out, statuses = tmp_path / "ran", tmp_path / "statuses"
+    command = _shell_dblock(private, db_url)
+    loop = (
+        "for delay in 0 0.3 0.6; do sleep $delay; "
+        f"{command} run cleanup --at-least 20s -q -- sh -c 'echo x >> {out}'; "
+        f"echo $? >> {statuses}; done"
+    )
+    shells = [subprocess.Popen(["sh", "-c", loop]) for _ in range(3)]
+    for shell in shells:
+        assert shell.wait(timeout=180) == 0
+    assert out.read_text().splitlines() == ["x"]
+    assert sorted(statuses.read_text().split()) == ["0"] + [str(SKIP)] * 8
+
+
+def test_a_fire_time_runs_once_whenever_it_arrives(private: LockManager, db_url: str) -> None:
+    on = _on(private, db_url)
+    first = dblock(*on, "run", "mail", "--fire-time", "2026-11-25T03:00Z", "--", "true")
+    assert first.returncode == 0, first.stderr
+    # A host whose cron fired late: the run is done, it skips (the key itself is free).
+    late = dblock(*on, "run", "mail", "--fire-time", "2026-11-25T04:00+01:00", "--", "true")
+    assert late.returncode == SKIP
+    assert "succeeded" in late.stderr
+    nxt = dblock(*on, "run", "mail", "--fire-time", "2026-11-26T03:00Z", "--", "true")
+    assert nxt.returncode == 0, nxt.stderr
+
+
+# -- the command's status, and signals ---------------------------------------------------
+
+
+def test_the_commands_exit_status_comes_back(private: LockManager, db_url: str) -> None:
+    on = _on(private, db_url)
+    done = dblock(*on, "run", "status", "--", "sh", "-c", "echo out; echo err >&2; exit 7")
+    assert done.returncode == 7
+    assert done.stdout == "out\n"
+    assert done.stderr == "err\n"
+    (run,) = _runs(private, "status")
+    assert (run.outcome, run.detail) == ("failed", "exit status 7")  # type: ignore[attr-defined]
+    assert _lock_row(private, "job:status") is None
+
+
+def test_skip_status_is_chosen_and_quiet_says_nothing(private: LockManager, db_url: str) -> None:
+    on = _on(private, db_url)
+    with private.lock("job:busy"):
+        loud = dblock(*on, "run", "busy", "--", "true")
+        quiet = dblock(*on, "run", "busy", "-q", "--skip-status", "0", "--", "true")
+    assert loud.returncode == SKIP
+    assert loud.stderr.startswith("dblock run: job 'busy' skipped: its key 'job:busy' is held")
+    assert len(loud.stderr.splitlines()) == 1
+    assert (quiet.returncode, quiet.stderr) == (0, "")
+
+
+def test_sigterm_reaches_the_command_and_releases_the_key(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    child = (
+        "import signal, sys, time\n"
+        f"out = open({str(out)!r}, 'a', buffering=1)\n"
+        "def term(*_):\n"
+        "    out.write('TERM\\n'); sys.exit(42)\n"
+        "signal.signal(signal.SIGTERM, term)\n"
+        "out.write('started\\n')\n"
+        "time.sleep(60)\n"
+    )
+    proc = start_dblock(
+        *_on(private, db_url), "run", "term", "--at-most", "30s", "--", sys.executable, "-c", child
+    )
+    _wait_for(out, "started")
+    assert _lock_row(private, "job:term") is not None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 42
+    proc.communicate()
+    assert out.read_text().splitlines() == ["started", "TERM"]
+    assert _lock_row(private, "job:term") is None
+    (run,) = _runs(private, "term")
+    assert (run.outcome, run.detail) == ("failed", "exit status 42")  # type: ignore[attr-defined]
+
+
+def test_a_command_killed_by_a_signal_exits_128_plus_n(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    proc = start_dblock(
+        *_on(private, db_url), "run", "killed", "--", "sh", "-c", f"echo up > {out}; exec sleep 60"
+    )
+    _wait_for(out, "up")
+    time.sleep(0.2)  # the shell has exec'd sleep
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    proc.communicate()
+    (run,) = _runs(private, "killed")
+    assert run.detail == "exit status 143 (SIGTERM)"  # type: ignore[attr-defined]
+    assert _lock_row(private, "job:killed") is None
+
+
+def test_a_signal_while_waiting_for_the_key_gives_everything_back(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    with private.lock("job:waited", ttl=60):
+        proc = start_dblock(
+            *_on(private, db_url), "run", "waited", "--wait", "60s", "--", "touch", str(out)
+        )
+        time.sleep(2.0)  # started, connected, waiting
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        _, err = proc.communicate()
+        assert "SIGTERM before the command started" in err
+        assert "Traceback" not in err
+    assert not out.exists()
+    assert _runs(private, "waited") == []
+
+
+def test_wait_runs_once_the_key_is_free(private: LockManager, db_url: str) -> None:
+    held = private.acquire("job:later", ttl=60)
+    proc = start_dblock(*_on(private, db_url), "run", "later", "--wait", "60s", "--", "true")
+    time.sleep(1.0)
+    assert proc.poll() is None
+    held.release()
+    assert proc.wait(timeout=60) == 0
+
+
+def test_python_m_dblock_run(private: LockManager, db_url: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "dblock", *_on(private, db_url), "run", "pym", "--", "echo", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "DBLOCK_URL"},
+    )
+    assert (done.returncode, done.stdout) == (0, "hi\n"), done.stderr
+
+
+# -- bad input: a clear error, nothing taken ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "message"),
+    [
+        (["--at-least", "5m", "--at-most", "1m"], 2, "at_least (300 s) must not exceed at_most"),
+        (["--at-least=-5s"], 2, "at_least must be a duration >= 0"),
+        (["--at-most", "-1"], 2, "at_most must be a duration > 0"),
+        (["--wait", "-1"], 2, "wait must be a duration >= 0"),
+        (["--fire-time", "2026-11-25T03:00"], 2, "needs its UTC offset"),
+        (["--retry-failed"], 2, "--retry-failed needs --fire-time"),
+        (["--skip-status", "300"], 2, "an exit status is 0 to 255"),
+    ],
+)
+def test_bad_options(args: list[str], status: int, message: str) -> None:
+    # A database nobody could reach: the error must come before any connection.
+    done = dblock(
+        "--url", "postgresql+psycopg://nobody@127.0.0.1:1/none", "run", "k", *args, "--", "true"
+    )
+    assert done.returncode == status, done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("key", "command", "status", "message"),
+    [
+        ("x" * 300, ["true"], 2, "makes no valid lock key"),
+        ("", ["true"], 2, "non-empty"),
+        ("ok", ["no-such-command-anywhere"], 127, "command not found"),
+        ("ok", ["/etc/passwd"], 126, "command is not executable"),
+        ("ok", ["/no/such/file"], 127, "command not found"),
+        ("ok", [], 2, "needs a command"),
+    ],
+)
+def test_bad_key_or_command_takes_nothing(
+    private: LockManager, db_url: str, key: str, command: list[str], status: int, message: str
+) -> None:
+    done = dblock(*_on(private, db_url), "run", key, "--", *command)
+    assert done.returncode == status, done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert private.store.rows() == []
+    assert statements(private.store).latest() == []
+
+
+# -- dblock jobs --------------------------------------------------------------------------
+
+
+def test_dblock_jobs_shows_the_runs(private: LockManager, db_url: str, tmp_path: Path) -> None:
+    on = _on(private, db_url)
+    assert dblock(*on, "run", "alpha", "--", "true").returncode == 0
+    assert dblock(*on, "run", "beta", "--", "false").returncode == 1
+    out = tmp_path / "out"
+    # (Its command lets go of dblock's pipes and says its pid: it outlives dblock below.)
+    script = f"exec >/dev/null 2>&1; echo $$ > {out}.pid; echo up > {out}; exec sleep 60"
+    proc = start_dblock(*on, "run", "gamma", "--at-most", "2s", "--", "sh", "-c", script)
+    try:
+        _wait_for(out, "up")
+        listing = dblock(*on, "jobs")
+        assert listing.returncode == 0, listing.stderr
+        lines = listing.stdout.splitlines()
+        assert lines[0].endswith(": 3 jobs")
+        assert lines[2].split()[:3] == ["JOB", "FIRE", "TIME"]
+        rows = {line.split()[0]: line for line in lines[3:]}
+        assert "success" in rows["alpha"]
+        assert "failed" in rows["beta"]
+        assert "exit status 1" in rows["beta"]
+        assert "running" in rows["gamma"]
+        as_json = json.loads(dblock(*on, "jobs", "--json").stdout)
+        by_job = {entry["job"]: entry for entry in as_json}
+        assert by_job["gamma"]["status"] == "running"
+        assert by_job["alpha"]["duration"] >= 0
+        assert by_job["beta"]["detail"] == "exit status 1"
+        # The runner dies without a word: once its lease (at_most) is over, it shows.
+        proc.kill()
+        proc.wait()
+        time.sleep(2.2)
+        as_json = json.loads(dblock(*on, "jobs", "--json").stdout)
+        assert {e["job"]: e["status"] for e in as_json}["gamma"] == "died"
+    finally:
+        proc.kill()
+        proc.communicate()
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(Path(f"{out}.pid").read_text()), signal.SIGKILL)
+    history = dblock(*on, "jobs", "alpha")
+    assert history.returncode == 0
+    assert "1 runs of 'alpha'" in history.stdout
