@@ -1,6 +1,6 @@
 """``manage.py dblock_run`` and ``flask dblock run``: the same command
 started on several hosts at once (four processes here, as four crontabs
-would) runs once; the others skip with exit status 0.
+would) runs once; the others skip with exit status 75, as ``dblock run``.
 
 Each test starts the processes together and stops them by PID within a bound.
 """
@@ -71,10 +71,10 @@ def _django_env(db_url: str, tmp_path: Path) -> dict[str, str]:
 def test_django_dblock_run_on_four_hosts_runs_once(db_url: str, tmp_path: Path) -> None:
     name = f"dj-{uuid.uuid4().hex[:10]}"
     code = "import time; time.sleep(1.5); print('ran it')"
-    argv = [sys.executable, "manage.py", "dblock_run", name, "--at-most", "30", "--per", "3600",
+    argv = [sys.executable, "manage.py", "dblock_run", name, "--at-most", "30s", "--per", "1h",
             "--", "shell", "-c", code]  # fmt: skip
     results = _together([argv] * HOSTS, env=_django_env(db_url, tmp_path), cwd=EXAMPLE)
-    assert [r[0] for r in results] == [0] * HOSTS, results
+    assert sorted(r[0] for r in results) == [0] + [75] * (HOSTS - 1), results
     ran = [r for r in results if "ran it" in r[1]]
     skipped = [r for r in results if "skipped" in r[2]]
     assert (len(ran), len(skipped)) == (1, HOSTS - 1), results
@@ -92,13 +92,18 @@ def test_django_dblock_run_usage(db_url: str, tmp_path: Path) -> None:
                           "check"]], env=env, cwd=EXAMPLE)[0]  # fmt: skip
     assert no_zone[0] == 1
     assert "needs a time zone" in no_zone[2]
+    bad = _together([[*base, "--at-most", "5 weeks", "--", "check"]], env=env, cwd=EXAMPLE)[0]
+    assert bad[0] == 2
+    assert "not a duration: '5 weeks'" in bad[2]
     # The same fire time twice: the second is skipped, with the status asked for.
-    fire = ["--fire-time", "2026-01-01T03:00Z", "--skipped-status", "3", "--", "check"]
+    fire = ["--fire-time", "2026-01-01T03:00Z", "--skip-status", "3", "--", "check"]
     first = _together([[*base, "--at-most", "5", *fire]], env=env, cwd=EXAMPLE)[0]
     again = _together([[*base, "--at-most", "5", *fire]], env=env, cwd=EXAMPLE)[0]
     assert (first[0], again[0]) == (0, 3), (first, again)
     assert "System check identified no issues" in first[1]
     assert "skipped" in again[2]
+    quiet = _together([[*base, "-q", *fire]], env=env, cwd=EXAMPLE)[0]
+    assert (quiet[0], quiet[2]) == (3, "")
 
 
 # -- Flask ----------------------------------------------------------------------
@@ -111,10 +116,10 @@ def _flask(*args: str) -> list[str]:
 @pytest.mark.slow
 def test_flask_dblock_run_on_four_hosts_runs_once(db_url: str) -> None:
     name = f"fl-{uuid.uuid4().hex[:10]}"
-    argv = _flask("dblock", "run", name, "--at-most", "30", "--per", "3600", "--",
+    argv = _flask("dblock", "run", name, "--at-most", "30s", "--per", "1h", "--",
                   "work", "--seconds", "1.5", "nightly")  # fmt: skip
     results = _together([argv] * HOSTS, env={"DBLOCK_URL": db_url}, cwd=ROOT)
-    assert [r[0] for r in results] == [0] * HOSTS, results
+    assert sorted(r[0] for r in results) == [0] + [75] * (HOSTS - 1), results
     ran = [r for r in results if "ran nightly" in r[1]]
     skipped = [r for r in results if "skipped" in r[2]]
     assert (len(ran), len(skipped)) == (1, HOSTS - 1), results

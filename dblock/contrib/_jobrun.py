@@ -4,6 +4,7 @@ an exit status.
 
 Both run a command of their framework as one run of a job, for hosts that
 each run the same command from cron: one of them runs it, the others skip.
+Their options, defaults and skip status are ``dblock run``'s (plus ``--per``).
 """
 
 from __future__ import annotations
@@ -16,36 +17,51 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .. import SKIPPED
+from ..cli import parse_duration
 from ..errors import LockArgumentError
 from ..manager import LockManager
+from ..runner import EX_TEMPFAIL
 
-__all__ = ["RunOptions", "fire_time", "run_command"]
+__all__ = ["HELP", "SKIP_STATUS", "RunOptions", "duration", "fire_time", "run_command"]
 
-#: Exit status of a skipped run unless told (``--skipped-status``): cron
-#: on the other hosts should not mail about a run that happened elsewhere.
-SKIPPED_STATUS = 0
+#: Exit status of a skipped run unless told (``--skip-status``), as ``dblock
+#: run``'s: sysexits' EX_TEMPFAIL, "try again later".
+SKIP_STATUS = EX_TEMPFAIL
 
 HELP = {
-    "at_most": "the run's lease in seconds: a host that dies in a run blocks the job this long",
-    "at_least": "keep the job taken this long after a run starts, however soon it ends (s)",
-    "fire_time": "run once per this scheduled time (ISO 8601 with a zone, e.g. 2026-01-01T03:00Z)",
-    "per": "run once per period of this many seconds: the fire time is this host's clock "
-    "rounded down to a multiple of it (for cron lines: the cron period; see docs/jobs.md)",
-    "retry_failed": "with a fire time: run it again if its run failed or died",
-    "wait": "seconds to wait for a run elsewhere to end before skipping (default 0)",
-    "skipped_status": f"exit status when the run is skipped (default {SKIPPED_STATUS})",
+    "at_most": "lease of the job's lock, renewed while the command runs: how long a host that "
+    "dies mid-run keeps the job from running elsewhere (e.g. 30s, 10m; default: the lock ttl)",
+    "at_least": "keep the job's key this long after the run began, however soon the command "
+    "ends, so a late firing elsewhere skips (database time; default 0)",
+    "fire_time": "run once per this scheduled time (ISO 8601 with its offset, e.g. "
+    "2026-11-25T03:00Z): a fire time that already ran anywhere is skipped",
+    "per": "run once per period of this long: the fire time is this host's clock rounded "
+    "down to a multiple of it (for a cron line: its period, e.g. 1d; see docs/jobs.md)",
+    "retry_failed": "with a fire time: run a fire time again whose run failed or died",
+    "wait": "wait this long for the key before skipping (default: skip at once)",
+    "skip_status": f"exit status when skipped (default {SKIP_STATUS}, EX_TEMPFAIL, as dblock run)",
+    "quiet": "say nothing when skipped (cron mails output)",
 }
+
+
+def duration(text: str) -> float:
+    """Seconds from ``30``, ``30s``, ``500ms``, ``5m``, ``2h``, ``1d`` (as ``dblock run``)."""
+    try:
+        return parse_duration(text)
+    except Exception as exc:  # argparse.ArgumentTypeError: a usage error for both CLIs
+        raise LockArgumentError(str(exc)) from None
 
 
 @dataclass(frozen=True)
 class RunOptions:
-    at_most: float
+    at_most: float | None = None
     at_least: float = 0
     fire_time: str | None = None
     per: float | None = None
     retry_failed: bool = False
     wait: float = 0
-    skipped_status: int = SKIPPED_STATUS
+    skip_status: int = SKIP_STATUS
+    quiet: bool = False
 
 
 def fire_time(given: str | None, per: float | None, now: float | None = None) -> datetime | None:
@@ -70,7 +86,7 @@ def fire_time(given: str | None, per: float | None, now: float | None = None) ->
     if per is None:
         return None
     if not math.isfinite(per) or per < 1:
-        raise LockArgumentError(f"--per must be at least 1 second, got {per!r}")
+        raise LockArgumentError(f"--per must be at least 1s, got {per!r} s")
     clock = time.time() if now is None else now
     return datetime.fromtimestamp(math.floor(clock / per) * per, timezone.utc)
 
@@ -83,9 +99,9 @@ def run_command(
     say: Callable[[str], None],
 ) -> int:
     """Run ``command()`` as one run of job ``name``; the exit status: 0 when
-    it ran, ``options.skipped_status`` when it was skipped (``say`` tells
-    why). The command's own exceptions propagate (the run is recorded as
-    failed)."""
+    it ran, ``options.skip_status`` when it was skipped (``say`` tells why,
+    unless ``quiet``). The command's own exceptions propagate (the run is
+    recorded as failed)."""
     fire = fire_time(options.fire_time, options.per)
     result = manager.run_job(
         name,
@@ -98,7 +114,8 @@ def run_command(
         on_skip="return",
     )
     if result is SKIPPED:
-        at = f" (fire time {fire.isoformat()})" if fire is not None else ""
-        say(f"dblock: job {name!r}{at} skipped: it runs or ran elsewhere")
-        return options.skipped_status
+        if not options.quiet:
+            at = f" (fire time {fire.isoformat()})" if fire is not None else ""
+            say(f"dblock: job {name!r}{at} skipped: it runs or ran elsewhere")
+        return options.skip_status
     return 0

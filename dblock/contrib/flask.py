@@ -469,29 +469,36 @@ def release_command(key: str, force: bool) -> None:
     _run(lambda: _admin.release_report(_manager(), key, force=force))
 
 
-@cli.command(
-    "run",
-    context_settings={"ignore_unknown_options": True},
-)
+def _durations(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return _jobrun.duration(value)
+    except DBLockError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@cli.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("name")
-@click.option("--at-most", type=float, required=True, help=_jobrun.HELP["at_most"])
-@click.option("--at-least", type=float, default=0.0, help=_jobrun.HELP["at_least"])
+@click.option("--at-most", callback=_durations, default=None, help=_jobrun.HELP["at_most"])
+@click.option("--at-least", callback=_durations, default="0", help=_jobrun.HELP["at_least"])
 @click.option("--fire-time", default=None, help=_jobrun.HELP["fire_time"])
-@click.option("--per", type=float, default=None, help=_jobrun.HELP["per"])
+@click.option("--per", callback=_durations, default=None, help=_jobrun.HELP["per"])
 @click.option("--retry-failed", is_flag=True, help=_jobrun.HELP["retry_failed"])
-@click.option("--wait", type=float, default=0.0, help=_jobrun.HELP["wait"])
+@click.option("--wait", callback=_durations, default="0", help=_jobrun.HELP["wait"])
 @click.option(
-    "--skipped-status",
-    type=int,
-    default=_jobrun.SKIPPED_STATUS,
-    help=_jobrun.HELP["skipped_status"],
+    "--skip-status",
+    type=click.IntRange(0, 255),
+    default=_jobrun.SKIP_STATUS,
+    help=_jobrun.HELP["skip_status"],
 )
+@click.option("-q", "--quiet", is_flag=True, help=_jobrun.HELP["quiet"])
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def run_command(name: str, command: tuple[str, ...], **options: Any) -> None:
     """Run a flask command once across the hosts: NAME is the job's name;
     the command and its arguments follow --, e.g.
-    ``flask dblock run nightly --per 86400 --at-most 1800 -- purge --days 30``.
-    The others skip (exit status 0 unless --skipped-status)."""
+    ``flask dblock run nightly --per 1d --at-most 30m -- purge --days 30``.
+    The others skip (exit status 75, as dblock run, unless --skip-status)."""
     if not command:
         raise click.UsageError("give the command to run after --")
     root = click.get_current_context().find_root()

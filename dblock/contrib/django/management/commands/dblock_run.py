@@ -1,16 +1,18 @@
 """``manage.py dblock_run NAME [options] -- COMMAND [ARGS...]``: run another
 management command as one run of the job NAME, once across the hosts that
-all run the same line from cron (the others skip, exit status 0 unless
-``--skipped-status``).
+all run the same line from cron (the others skip: exit status 75, as
+``dblock run``, unless ``--skip-status``). Options as ``dblock run``'s, plus
+``--per``.
 
 ::
 
     # every host's crontab
-    0 3 * * *  ./manage.py dblock_run clearsessions --per 86400 --at-most 1800 -- clearsessions
+    0 3 * * *  ./manage.py dblock_run clearsessions --per 1d --at-most 30m -q -- clearsessions
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
@@ -22,6 +24,13 @@ from .... import _jobrun as jobrun
 from ... import get_manager
 
 
+def _duration(text: str) -> float:
+    try:
+        return jobrun.duration(text)
+    except DBLockError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class Command(BaseCommand):
     help = (
         "Run a management command once across the hosts: NAME is the job's name, "
@@ -31,18 +40,16 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         help_ = jobrun.HELP
         parser.add_argument("name", help="the job's name (its key, and its row in dblock jobs)")
-        parser.add_argument("--at-most", type=float, required=True, help=help_["at_most"])
-        parser.add_argument("--at-least", type=float, default=0.0, help=help_["at_least"])
+        parser.add_argument("--at-most", type=_duration, default=None, help=help_["at_most"])
+        parser.add_argument("--at-least", type=_duration, default=0.0, help=help_["at_least"])
         parser.add_argument("--fire-time", default=None, help=help_["fire_time"])
-        parser.add_argument("--per", type=float, default=None, help=help_["per"])
+        parser.add_argument("--per", type=_duration, default=None, help=help_["per"])
         parser.add_argument("--retry-failed", action="store_true", help=help_["retry_failed"])
-        parser.add_argument("--wait", type=float, default=0.0, help=help_["wait"])
+        parser.add_argument("--wait", type=_duration, default=0.0, help=help_["wait"])
         parser.add_argument(
-            "--skipped-status",
-            type=int,
-            default=jobrun.SKIPPED_STATUS,
-            help=help_["skipped_status"],
+            "--skip-status", type=int, default=jobrun.SKIP_STATUS, help=help_["skip_status"]
         )
+        parser.add_argument("-q", "--quiet", action="store_true", help=help_["quiet"])
         parser.add_argument("command", nargs="*", help="-- COMMAND [ARGS...]")
 
     def run_from_argv(self, argv: list[str]) -> None:
@@ -66,7 +73,8 @@ class Command(BaseCommand):
             per=options["per"],
             retry_failed=options["retry_failed"],
             wait=options["wait"],
-            skipped_status=options["skipped_status"],
+            skip_status=options["skip_status"],
+            quiet=options["quiet"],
         )
         try:
             status = jobrun.run_command(
