@@ -13,20 +13,30 @@ Sizes: the suite's runs are short (14 s of gunicorn, ±6 s clocks for 20 s);
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import sys
 import time
 import uuid
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.interval import IntervalTrigger
 
-from dblock import LockManager
+from dblock import LockArgumentError, LockManager
+from dblock.contrib.apscheduler import (
+    EVENT_JOB_SKIPPED,
+    OncePerClusterExecutor,
+    job_options,
+    once_per_cluster,
+)
 from dblock.schema import to_utc
 from tests.support import jobs_app
 from tests.support.jobs_check import LONG, running, start, verdict, wait_until
@@ -282,3 +292,168 @@ def test_skewed_clocks_run_each_fire_once(db_url: str, db: str, tmp_path: Path) 
         by_fire[_iso(run["fire_time"])] = by_fire.get(_iso(run["fire_time"]), 0) + 1
     assert set(by_fire) == set(v.runs)
     assert all(n == 1 for n in by_fire.values())
+
+
+# -- the executor in one process --------------------------------------------------
+
+_ANCHOR = datetime(2020, 1, 1, tzinfo=timezone.utc)
+_calls: list[str] = []
+
+
+def _noted(label: str) -> None:
+    _calls.append(label)
+
+
+@job_options(local=True)
+def _everywhere(label: str) -> None:
+    _calls.append(label)
+
+
+def _scheduler(locks: Any, **options: Any) -> BackgroundScheduler:
+    executor = OncePerClusterExecutor(locks, at_most=30, **options)
+    return BackgroundScheduler(executors={"default": executor}, timezone="UTC")
+
+
+def _events(scheduler: BackgroundScheduler, mask: int) -> list[Any]:
+    seen: list[Any] = []
+    scheduler.add_listener(seen.append, mask)
+    return seen
+
+
+@pytest.mark.databases("sqlite")
+def test_two_schedulers_local_and_shared_jobs(manager: LockManager, key: str) -> None:
+    """Two schedulers of one job: each fire runs once, a skip is an event of
+    its own; a ``local`` job runs in both."""
+    _calls.clear()
+    schedulers, skips = [], []
+    for _ in range(2):
+        s = _scheduler(manager)
+        trigger = IntervalTrigger(seconds=1, start_date=_ANCHOR)
+        s.add_job(_noted, trigger, args=["shared"], id=f"{key}-shared", max_instances=3)
+        s.add_job(_everywhere, trigger, args=["local"], id=f"{key}-local")
+        skips.append(_events(s, EVENT_JOB_SKIPPED))
+        s.start()
+        schedulers.append(s)
+    time.sleep(2.6)
+    for s in schedulers:
+        s.shutdown()
+    shared, local = _calls.count("shared"), _calls.count("local")
+    assert 2 <= shared <= 3
+    assert local >= 2 * shared - 1  # in both
+    assert sum(len(s) for s in skips) >= shared - 1
+
+
+@pytest.mark.databases("sqlite")
+def test_a_made_up_id_is_refused(manager: LockManager) -> None:
+    s = _scheduler(manager)
+    errors = _events(s, EVENT_JOB_ERROR)
+    s.start()
+    try:
+        s.add_job(_noted, "date", args=["never"], run_date=datetime.now(timezone.utc))
+        wait_until(lambda: errors, timeout=10)
+    finally:
+        s.shutdown()
+    assert "give it one, add_job(..., id=...)" in str(errors[0].exception)
+    assert "never" not in _calls
+
+
+@pytest.mark.databases("sqlite")
+def test_a_fire_past_its_grace_is_missed_not_run(manager: LockManager, key: str) -> None:
+    s = _scheduler(manager)
+    missed = _events(s, EVENT_JOB_MISSED)
+    s.start()
+    try:
+        # Added paused (never fired by the scheduler), then handed straight
+        # to the executor as the scheduler hands it a fire 5 s late.
+        job = s.add_job(_noted, "interval", seconds=60, start_date=_ANCHOR, args=["late"],
+                        id=key, misfire_grace_time=1, next_run_time=None)  # fmt: skip
+        s._lookup_executor("default").submit_job(
+            job, [datetime.now(timezone.utc) - timedelta(seconds=5)]
+        )
+        wait_until(lambda: missed, timeout=10)
+    finally:
+        s.shutdown()
+    assert "late" not in _calls
+
+
+@pytest.mark.databases("sqlite")
+def test_a_trigger_on_this_hosts_clock_is_warned_of(
+    manager: LockManager, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = _scheduler(manager)
+    s.start()
+    try:
+        with caplog.at_level(logging.WARNING, "dblock.contrib.apscheduler"):
+            s.add_job(_noted, "interval", seconds=0.3, args=["clock"], id=key)
+            wait_until(lambda: "looks taken from this host's clock" in caplog.text, timeout=10)
+    finally:
+        s.shutdown()
+
+
+def test_once_per_cluster_refuses_a_running_scheduler(tmp_path: Path) -> None:
+    s = BackgroundScheduler()
+    s.start()
+    try:
+        with pytest.raises(LockArgumentError, match="call it before start"):
+            once_per_cluster(s, lambda: None, at_most=10)  # type: ignore[arg-type,return-value]
+    finally:
+        s.shutdown()
+    with pytest.raises(LockArgumentError, match="at_most"):
+        OncePerClusterExecutor(lambda: None, at_most=0)  # type: ignore[arg-type,return-value]
+
+
+def test_options_on_the_function_override_the_executors() -> None:
+    executor = OncePerClusterExecutor(lambda: None, at_most=30, at_least=5)  # type: ignore[arg-type,return-value]
+
+    @job_options(at_most=timedelta(minutes=2), retry_failed=True)
+    def job() -> None: ...
+
+    options = executor.options_for(type("J", (), {"func": job})())
+    assert options == {"at_most": timedelta(minutes=2), "at_least": 5, "retry_failed": True,
+                       "wait": None, "local": False}  # fmt: skip
+
+
+@pytest.mark.databases("sqlite", "postgresql")
+def test_flask_apscheduler_apps_run_each_fire_once(db_url: str, key: str) -> None:
+    """Two Flask apps (two processes in real life), each with Flask-APScheduler
+    configured from JOBS and the DBLock extension: each fire runs once."""
+    from flask import Flask
+    from flask_apscheduler import APScheduler
+
+    from dblock import current_run
+    from dblock.contrib.flask import DBLock
+
+    _calls.clear()
+    schedulers = []
+    for _ in range(2):
+        app = Flask(__name__)
+        app.config.update(
+            DBLOCK_URL=db_url,
+            SCHEDULER_TIMEZONE="UTC",
+            JOBS=[
+                {
+                    "id": key,
+                    "func": "tests.test_jobs_apscheduler:_noted",
+                    "args": ["flask"],
+                    "trigger": "interval",
+                    "seconds": 1,
+                    "start_date": _ANCHOR.isoformat(),
+                    "max_instances": 3,
+                }
+            ],
+        )
+        ext = DBLock(app)
+        scheduler = APScheduler()
+        scheduler.init_app(app)
+        once_per_cluster(scheduler, ext.manager, at_most=30)
+        scheduler.start()
+        schedulers.append((scheduler, ext))
+    time.sleep(2.6)
+    for scheduler, ext in schedulers:
+        scheduler.shutdown()
+        ext.manager.close()
+    assert 2 <= _calls.count("flask") <= 3
+    assert current_run() is None
+    runs = _runs_of(db_url, key)
+    assert len(runs) == _calls.count("flask")
+    assert all(r["outcome"] == "success" for r in runs)
