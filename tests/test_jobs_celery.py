@@ -68,14 +68,20 @@ def _sent(log: Path) -> int:
 
 @pytest.fixture
 def ledger(db_url: str) -> Iterator[str]:
-    """A ledger name, and the queue named after it deleted after the test."""
-    name = uuid.uuid4().hex[:12]
-    jobs_app.reset_ledger(db_url, name)
-    yield name
+    """A ledger name, and the queue named after it deleted after the test.
+    An unreachable broker is a failure, as an unreachable database is."""
     from kombu import Connection
 
     from tests.support.celery_app import BROKER
 
+    try:
+        with Connection(BROKER, connect_timeout=5) as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:
+        pytest.fail(f"RabbitMQ ({BROKER}) is required by the Celery tests and unreachable: {exc}")
+    name = uuid.uuid4().hex[:12]
+    jobs_app.reset_ledger(db_url, name)
+    yield name
     with Connection(BROKER) as conn:
         conn.default_channel.queue_delete(f"dblock-test-{name}")
 
