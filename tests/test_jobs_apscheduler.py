@@ -457,3 +457,48 @@ def test_flask_apscheduler_apps_run_each_fire_once(db_url: str, key: str) -> Non
     runs = _runs_of(db_url, key)
     assert len(runs) == _calls.count("flask")
     assert all(r["outcome"] == "success" for r in runs)
+
+
+async def _anoted(label: str) -> None:
+    _calls.append(label)
+
+
+def test_asyncio_schedulers_run_each_fire_once(db_url: str, make_manager: Any, key: str) -> None:
+    """Two AsyncIOSchedulers (two processes in real life) with dblock's
+    asyncio executor: a coroutine job (on the loop, ``await run_job``) and a
+    plain one (in the loop's thread pool) each run every fire once."""
+    import asyncio
+
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+    from dblock import AsyncLockManager
+    from dblock.contrib.apscheduler import OncePerClusterAsyncIOExecutor
+
+    _calls.clear()
+
+    async def main() -> None:
+        schedulers, managers = [], []
+        for _ in range(2):
+            alocks = AsyncLockManager(make_manager())
+            executor = OncePerClusterAsyncIOExecutor(alocks, at_most=30)
+            s = AsyncIOScheduler(executors={"default": executor}, timezone="UTC")
+            trigger = IntervalTrigger(seconds=1, start_date=_ANCHOR)
+            s.add_job(_anoted, trigger, args=["async"], id=f"{key}-a", max_instances=3)
+            s.add_job(_noted, trigger, args=["sync"], id=f"{key}-s", max_instances=3)
+            s.start()
+            schedulers.append(s)
+            managers.append(alocks)
+        await asyncio.sleep(2.6)
+        for s in schedulers:
+            s.shutdown(wait=False)
+        await asyncio.sleep(0.5)  # let the runs under way end
+        for alocks in managers:
+            await alocks.close()
+
+    asyncio.run(main())
+    for label in ("async", "sync"):
+        assert 2 <= _calls.count(label) <= 3, _calls
+    for suffix, label in (("a", "async"), ("s", "sync")):
+        runs = _runs_of(db_url, f"{key}-{suffix}")
+        assert len(runs) == _calls.count(label)
+        assert all(r["outcome"] == "success" for r in runs)
