@@ -275,6 +275,8 @@ def begin_steps(
     """Take the job's key, then (with a fire time, or ``record``) its row in
     the record of runs; a :class:`_Skip` when it must not run. On any
     exception the key is given back."""
+    if locker.kind_guard is not None:
+        locker.kind_guard(key)  # as Locker.acquire: a key is used with one kind of lock
     if locker._local:
         entry = locker.registry.get(key)
         if entry is not None and entry.owner is me:

@@ -378,3 +378,31 @@ def _fair_round(
     fences = [first_fence] + [f for _, f in granted]
     assert fences == sorted(fences), fences
     assert len(set(fences)) == len(fences), fences
+
+
+def test_jobs_run_once_per_fire_time_across_nodes(node_managers: list[LockManager]) -> None:
+    """Three "hosts", each on its own node, fire the same schedule at once:
+    every fire time runs exactly once (the job lock's certification race,
+    then the record's INSERT IGNORE)."""
+    from datetime import datetime, timedelta, timezone
+
+    from dblock import SKIPPED
+
+    job = f"galera-job-{uuid.uuid4().hex[:8]}"
+    first = datetime(2026, 11, 25, tzinfo=timezone.utc)
+    fires = [first + timedelta(minutes=i) for i in range(15)]
+    ran: list[tuple[int, datetime]] = []
+    barrier = threading.Barrier(len(node_managers))
+
+    def host(n: int, manager: LockManager) -> None:
+        for fire in fires:
+            barrier.wait()
+            result = manager.run_job(job, ran.append, (n, fire), fire_time=fire, at_most=30)
+            assert result is None or result is SKIPPED
+
+    threads = [threading.Thread(target=host, args=(n, m)) for n, m in enumerate(node_managers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(fire for _, fire in ran) == fires

@@ -126,6 +126,22 @@ def test_same_thread_skips_its_own_running_job(private: LockManager) -> None:
     assert inner == [SKIPPED]
 
 
+def test_a_job_key_used_as_another_kind_of_lock_is_refused(
+    private: LockManager, make_manager: MakeManager
+) -> None:
+    from dblock import KindMismatch
+
+    with private.semaphore("job:sem", permits=2):
+        with pytest.raises(KindMismatch, match="in this process"):
+            private.run_job("sem", lambda: None, at_most=5)
+        if private.dialect in ("mysql", "mariadb"):
+            # The exclusive lock's documented limit there (docs/kinds/index.md):
+            # only a head row of another kind refuses it.
+            return
+        with pytest.raises(KindMismatch, match="in the table"):
+            other(private, make_manager).run_job("sem", lambda: None, at_most=5)
+
+
 def test_current_run_gives_the_job_its_lock(private: LockManager) -> None:
     seen: list[Any] = []
 
@@ -595,3 +611,67 @@ def test_the_sweeper_takes_turns_through_the_job_lock(
     assert result.busy is not None  # type: ignore[attr-defined]
     assert sweeper.run_once().busy is None
     assert lock_row(private, sweeper.key) is None  # released after the run
+
+
+# -- a schema from before the record of runs (revision 0002) -------------------------------
+
+
+@pytest.fixture
+def at_0002(db_url: str) -> Any:
+    """A manager on a table of its own, migrated to revision 0002 only."""
+    import uuid
+
+    from dblock import migrations
+
+    table = f"dblock_j_{uuid.uuid4().hex[:8]}"
+    manager = LockManager(db_url, table=table)
+    migrations.upgrade(manager.engine, manager.names, "0002")
+    yield manager
+    manager.drop_schema()
+    manager.close()
+
+
+def test_without_the_record_unkeyed_jobs_run_and_keyed_ones_say_why(
+    at_0002: LockManager, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dblock import SchemaMissing
+    from dblock.sweeper import Sweeper
+
+    with caplog.at_level("WARNING", logger="dblock.jobs"):
+        assert at_0002.run_job("plain", lambda: "ran", at_most=5) == "ran"
+        assert at_0002.run_job("plain", lambda: "ran", at_most=5) == "ran"
+    warned = [r for r in caplog.records if "record of job runs" in r.getMessage()]
+    assert len(warned) <= 1  # once per process (an earlier test may have said it)
+    with pytest.raises(SchemaMissing, match="dblock migrate"):
+        at_0002.run_job("keyed", lambda: "no", at_most=5, fire_time=FIRE)
+    assert lock_row(at_0002, "job:keyed") is None  # the key was given back
+    assert Sweeper(at_0002).run_once().runs == 0  # nothing to prune, no error
+    at_0002.create_schema()  # to 0003: the record arrives beside the live table
+    assert at_0002.run_job("keyed", lambda: "yes", at_most=5, fire_time=FIRE) == "yes"
+
+
+def test_wait_for_the_key_sync_and_async(
+    private: LockManager, make_manager: MakeManager, alocks: Any
+) -> None:
+    second = other(private, make_manager)
+    held = second.acquire("job:waits", ttl=30)
+    threading.Timer(0.5, lambda: held.release(force=True)).start()  # another thread
+    started = time.monotonic()
+    assert private.run_job("waits", lambda: "sync", at_most=5, wait=10) == "sync"
+    assert time.monotonic() - started >= 0.4
+    # Too short a wait: skipped (a LockTimeout underneath).
+    held = second.acquire("job:waits", ttl=30)
+    try:
+        with pytest.raises(JobSkipped) as info:
+            private.run_job("waits", lambda: None, at_most=5, wait=0.3, on_skip="raise")
+        assert info.value.reason == "running"
+    finally:
+        held.release()
+
+    async def main() -> object:
+        again = await asyncio.to_thread(second.acquire, "job:waits", ttl=30)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.5, lambda: again.release(force=True))
+        return await alocks.run_job("waits", asyncio.sleep, 0, "async", at_most=5, wait=10)
+
+    assert asyncio.run(main()) == "async"

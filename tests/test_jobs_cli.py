@@ -307,3 +307,21 @@ def test_dblock_jobs_shows_the_runs(private: LockManager, db_url: str, tmp_path:
     history = dblock(*on, "jobs", "alpha")
     assert history.returncode == 0
     assert "1 runs of 'alpha'" in history.stdout
+
+
+def test_dblock_jobs_without_the_record_says_to_migrate(db_url: str) -> None:
+    import uuid
+
+    from dblock import migrations
+
+    table = f"dblock_j_{uuid.uuid4().hex[:8]}"
+    with LockManager(db_url, table=table) as manager:
+        migrations.upgrade(manager.engine, manager.names, "0002")
+        try:
+            done = dblock("--url", db_url, "--table", table, "jobs")
+            assert done.returncode == 1
+            assert f"the record of job runs '{table}_runs' does not exist" in done.stderr
+            assert "dblock migrate" in done.stderr
+            assert "Traceback" not in done.stderr
+        finally:
+            manager.drop_schema()

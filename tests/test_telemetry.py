@@ -212,3 +212,27 @@ def test_the_prometheus_example_exports_dblock_metrics(db_url: str, tmp_path: Pa
     finally:
         proc.kill()
         proc.wait(20)
+
+
+def test_job_runs_and_skips_are_counted(
+    observed: LockManager, make_manager: Callable[..., LockManager], readout: Readout
+) -> None:
+    from datetime import datetime, timezone
+
+    fire = datetime(2026, 11, 25, 3, 0, tzinfo=timezone.utc)
+    job = f"metrics-{time.monotonic_ns()}"
+    other = make_manager(telemetry=readout.telemetry)
+    assert observed.run_job(job, lambda: "ran", at_most=30, at_least=30) == "ran"
+    assert not other.run_job(job, lambda: "again", at_most=5)  # kept by at_least
+
+    def boom() -> None:
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError):
+        observed.run_job(job + "-f", boom, at_most=5, fire_time=fire)
+    assert not other.run_job(job + "-f", lambda: None, at_most=5, fire_time=fire)
+    name = "dblock.job.runs"
+    assert readout.count(name, outcome="success") == 1
+    assert readout.count(name, outcome="failed") == 1
+    assert readout.count(name, outcome="skipped", reason="running") == 1
+    assert readout.count(name, outcome="skipped", reason="failed") == 1
