@@ -590,7 +590,7 @@ def test_cli_list_sweep_release(app: Flask) -> None:
 def test_cli_migrate_sql_and_up_to_date(app: Flask) -> None:
     runner = app.test_cli_runner()
     again = runner.invoke(args=["dblock", "migrate"])
-    assert "is up to date (revision 0002)" in again.output
+    assert "is up to date (revision 0003)" in again.output
     sql = runner.invoke(args=["dblock", "migrate", "--sql"])
     assert sql.exit_code == 0
     assert "CREATE TABLE dblock_locks" in sql.output
