@@ -12,6 +12,7 @@ Sizes: 14 s of beats in the suite, 60 s with ``DBLOCK_JOBS_LONG=1``.
 from __future__ import annotations
 
 import itertools
+import signal
 import sys
 import time
 import uuid
@@ -29,12 +30,13 @@ AT_LEAST = PERIOD * 0.6  # tests/support/celery_app.py's tick
 SECONDS = 60.0 if LONG else 14.0
 
 
-def _env(db_url: str, ledger: str) -> dict[str, str]:
+def _env(db_url: str, ledger: str, **more: str) -> dict[str, str]:
     return {
         "DBLOCK_JOBS_URL": db_url,
         "DBLOCK_JOBS_LEDGER": ledger,
         "DBLOCK_JOBS_INTERVAL": str(PERIOD),
         "PYTHONUNBUFFERED": "1",
+        **more,
     }
 
 
@@ -48,10 +50,10 @@ def _worker(n: int, db_url: str, ledger: str, tmp_path: Path) -> Any:
     return start(argv, env=_env(db_url, ledger), log=tmp_path / f"worker{n}.log")
 
 
-def _beat(n: int, db_url: str, ledger: str, tmp_path: Path) -> Any:
+def _beat(n: int, db_url: str, ledger: str, tmp_path: Path, **env: str) -> Any:
     argv = _celery("beat", "-s", str(tmp_path / f"beat{n}-schedule"),
                    "--pidfile", str(tmp_path / f"beat{n}.pid"), "-l", "info")  # fmt: skip
-    return start(argv, env=_env(db_url, ledger), log=tmp_path / f"beat{n}.log")
+    return start(argv, env=_env(db_url, ledger, **env), log=tmp_path / f"beat{n}.log")
 
 
 def _ready(log: Path) -> bool:
@@ -62,8 +64,8 @@ def _started(log: Path) -> bool:
     return log.exists() and "beat: Starting..." in log.read_text()
 
 
-def _sent(log: Path) -> int:
-    return log.read_text().count("Sending due task tick")
+def _sent(log: Path, task: str = "tick") -> int:
+    return log.read_text().count(f"Sending due task {task}")
 
 
 @pytest.fixture
@@ -145,3 +147,50 @@ def test_once_per_arguments_on_two_workers(db_url: str, ledger: str, tmp_path: P
         for item in ("item:1", "item:2")
     }
     assert by_item == {"item:1": ["run"] + ["skip"] * 5, "item:2": ["run"]}, _logs(tmp_path)
+
+
+@pytest.mark.slow
+def test_leader_beat_sends_alone_and_a_standby_takes_over(
+    db_url: str, db: str, ledger: str, tmp_path: Path
+) -> None:
+    """Two beats with LeaderScheduler and a task with no dblock of its own:
+    only the leader sends, so each period runs once; the leader killed with
+    kill -9, the standby takes the lead once its lease (4 s) ends and the
+    periods go on."""
+    workers = [_worker(n, db_url, ledger, tmp_path) for n in (1, 2)]
+    with running(workers):
+        for n in (1, 2):
+            wait_until(lambda n=n: _ready(tmp_path / f"worker{n}.log"), timeout=60)
+        beats = [_beat(n, db_url, ledger, tmp_path, DBLOCK_JOBS_BEAT="leader") for n in (1, 2)]
+        with running(beats):
+            leader = wait_until(lambda: _leader(tmp_path), timeout=60)
+            time.sleep(SECONDS / 2)
+            before = [_sent(tmp_path / f"beat{n}.log", "plain") for n in (1, 2)]
+            beats[leader - 1].send_signal(signal.SIGKILL)
+            killed_at = time.time()
+            time.sleep(SECONDS / 2 + 4)
+        time.sleep(PERIOD)
+    rows = jobs_app.read_ledger(db_url, ledger)
+    runs = sorted(r["started"] for r in rows if r["kind"] == "run")
+    sent = [_sent(tmp_path / f"beat{n}.log", "plain") for n in (1, 2)]
+    standby = 2 if leader == 1 else 1
+    gaps = [round(b - a, 3) for a, b in itertools.pairwise(runs)]
+    after = [r for r in runs if r > killed_at]
+    print(f"\n[celery leader {db}] sent_before_kill={before} sent={sent} runs={len(runs)} "
+          f"after_kill={len(after)} widest={max(gaps, default=None)}")  # fmt: skip
+    logs = _logs(tmp_path)
+    assert before[standby - 1] == 0, logs  # the standby sent nothing while the leader led
+    assert before[leader - 1] >= SECONDS / PERIOD / 2 - 2, logs
+    assert "leading" in (tmp_path / f"beat{standby}.log").read_text(), logs
+    assert len(after) >= SECONDS / PERIOD / 2 - 3, logs  # the periods went on
+    assert len(runs) == sum(sent), logs  # every send ran once
+    # Never two runs in one period, but for the takeover's first send.
+    assert sum(1 for g in gaps if g < PERIOD / 2) <= 1, (gaps, logs)
+
+
+def _leader(tmp_path: Path) -> int | None:
+    for n in (1, 2):
+        log = tmp_path / f"beat{n}.log"
+        if log.exists() and "beat: leading" in log.read_text():
+            return n
+    return None

@@ -33,6 +33,11 @@ period's first message finds the name free again. It holds while the beats'
 sending times differ by less than ``once_at_least`` and a run's start is not
 delayed past ``period - once_at_least`` (keep the workers' queue short for
 these tasks, or give them a queue of their own).
+
+Or at the source: :class:`LeaderScheduler` (``celery beat -S
+dblock.contrib.celery:LeaderScheduler``) sends only while it holds a dblock
+lock; a second beat waits as a standby and takes over when the first one's
+lease ends. Both together make a doubled beat harmless whatever the tasks.
 """
 
 from __future__ import annotations
@@ -45,12 +50,14 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery, Task
+from celery.beat import PersistentScheduler
 
 from .. import SKIPPED
-from ..errors import LockArgumentError
+from ..errors import DBLockError, LockArgumentError, LockNotAcquired
+from ..lock import HeldLock
 from ..manager import LockManager
 
-__all__ = ["OnceTask", "locks_of", "use_locks"]
+__all__ = ["LeaderScheduler", "OnceTask", "locks_of", "use_locks"]
 
 _log = logging.getLogger("dblock.contrib.celery")
 _CONF = "dblock_locks"
@@ -167,3 +174,64 @@ def _digest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     JSON with sorted keys, hashed; repr for what JSON cannot say)."""
     text = json.dumps([list(args), kwargs], sort_keys=True, default=repr, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class LeaderScheduler(PersistentScheduler):  # type: ignore[misc]
+    """A beat scheduler that sends only while it holds the lock
+    ``celery-beat:<app name>`` (``app.conf.dblock_beat_key`` to choose
+    another), with a lease of ``app.conf.dblock_beat_lease`` seconds (30 by
+    default) that dblock renews while the beat lives.
+
+    Any number of beats may run: one leads, the others try the lock every
+    ``lease / 6`` seconds (at most 5 s) and send nothing. A leader killed
+    with ``kill -9`` is replaced once its lease ends; a leader whose lease
+    was lost (a pause longer than it, the database gone) stops sending at its
+    next tick. A standby's schedule has not moved while it waited, so on
+    taking over it may send at once what the old leader had just sent: give
+    tasks that must not run twice :class:`OnceTask` as well.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._held: HeldLock | None = None
+        super().__init__(*args, **kwargs)
+        conf = self.app.conf
+        self._beat_key = str(conf.get("dblock_beat_key") or f"celery-beat:{self.app.main}")
+        self._lease = float(conf.get("dblock_beat_lease") or 30.0)
+        if self._lease <= 0:
+            raise LockArgumentError(f"dblock_beat_lease must be positive, got {self._lease!r}")
+
+    def is_leader(self) -> bool:
+        """Whether this beat holds the lock now (taking it if it is free)."""
+        held = self._held
+        if held is not None and not held.lost and not held.released:
+            return True
+        if held is not None:
+            _log.warning("beat: lost the lead (%s); standing by", held.lost_reason)
+            self._held = None
+        try:
+            self._held = locks_of(self.app).acquire(
+                self._beat_key, blocking=False, ttl=self._lease, renew=True
+            )
+        except LockNotAcquired:
+            return False
+        except DBLockError as exc:  # the database is away: send nothing, try again
+            _log.warning("beat: cannot take the lead: %s", exc)
+            return False
+        _log.info("beat: leading (%s)", self._beat_key)
+        return True
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        if not self.is_leader():
+            return min(self._lease / 6, 5.0)
+        return float(super().tick(*args, **kwargs))
+
+    def close(self) -> None:
+        held, self._held = self._held, None
+        try:
+            super().close()
+        finally:
+            if held is not None and not held.released:
+                try:
+                    held.release()
+                except DBLockError as exc:  # its lease ends it anyway
+                    _log.warning("beat: could not give the lead back: %s", exc)

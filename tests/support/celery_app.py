@@ -34,6 +34,17 @@ app.conf.update(
         "tick": {"task": "dblock_test.tick", "schedule": PERIOD, "args": [LEDGER_NAME]},
     },
 )
+if os.environ.get("DBLOCK_JOBS_BEAT") == "leader":
+    # Beats that send only while they hold the lead; a plain task, so that
+    # any doubled send would show as a second run.
+    app.conf.update(
+        beat_scheduler="dblock.contrib.celery:LeaderScheduler",
+        dblock_beat_key=f"celery-beat:{LEDGER_NAME}",
+        dblock_beat_lease=4.0,
+        beat_schedule={
+            "plain": {"task": "dblock_test.plain_tick", "schedule": PERIOD, "args": [LEDGER_NAME]},
+        },
+    )
 if "DBLOCK_JOBS_URL" in os.environ:
     use_locks(app, os.environ["DBLOCK_JOBS_URL"])
 
@@ -86,3 +97,9 @@ def tick(ledger: str) -> None:
 def per_args(ledger: str, item: int, work: float) -> None:
     """One run per ``item`` at a time, however many copies are sent."""
     _run(work, f"item:{item}")
+
+
+@app.task(name="dblock_test.plain_tick")
+def plain_tick(ledger: str) -> None:
+    """A periodic task with no dblock of its own (the leader beat's test)."""
+    _run(0.2)
