@@ -267,6 +267,10 @@ def _add_jobs(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None
         f"status ({EX_TEMPFAIL}). Signals are passed on to the command; the lease is "
         "renewed while it runs; the exit status is the command's. For cron: "
         "`dblock run nightly-cleanup --at-least 5m -- /usr/local/bin/cleanup`.",
+        epilog=f"Exit status: the command's (128+N if signal N ended it); {EX_TEMPFAIL} "
+        "skipped (--skip-status); 2 bad arguments and 127/126 command not found/not "
+        "executable, before anything is taken; 1 the database failed; 128+N signal N "
+        "before the command started.",
     )
     run.add_argument("key", metavar="KEY", help="the job's name (its lock key is job:KEY)")
     run.add_argument(

@@ -96,7 +96,8 @@ class JobSkipped(LockNotAcquired):
     """A job run did not run (``once(..., on_skip="raise")``): another process
     runs it, its key is kept after a recent run (``at_least``), or its fire
     time already has a run. ``job`` is the job's name, ``reason`` one of
-    ``"running"``, ``"done"`` (its fire time ran), ``"failed"`` (its fire
+    ``"running"``, ``"kept"`` (the last run ended less than ``at_least``
+    after it began), ``"done"`` (its fire time ran), ``"failed"`` (its fire
     time's run failed or died, and ``retry_failed`` is off); ``holder`` names
     who holds the key when known, ``level`` as for :class:`LockBusy` (0: the
     record of runs decided, the key was free)."""
@@ -188,10 +189,12 @@ class SchemaMissing(DBLockError):
 
     __module__ = "dblock"
 
-    def __init__(self, table: str, url: str) -> None:
+    def __init__(self, table: str, url: str, *, missing: str | None = None) -> None:
         option = "" if table == "dblock_locks" else f" --table {table}"
+        # ``missing``: another of the schema's tables (the record of job runs).
+        what = f"the lock table {table!r}" if missing is None else missing
         super().__init__(
-            f"the lock table {table!r} does not exist in {url}; "
+            f"{what} does not exist in {url}; "
             f"run `dblock migrate{option}` (or LockManager.create_schema()) first"
         )
         self.table = table

@@ -44,7 +44,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store.base import Steps
-from ._store.jobs import statements
+from ._store.jobs import KEPT, JobSQL, statements
 from .config import MAX_SECONDS
 from .errors import (
     BackendError,
@@ -296,14 +296,19 @@ def begin_steps(
             waiter_type=waiter_type,
         )
     except (LockBusy, LockTimeout) as exc:
-        who = exc.holder or ("another thread of this process" if exc.level == 1 else None)
+        holder = exc.holder
+        if holder is not None and holder.endswith(KEPT):
+            return _Skip(
+                "kept",
+                f"its last run, on {holder[: -len(KEPT)]}, ended less than at_least "
+                f"after it began: its key {key!r} is kept until then",
+                exc.level,
+                holder,
+            )
+        who = holder or ("another thread of this process" if exc.level == 1 else None)
         where = f"held by {who}" if who else "held"
         return _Skip(
-            "running",
-            f"its key {key!r} is {where} (a run in progress, or one that ended less "
-            "than at_least ago)",
-            exc.level,
-            exc.holder,
+            "running", f"its key {key!r} is {where}: a run is in progress", exc.level, holder
         )
     if fire_time is None and not options.record:
         return JobRun(name, key, None, None, held)
@@ -338,10 +343,41 @@ def _record_steps(  # noqa: PLR0917 - internal, one caller
         )
 
     try:
+        return (
+            yield from _decide_steps(
+                locker, held, sql, insert, name, options, fire_time, next_fire, run_id, runner
+            )
+        )
+    except BaseException:
+        # Interrupted (a signal, a cancellation) or failed after our row may
+        # have been written: a fire time must not look like a run that died.
+        with contextlib.suppress(Exception):
+            yield (_STEPS, sql.forget_steps(run_id))
+        raise
+
+
+def _decide_steps(  # noqa: PLR0917 - internal, one caller
+    locker: Locker,
+    held: HeldLock,
+    sql: JobSQL,
+    insert: Callable[[], Steps[bool]],
+    name: str,
+    options: JobOptions,
+    fire_time: datetime | None,
+    next_fire: datetime | None,
+    run_id: str,
+    runner: str,
+) -> Op[JobRun | _Skip]:
+    try:
         inserted = yield (_STEPS, insert())
     except SchemaMissing:
         if fire_time is not None:
-            raise SchemaMissing(sql.runs_name, locker.store.executor._url) from None
+            names = locker.store.names
+            raise SchemaMissing(
+                names.table,
+                locker.store.executor._url,
+                missing=f"the record of job runs {names.runs_table!r} (schema revision 0003)",
+            ) from None
         if sql.runs_name not in _warned_missing:
             _warned_missing.add(sql.runs_name)
             log.warning(

@@ -936,7 +936,7 @@ class Locker:
             elif keep:
                 deleted = yield (
                     _STEPS,
-                    job_statements(self.store).keep_steps(held.key, held.token, keep),
+                    job_statements(self.store).keep_steps(held.key, held.token, keep, held.owner),
                 )
             else:
                 deleted = yield (_RELEASE, held.key, held.token)

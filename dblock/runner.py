@@ -4,7 +4,8 @@ The command runs as one run of the job ``KEY`` (its lock ``job:KEY``, the
 same as ``@locks.once("KEY")``): on at most one host at a time, and, with
 ``--at-least``, not again until that long after a run began. While it runs
 the lease (``--at-most``) is renewed; signals sent to ``dblock run`` are
-passed on to the command; when the command ends, its run is recorded, the
+passed on to the command (but Ctrl-C and Ctrl-\\ in a terminal, which the
+command gets from the terminal itself); when the command ends, its run is recorded, the
 key released (or kept until ``--at-least``) and its exit status returned.
 
 Exit statuses (``flock -n -E`` has one for "not run"; so does this):
@@ -151,13 +152,40 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+#: What a terminal's keys (Ctrl-C, Ctrl-\\) send to its whole foreground process group.
+_TERMINAL_KEYS = frozenset(
+    getattr(signal, name) for name in ("SIGINT", "SIGQUIT") if hasattr(signal, name)
+)
+
+
+def in_terminal_foreground() -> bool:
+    """Whether this process is in the foreground process group of its
+    controlling terminal: then Ctrl-C and Ctrl-\\ reach the command (in the
+    same group) from the terminal itself, and passing them on too would
+    deliver them twice."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:  # no controlling terminal (cron, a service)
+        return False
+    try:
+        return os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def supervise(command: Sequence[str]) -> int:
-    """Run ``command`` with every forwarded signal passed on to it; its exit
-    status. Raises :class:`CommandFailed` for a non-zero one, so the job's
-    run is recorded as failed."""
+    """Run ``command`` with every forwarded signal passed on to it (but
+    those a terminal already sent it: see :func:`in_terminal_foreground`);
+    its exit status. Raises :class:`CommandFailed` for a non-zero one, so the
+    job's run is recorded as failed."""
+    from_terminal = _TERMINAL_KEYS if in_terminal_foreground() else frozenset()
     child = subprocess.Popen(list(command))  # noqa: S603 - the operator's own command line
 
     def forward(signum: int, _frame: FrameType | None) -> None:
+        if signum in from_terminal:
+            return  # the terminal sent it to the command too
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
 

@@ -161,6 +161,11 @@ class TableNames:
         return derived_name(self.table, "_runs_started_idx")
 
     @property
+    def runs_job_index(self) -> str:
+        """``(job, started_at)``: a job's latest runs (``dblock jobs``)."""
+        return derived_name(self.table, "_runs_job_idx")
+
+    @property
     def version_table(self) -> str:
         """alembic's version table for this lock table (never the app's ``alembic_version``).
         alembic names its primary key ``<version_table>_pkc``, so it stays 4 short."""
@@ -183,6 +188,7 @@ class TableNames:
             self.runs_table,
             self.runs_fire_key,
             self.runs_started_index,
+            self.runs_job_index,
             self.version_table,
         )
 
@@ -314,15 +320,17 @@ def runs_table(names: TableNames, metadata: MetaData | None = None) -> Table:
         Column("next_fire", UTCDateTime(), nullable=True),
         UniqueConstraint("job", "fire_time", name=names.runs_fire_key),
         Index(names.runs_started_index, "started_at"),
+        Index(names.runs_job_index, "job", "started_at"),
         mysql_engine="InnoDB",
         mysql_charset="utf8mb4",
     )
 
 
 def runs_create_statements(names: TableNames) -> list[Executable]:
-    """DDL creating the runs table and its index (revision 0003)."""
+    """DDL creating the runs table and its indexes (revision 0003)."""
     table = runs_table(names)
-    return [CreateTable(table), *(CreateIndex(index) for index in table.indexes)]
+    indexes = sorted(table.indexes, key=lambda index: str(index.name))
+    return [CreateTable(table), *(CreateIndex(index) for index in indexes)]
 
 
 def runs_drop_statements(names: TableNames) -> list[ExecutableDDLElement]:

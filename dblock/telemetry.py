@@ -20,8 +20,8 @@ Metrics (attributes in brackets; all low-cardinality, never a key):
                                               round trip through the table
 ``dblock.sweeper.deleted``         counter    rows the sweeper deleted [reason]
 ``dblock.job.runs``                counter    job runs [outcome]: success, failed,
-                                              skipped (with [reason]: running, done,
-                                              failed)
+                                              skipped (with [reason]: running, kept,
+                                              done, failed)
 =================================  =========  ==========================================
 
 Every instrument also carries ``dblock.table``, so two managers on two tables

@@ -170,6 +170,12 @@ def test_at_least_keeps_the_key_after_a_short_run(
     # The row stays, its lease ending at acquired_at + at_least (database time).
     assert db_lease(private, "job:short") == pytest.approx(1.5, abs=0.002)
     assert second.run_job("short", lambda: "late", at_most=30) is SKIPPED
+    with pytest.raises(JobSkipped) as info:
+        second.run_job("short", lambda: "late", at_most=30, on_skip="raise")
+    assert info.value.reason == "kept"
+    assert "ended less than at_least after it began" in str(info.value)
+    # Whoever reads the table (dblock list, the admin) sees it too.
+    assert lock_row(private, "job:short").owner.endswith(" [run ended; kept for at_least]")
     time.sleep(1.6)
     assert second.run_job("short", lambda: "next", at_most=30) == "next"
 
@@ -642,8 +648,11 @@ def test_without_the_record_unkeyed_jobs_run_and_keyed_ones_say_why(
         assert at_0002.run_job("plain", lambda: "ran", at_most=5) == "ran"
     warned = [r for r in caplog.records if "record of job runs" in r.getMessage()]
     assert len(warned) <= 1  # once per process (an earlier test may have said it)
-    with pytest.raises(SchemaMissing, match="dblock migrate"):
+    table = at_0002.config.table
+    with pytest.raises(SchemaMissing) as info:
         at_0002.run_job("keyed", lambda: "no", at_most=5, fire_time=FIRE)
+    assert str(info.value).startswith(f"the record of job runs '{table}_runs' (schema revision")
+    assert f"run `dblock migrate --table {table}`" in str(info.value)
     assert lock_row(at_0002, "job:keyed") is None  # the key was given back
     assert Sweeper(at_0002).run_once().runs == 0  # nothing to prune, no error
     at_0002.create_schema()  # to 0003: the record arrives beside the live table
@@ -675,3 +684,28 @@ def test_wait_for_the_key_sync_and_async(
         return await alocks.run_job("waits", asyncio.sleep, 0, "async", at_most=5, wait=10)
 
     assert asyncio.run(main()) == "async"
+
+
+def test_a_start_interrupted_after_the_record_leaves_no_trace(
+    private: LockManager, make_manager: MakeManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal (here KeyboardInterrupt) right after the run's row was
+    written, before the job began: the row and the key go, so the fire time
+    is not taken for a run that died."""
+    from dblock._store import jobs as job_sql
+
+    real = job_sql.JobSQL.insert_steps
+
+    def interrupted(self: Any, **kwargs: Any) -> Any:
+        yield from real(self, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job_sql.JobSQL, "insert_steps", interrupted)
+    ran: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        private.run_job("cut", lambda: ran.append("no"), at_most=30, fire_time=FIRE)
+    monkeypatch.undo()
+    assert ran == []
+    assert runs(private, "cut") == []
+    assert lock_row(private, "job:cut") is None
+    assert other(private, make_manager).run_job("cut", lambda: "yes", at_most=30, fire_time=FIRE)

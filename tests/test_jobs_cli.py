@@ -325,3 +325,44 @@ def test_dblock_jobs_without_the_record_says_to_migrate(db_url: str) -> None:
             assert "Traceback" not in done.stderr
         finally:
             manager.drop_schema()
+
+
+def test_ctrl_c_in_a_terminal_reaches_the_command_once(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    """In a terminal, Ctrl-C goes to the whole foreground group, the command
+    included: dblock run does not send it a second time."""
+    import pty
+    import select
+
+    out = tmp_path / "out"
+    child = (
+        "import signal, sys, time\n"
+        f"out = open({str(out)!r}, 'a', buffering=1)\n"
+        "signal.signal(signal.SIGINT, lambda *_: out.write('INT\\n'))\n"
+        "out.write('started\\n')\n"
+        "time.sleep(1.5)\n"  # a second SIGINT would arrive meanwhile
+        "time.sleep(0.5)\n"
+        "sys.exit(3)\n"
+    )
+    argv = [*COMMAND, *_on(private, db_url), "run", "tty", "--", sys.executable, "-c", child]
+    pid, primary = pty.fork()
+    if pid == 0:  # the child: a session of its own, the pty its controlling terminal
+        os.execvpe(argv[0], argv, {k: v for k, v in os.environ.items() if k != "DBLOCK_URL"})
+    try:
+        _wait_for(out, "started")
+        os.write(primary, b"\x03")  # Ctrl-C
+        deadline = time.monotonic() + 30
+        while True:
+            if select.select([primary], [], [], 0.05)[0]:
+                with contextlib.suppress(OSError):  # EIO once the child is gone
+                    os.read(primary, 4096)  # keep the terminal's buffer drained
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.monotonic() < deadline
+    finally:
+        os.close(primary)
+    assert os.waitstatus_to_exitcode(status) == 3
+    assert out.read_text().splitlines() == ["started", "INT"]
+    assert _lock_row(private, "job:tty") is None

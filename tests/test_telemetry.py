@@ -234,5 +234,5 @@ def test_job_runs_and_skips_are_counted(
     name = "dblock.job.runs"
     assert readout.count(name, outcome="success") == 1
     assert readout.count(name, outcome="failed") == 1
-    assert readout.count(name, outcome="skipped", reason="running") == 1
+    assert readout.count(name, outcome="skipped", reason="kept") == 1
     assert readout.count(name, outcome="skipped", reason="failed") == 1

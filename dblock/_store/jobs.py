@@ -28,7 +28,10 @@ from .base import Steps
 if TYPE_CHECKING:
     from .base import Store
 
-__all__ = ["JobSQL", "RunRow", "statements"]
+__all__ = ["KEPT", "JobSQL", "RunRow", "statements"]
+
+#: The end of a kept row's owner: its run ended, ``at_least`` keeps the key.
+KEPT = " [run ended; kept for at_least]"
 
 _UTC = timezone.utc
 _RUN_COLUMNS = (
@@ -126,7 +129,8 @@ class JobSQL:
         self.runs_name = store.names.runs_table
         b = self.bind
         self._keep_sql = (
-            f"UPDATE {self.t} SET expires_at = {self.plus('acquired_at', 'keep')} "
+            f"UPDATE {self.t} SET expires_at = {self.plus('acquired_at', 'keep')}, "
+            f"owner = {b('owner')} "
             f"WHERE lock_key = {b('key')} AND slot = '' AND token = {b('token')} "
             f"AND {self.plus('acquired_at', 'keep')} > {self.now}"
         )
@@ -168,11 +172,13 @@ class JobSQL:
 
     # -- at_least ---------------------------------------------------------------
 
-    def keep_steps(self, key: str, token: str, keep: float) -> Steps[bool]:
+    def keep_steps(self, key: str, token: str, keep: float, owner: str) -> Steps[bool]:
         """End our row's lease at ``acquired_at + keep`` if that is still to
-        come (the key stays taken until then); else release it as usual.
-        False if the row was not ours any more."""
-        params = {"key": key, "token": token, "keep": keep}
+        come (the key stays taken until then, its owner marked with
+        :data:`KEPT`, so whoever finds it sees that the run ended); else
+        release it as usual. False if the row was not ours any more."""
+        marked = owner[: 255 - len(KEPT)] + KEPT
+        params = {"key": key, "token": token, "keep": keep, "owner": marked}
         kept = (yield self._keep_sql, params, False, False).rowcount
         if kept > 0:
             return True
@@ -237,6 +243,15 @@ class JobSQL:
             "next_fire": self.time(next_fire),
         }
         return (yield self._retake_sql, params, False, False).rowcount > 0
+
+    def forget_steps(self, run_id: str) -> Steps[bool]:
+        """Delete the row of a run that never started its job (its start was
+        interrupted), so its fire time is not taken for a run that died."""
+        sql = (
+            f"DELETE FROM {self.runs} "
+            f"WHERE run_id = {self.bind('run_id')} AND outcome = '{RUNNING}'"
+        )
+        return (yield sql, {"run_id": run_id}, False, False).rowcount > 0
 
     def finish_steps(self, run_id: str, outcome: str, detail: str | None) -> Steps[bool]:
         """Record how run ``run_id`` ended (database time)."""
