@@ -481,8 +481,9 @@ def test_asyncio_schedulers_run_each_fire_once(db_url: str, make_manager: Any, k
         schedulers, managers = [], []
         for _ in range(2):
             alocks = AsyncLockManager(make_manager())
-            executor = OncePerClusterAsyncIOExecutor(alocks, at_most=30)
-            s = AsyncIOScheduler(executors={"default": executor}, timezone="UTC")
+            s = AsyncIOScheduler(timezone="UTC")
+            executor = once_per_cluster(s, alocks, at_most=30)
+            assert isinstance(executor, OncePerClusterAsyncIOExecutor)
             trigger = IntervalTrigger(seconds=1, start_date=_ANCHOR)
             s.add_job(_anoted, trigger, args=["async"], id=f"{key}-a", max_instances=3)
             s.add_job(_noted, trigger, args=["sync"], id=f"{key}-s", max_instances=3)

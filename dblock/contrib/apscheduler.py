@@ -482,24 +482,33 @@ def _grace_left(job: Any, run_time: datetime, at_most: float | timedelta) -> flo
 
 def once_per_cluster(
     scheduler: Any,
-    locks: JobRunner | Callable[[], JobRunner],
+    locks: Any,
     *,
     at_most: float | timedelta,
     alias: str = "default",
     **options: Any,
-) -> OncePerClusterExecutor:
+) -> OncePerClusterExecutor | OncePerClusterAsyncIOExecutor:
     """Make ``scheduler``'s executor ``alias`` (its default one unless told)
-    an :class:`OncePerClusterExecutor`, before the scheduler starts.
+    dblock's, before the scheduler starts: an :class:`OncePerClusterExecutor`
+    with a :class:`~dblock.LockManager`, or for an ``AsyncIOScheduler`` an
+    :class:`OncePerClusterAsyncIOExecutor` with an
+    :class:`~dblock.AsyncLockManager` (either, or a function returning one).
 
     ``scheduler`` is an APScheduler 3 scheduler, or Flask-APScheduler's
     ``APScheduler`` (its ``.scheduler`` is used). Returns the executor."""
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
     inner = getattr(scheduler, "scheduler", scheduler)
     if inner.running:
         raise LockArgumentError(
             "once_per_cluster: the scheduler is running already; call it before start() "
             "(jobs already submitted to the old executor would run in every process)"
         )
-    executor = OncePerClusterExecutor(locks, at_most=at_most, **options)
+    executor: OncePerClusterExecutor | OncePerClusterAsyncIOExecutor
+    if isinstance(inner, AsyncIOScheduler):
+        executor = OncePerClusterAsyncIOExecutor(locks, at_most=at_most, **options)
+    else:
+        executor = OncePerClusterExecutor(locks, at_most=at_most, **options)
     if alias in inner._executors:
         inner.remove_executor(alias)
     inner.add_executor(executor, alias)
