@@ -57,10 +57,11 @@ def test_installed_wheel_migrates_postgresql(db_url: str, tmp_path: Path) -> Non
     try:
         done = _run(script, "migrate", "--url", db_url, "--table", table, cwd=tmp_path)
         assert f"migrated {table}" in done.stdout
-        assert "empty -> 0002" in done.stdout
+        assert "empty -> 0003" in done.stdout
         inspector = sa.inspect(engine)
         assert inspector.has_table(table)
         assert inspector.has_table(f"{table}_version")
+        assert inspector.has_table(f"{table}_runs")  # revision 0003 ships too
         with LockManager(db_url, table=table) as m, m.lock("wheel", blocking=False):
             pass
     finally:
