@@ -2,7 +2,7 @@
 # programs (a terminal for `dblock top`, a browser for the Django admin page,
 # a private pgbouncer in front of PostgreSQL, gdb holding a private MariaDB's
 # server thread at one instruction for the fence-order test, Galera for the
-# cluster tests).
+# cluster tests, faketime for schedulers on skewed clocks).
 # Installed when missing if we can (root with apt-get, as on CI); otherwise
 # the tests that need them fail and name the package.
 _dblock_need=()
@@ -18,6 +18,8 @@ command -v nm >/dev/null 2>&1 || _dblock_need+=(binutils)
 [ -e /usr/lib/galera/libgalera_smm.so ] || _dblock_need+=(galera-4)
 command -v rsync >/dev/null 2>&1 || _dblock_need+=(rsync)
 command -v ss >/dev/null 2>&1 || _dblock_need+=(iproute2)
+# The jobs tests run schedulers on skewed clocks (libfaketime's faketime).
+command -v faketime >/dev/null 2>&1 || _dblock_need+=(faketime)
 if ((${#_dblock_need[@]})); then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         echo "scripts: installing ${_dblock_need[*]} (Debian packages)" >&2

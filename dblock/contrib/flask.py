@@ -37,11 +37,12 @@ been sent and the response closed. An app database that is a SQLite file gets
 dblock's rows in a file beside it (``app.sqlite3`` -> ``app.dblock.sqlite3``).
 
 The extension adds ``flask dblock`` (``migrate``, ``sweep``, ``list``,
-``release``), turns a :class:`~dblock.LockNotAcquired` escaping a view into a
-409 (or 423) response (through the app's handlers for ``DBLockError``, then
-for that status, as the README orders them), and
-with ``DBLOCK_SWEEPER = True`` sweeps expired rows in the background from the
-first request of each process on.
+``release``, and ``run`` to run another command once across the hosts),
+turns a :class:`~dblock.LockNotAcquired` escaping a view into a 409 (or 423)
+response (through the app's handlers for ``DBLockError``, then for that
+status, as the README orders them), and with ``DBLOCK_SWEEPER = True``
+sweeps expired rows in the background from the first request of each
+process on.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from ..lock import UNSET, HeldLock, Unset
 from ..manager import LockManager, LockRequest
 from ..multi import HeldLocks
 from ..sessions import session_hook
-from . import _admin
+from . import _admin, _jobrun
 from ._beside import beside
 from ._http import busy_body, busy_message, log_busy, negotiate
 from ._settings import Settings, read_settings
@@ -400,7 +401,7 @@ def _start_sweeper_once() -> None:
 
 # -- flask dblock ... ----------------------------------------------------------
 
-cli = AppGroup("dblock", help="dblock's lock table: migrate, sweep, list, release.")
+cli = AppGroup("dblock", help="dblock's lock table: migrate, sweep, list, release; run a job.")
 
 
 def _manager() -> LockManager:
@@ -466,3 +467,63 @@ def release_command(key: str, force: bool) -> None:
     for a lock whose holder is known to be gone.
     """
     _run(lambda: _admin.release_report(_manager(), key, force=force))
+
+
+def _durations(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return _jobrun.duration(value)
+    except DBLockError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@cli.command("run", context_settings={"ignore_unknown_options": True})
+@click.argument("name")
+@click.option("--at-most", callback=_durations, default=None, help=_jobrun.HELP["at_most"])
+@click.option("--at-least", callback=_durations, default="0", help=_jobrun.HELP["at_least"])
+@click.option("--fire-time", default=None, help=_jobrun.HELP["fire_time"])
+@click.option("--per", callback=_durations, default=None, help=_jobrun.HELP["per"])
+@click.option("--retry-failed", is_flag=True, help=_jobrun.HELP["retry_failed"])
+@click.option("--wait", callback=_durations, default="0", help=_jobrun.HELP["wait"])
+@click.option(
+    "--skip-status",
+    type=click.IntRange(0, 255),
+    default=_jobrun.SKIP_STATUS,
+    help=_jobrun.HELP["skip_status"],
+)
+@click.option("-q", "--quiet", is_flag=True, help=_jobrun.HELP["quiet"])
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def run_command(name: str, command: tuple[str, ...], **options: Any) -> None:
+    """Run a flask command once across the hosts: NAME is the job's name;
+    the command and its arguments follow --, e.g.
+    ``flask dblock run nightly --per 1d --at-most 30m -- purge --days 30``.
+    The others skip (exit status 75, as dblock run, unless --skip-status)."""
+    if not command:
+        raise click.UsageError("give the command to run after --")
+    root = click.get_current_context().find_root()
+    group = root.command
+    target = group.get_command(root, command[0]) if isinstance(group, click.Group) else None
+    if target is None:
+        raise click.UsageError(f"no such command: {command[0]!r}")
+
+    def invoke() -> None:
+        # The command runs in this process and app context, as if called
+        # as ``flask COMMAND ARGS``: its own parser, its own exit status.
+        with target.make_context(command[0], list(command[1:]), parent=root) as ctx:
+            target.invoke(ctx)
+
+    status = 0
+
+    def run() -> str | None:
+        nonlocal status
+        status = _jobrun.run_command(_manager(), name, _jobrun.RunOptions(**options), invoke, _say)
+        return None
+
+    _run(run)
+    if status:
+        raise SystemExit(status)
+
+
+def _say(text: str) -> None:
+    click.echo(text, err=True)

@@ -1,0 +1,515 @@
+"""APScheduler 3: N schedulers in N processes, each fire of a job runs once.
+
+::
+
+    from apscheduler.schedulers.background import BackgroundScheduler
+    from apscheduler.triggers.interval import IntervalTrigger
+    from dblock.contrib.apscheduler import OncePerClusterExecutor
+
+    scheduler = BackgroundScheduler(
+        executors={"default": OncePerClusterExecutor(locks, at_most=300)}
+    )
+    scheduler.add_job(report, IntervalTrigger(minutes=5, start_date=ANCHOR), id="report")
+
+Every process of the cluster runs the same scheduler; at each fire time each
+of them submits the job to this executor, which calls
+:meth:`LockManager.run_job <dblock.LockManager.run_job>` keyed by the job's
+id and the fire time the scheduler computed for it (``scheduled_run_time``,
+in UTC). One process runs it; the others find the run taken (or done) and
+skip it. A process killed in the middle of a run leaves the run to its lease:
+no one repeats it within ``at_most``.
+
+Why an executor: APScheduler calls it for every job whatever added it
+(``add_job``, ``scheduled_job``, Flask-APScheduler's ``JOBS``, a job
+restored from a persistent job store), it is handed the scheduled run times
+(a wrapper around the job's function is not: it would only see "now"), and
+it lives in the scheduler, not in the job, so a job store never has to
+serialise it. Jobs that must run in *every* process (a local cache refresh)
+go to a plain executor under another alias.
+
+Two requirements, both for every scheduler of the cluster to name a fire in
+the same way:
+
+- **Explicit job ids.** The id is the job's name in the runs table; an id
+  APScheduler made up (a random uuid) differs in every process, so such a
+  job is refused with an error rather than silently run N times.
+- **Fire times that do not depend on the host's clock.** A cron trigger's
+  are whole calendar times; an interval trigger's are ``start_date + k *
+  interval``, and ``start_date`` defaults to *now* in each process. Give it a
+  fixed ``start_date`` (an anchor in the past, identical everywhere): then
+  every host computes the same times, even with clocks apart (see "Clock
+  skew" in docs/jobs.md). A trigger whose start looks computed from a clock
+  is logged once as a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Any, Protocol, TypeVar
+
+from apscheduler.events import (
+    EVENT_JOB_ERROR,
+    EVENT_JOB_EXECUTED,
+    EVENT_JOB_MISSED,
+    JobExecutionEvent,
+)
+from apscheduler.executors.asyncio import AsyncIOExecutor
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.triggers.date import DateTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+from apscheduler.util import iscoroutinefunction_partial
+
+from .. import SKIPPED
+from ..errors import LockArgumentError
+
+__all__ = [
+    "EVENT_JOB_SKIPPED",
+    "JobRunner",
+    "OncePerClusterAsyncIOExecutor",
+    "OncePerClusterExecutor",
+    "fire_time_of",
+    "job_options",
+    "once_per_cluster",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The event dispatched when another process ran (or is running) this fire.
+#: APScheduler's own events stop at 2**16; a listener that wants this one
+#: asks for it (``add_listener(cb, EVENT_JOB_SKIPPED)``), so listeners of
+#: ``EVENT_ALL`` do not see a skip as a run.
+EVENT_JOB_SKIPPED = 2**24
+
+_ATTR = "__dblock_job__"
+# APScheduler's own ids for jobs given none: uuid4().hex.
+_MADE_UP_ID = re.compile(r"[0-9a-f]{32}")
+
+_log = logging.getLogger("dblock.contrib.apscheduler")
+
+
+class JobRunner(Protocol):
+    """What the executor needs of a :class:`~dblock.LockManager`."""
+
+    def run_job(
+        self,
+        name: str,
+        func: Callable[..., Any],
+        /,
+        *args: Any,
+        fire_time: datetime | None = None,
+        at_most: float | timedelta | None = None,
+        at_least: float | timedelta = 0,
+        retry_failed: bool = False,
+        on_skip: str = "return",
+        wait: float | timedelta = 0,
+        next_fire_time: datetime | None = None,
+        **kwargs: Any,
+    ) -> Any: ...
+
+
+def job_options(
+    *,
+    at_most: float | timedelta | None = None,
+    at_least: float | timedelta | None = None,
+    retry_failed: bool | None = None,
+    wait: float | None = None,
+    local: bool | None = None,
+) -> Callable[[F], F]:
+    """Per-job options, on the job's function (so they survive job stores,
+    which store the function by reference): ``at_most``, ``at_least``,
+    ``retry_failed`` and ``wait`` as for :meth:`~dblock.LockManager.run_job`,
+    or ``local=True`` to run it in every process as if the executor were plain."""
+    given = {
+        "at_most": at_most,
+        "at_least": at_least,
+        "retry_failed": retry_failed,
+        "wait": wait,
+        "local": local,
+    }
+
+    def mark(func: F) -> F:
+        setattr(func, _ATTR, {k: v for k, v in given.items() if v is not None})
+        return func
+
+    return mark
+
+
+def fire_time_of(run_time: datetime) -> datetime:
+    """The key of one fire: the scheduled run time, in UTC. APScheduler hands
+    run times in the scheduler's time zone; two schedulers configured with
+    different zones still name the same instant alike."""
+    if run_time.tzinfo is None:  # APScheduler 3 never does this; a caller might
+        raise LockArgumentError(f"fire time {run_time!r} has no time zone")
+    return run_time.astimezone(timezone.utc)
+
+
+class _OncePerCluster:
+    """What dblock's executors share: options, names, and one fire's run
+    told as APScheduler's events. The executors differ only in how a run is
+    driven (a thread of a pool, or the event loop)."""
+
+    _logger: logging.Logger
+
+    def _setup(
+        self,
+        locks: Any,
+        *,
+        at_most: float | timedelta,
+        at_least: float | timedelta,
+        retry_failed: bool,
+        wait: float | None,
+        prefix: str,
+    ) -> None:
+        if isinstance(at_most, timedelta):
+            at_most = at_most.total_seconds()
+        if isinstance(at_most, bool) or not isinstance(at_most, (int, float)) or at_most <= 0:
+            raise LockArgumentError(f"at_most must be positive seconds, got {at_most!r}")
+        self._locks = locks
+        self._runner: Any = None
+        self.defaults = {
+            "at_most": at_most,
+            "at_least": at_least,
+            "retry_failed": retry_failed,
+            "wait": wait,
+            "local": False,
+        }
+        self.prefix = prefix
+        self._warned: set[str] = set()
+
+    def _resolve(self) -> Any:
+        if self._runner is None:
+            locks = self._locks
+            self._runner = locks if hasattr(locks, "run_job") else locks()
+        return self._runner
+
+    def options_for(self, job: Any) -> dict[str, Any]:
+        """The defaults, overridden by the job function's :func:`job_options`."""
+        options = dict(self.defaults)
+        options.update(getattr(job.func, _ATTR, {}))
+        return options
+
+    def name_of(self, job: Any) -> str:
+        """The job's name in the runs table: ``prefix + job.id``."""
+        if _MADE_UP_ID.fullmatch(job.id):
+            raise LockArgumentError(
+                f"job {job.name!r} has no id of its own ({job.id!r} was made up by this "
+                "scheduler and differs in every process): give it one, add_job(..., id=...)"
+            )
+        return f"{self.prefix}{job.id}"
+
+    def _run_options(self, job: Any, run_time: datetime) -> tuple[bool, dict[str, Any]]:
+        """(local, the keywords of ``run_job`` for this fire)."""
+        options = self.options_for(job)
+        local = bool(options.pop("local"))
+        if options["wait"] is None:
+            options["wait"] = _grace_left(job, run_time, options["at_most"])
+        nxt = job.next_run_time
+        options.update(
+            fire_time=fire_time_of(run_time),
+            next_fire_time=None if nxt is None else fire_time_of(nxt),
+            on_skip="return",
+        )
+        return local, options
+
+    def _warn_clock_bound(self, job: Any) -> None:
+        # A start taken from this host's clock (now + interval, to the
+        # microsecond) gives fire times no other host shares.
+        trigger = job.trigger
+        start = None
+        if isinstance(trigger, IntervalTrigger):
+            start = trigger.start_date
+        elif isinstance(trigger, DateTrigger):
+            start = trigger.run_date
+        if start is not None and start.microsecond and job.id not in self._warned:
+            self._warned.add(job.id)
+            _log.warning(
+                "job %r: its trigger starts at %s, which looks taken from this host's clock; "
+                "other schedulers will compute other fire times and each run its own. Give "
+                "the trigger a fixed start_date (see docs/jobs.md, Clock skew)",
+                job.id,
+                start.isoformat(),
+            )
+
+
+def _missed(
+    job: Any, alias: str, run_time: datetime, logger: logging.Logger
+) -> JobExecutionEvent | None:
+    """APScheduler's misfire rule, on this host's clock: the event of a fire
+    past its grace, else None."""
+    if job.misfire_grace_time is None:
+        return None
+    late = datetime.now(timezone.utc) - run_time
+    if late <= timedelta(seconds=job.misfire_grace_time):
+        return None
+    logger.warning('Run time of job "%s" was missed by %s', job, late)
+    return JobExecutionEvent(EVENT_JOB_MISSED, job.id, alias, run_time)
+
+
+def _failed(job: Any, alias: str, run_time: datetime, logger: logging.Logger) -> JobExecutionEvent:
+    """The event of a run that raised (called in its ``except``)."""
+    exc, tb = sys.exc_info()[1:]
+    event = JobExecutionEvent(
+        EVENT_JOB_ERROR,
+        job.id,
+        alias,
+        run_time,
+        exception=exc,
+        traceback="".join(traceback.format_tb(tb)),
+    )
+    logger.exception('Job "%s" raised an exception', job)
+    traceback.clear_frames(tb)
+    return event
+
+
+def _ended(
+    job: Any, alias: str, run_time: datetime, retval: Any, logger: logging.Logger
+) -> JobExecutionEvent:
+    """The event of a run that returned: executed here, or skipped."""
+    if retval is SKIPPED:
+        logger.info('Job "%s" (scheduled at %s) ran elsewhere: skipped', job, run_time)
+        return JobExecutionEvent(EVENT_JOB_SKIPPED, job.id, alias, run_time)
+    logger.info('Job "%s" executed successfully', job)
+    return JobExecutionEvent(EVENT_JOB_EXECUTED, job.id, alias, run_time, retval=retval)
+
+
+class OncePerClusterExecutor(_OncePerCluster, ThreadPoolExecutor):  # type: ignore[misc]
+    """A thread-pool executor whose every fire of a job runs once across all
+    the schedulers that use one lock table.
+
+    ``locks`` is a :class:`~dblock.LockManager`, or a function returning one
+    (called when the scheduler starts: for extensions that make their manager
+    late, like Flask's). ``at_most`` (seconds) is the lease of a run: a
+    process that dies in a run blocks the job for this long.
+    ``at_least``, ``retry_failed`` as for :meth:`~dblock.LockManager.run_job`;
+    ``prefix`` goes before each job id in the runs table (for two apps that
+    share a table and job ids). :func:`job_options` on a function overrides
+    these for its jobs.
+
+    A job's runs hold one lock (``job:<id>``), whatever their fire time: a
+    fire that finds it held by the run of *another* fire (a long run, or a
+    scheduler whose clock is ahead running a later fire) waits for it, by
+    default as long as the job's ``misfire_grace_time`` leaves (APScheduler's
+    own rule: a fire starts within its grace or not at all; ``at_most`` for a
+    job with no grace), then skips; ``wait=`` sets a fixed time instead.
+    """
+
+    def __init__(
+        self,
+        locks: JobRunner | Callable[[], JobRunner],
+        *,
+        at_most: float | timedelta,
+        at_least: float | timedelta = 0,
+        retry_failed: bool = False,
+        wait: float | None = None,
+        prefix: str = "",
+        max_workers: int = 10,
+        pool_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._setup(
+            locks,
+            at_most=at_most,
+            at_least=at_least,
+            retry_failed=retry_failed,
+            wait=wait,
+            prefix=prefix,
+        )
+        ThreadPoolExecutor.__init__(self, max_workers, dict(pool_kwargs or {}))
+
+    def start(self, scheduler: Any, alias: str) -> None:
+        super().start(scheduler, alias)
+        self._resolve()
+
+    def _do_submit_job(self, job: Any, run_times: list[datetime]) -> None:
+        # BasePoolExecutor's, with our run function instead of APScheduler's.
+        self._warn_clock_bound(job)
+
+        def done(f: Any) -> None:
+            exc = f.exception()
+            if exc is not None:
+                self._run_job_error(job.id, exc, exc.__traceback__)
+            else:
+                self._run_job_success(job.id, f.result())
+
+        f = self._pool.submit(self._run, job, job._jobstore_alias, run_times, self._logger.name)
+        f.add_done_callback(done)
+
+    def _run(
+        self, job: Any, alias: str, run_times: list[datetime], logger_name: str
+    ) -> list[JobExecutionEvent]:
+        """APScheduler's ``run_job``, each run through ``locks.run_job``."""
+        events: list[JobExecutionEvent] = []
+        logger = logging.getLogger(logger_name)
+        for run_time in run_times:
+            missed = _missed(job, alias, run_time, logger)
+            if missed is not None:
+                events.append(missed)
+                continue
+            logger.info('Running job "%s" (scheduled at %s)', job, run_time)
+            try:
+                retval = self._call(job, run_time)
+            except BaseException:
+                events.append(_failed(job, alias, run_time, logger))
+                continue
+            events.append(_ended(job, alias, run_time, retval, logger))
+        return events
+
+    def _call(self, job: Any, run_time: datetime) -> Any:
+        # The job's own arguments are bound in the partial: a job kwarg
+        # named like one of run_job's options cannot collide with it.
+        call = functools.partial(job.func, *job.args, **job.kwargs)
+        local, options = self._run_options(job, run_time)
+        if local:
+            return call()
+        return self._resolve().run_job(self.name_of(job), call, **options)
+
+
+class OncePerClusterAsyncIOExecutor(_OncePerCluster, AsyncIOExecutor):  # type: ignore[misc]
+    """The same for an ``AsyncIOScheduler``: ``locks`` is an
+    :class:`~dblock.AsyncLockManager` (or a function returning one). A
+    coroutine job runs on the event loop through ``await locks.run_job``;
+    a plain function, as APScheduler's asyncio executor runs it, in the
+    loop's default thread pool, through the blocking ``locks.sync.run_job``.
+    Options as for :class:`OncePerClusterExecutor`."""
+
+    def __init__(
+        self,
+        locks: Any,
+        *,
+        at_most: float | timedelta,
+        at_least: float | timedelta = 0,
+        retry_failed: bool = False,
+        wait: float | None = None,
+        prefix: str = "",
+    ) -> None:
+        self._setup(
+            locks,
+            at_most=at_most,
+            at_least=at_least,
+            retry_failed=retry_failed,
+            wait=wait,
+            prefix=prefix,
+        )
+        AsyncIOExecutor.__init__(self)
+
+    def start(self, scheduler: Any, alias: str) -> None:
+        super().start(scheduler, alias)
+        self._resolve()
+
+    def _do_submit_job(self, job: Any, run_times: list[datetime]) -> None:
+        # AsyncIOExecutor's, with our run functions instead of APScheduler's.
+        self._warn_clock_bound(job)
+
+        def done(f: Any) -> None:
+            self._pending_futures.discard(f)
+            try:
+                events = f.result()
+            except BaseException:
+                self._run_job_error(job.id, *sys.exc_info()[1:])
+            else:
+                self._run_job_success(job.id, events)
+
+        alias, name = job._jobstore_alias, self._logger.name
+        if iscoroutinefunction_partial(job.func):
+            f = self._eventloop.create_task(self._run_async(job, alias, run_times, name))
+        else:
+            f = self._eventloop.run_in_executor(None, self._run_sync, job, alias, run_times, name)
+        f.add_done_callback(done)
+        self._pending_futures.add(f)
+
+    async def _run_async(
+        self, job: Any, alias: str, run_times: list[datetime], logger_name: str
+    ) -> list[JobExecutionEvent]:
+        events: list[JobExecutionEvent] = []
+        logger = logging.getLogger(logger_name)
+        for run_time in run_times:
+            missed = _missed(job, alias, run_time, logger)
+            if missed is not None:
+                events.append(missed)
+                continue
+            logger.info('Running job "%s" (scheduled at %s)', job, run_time)
+            call = functools.partial(job.func, *job.args, **job.kwargs)
+            try:
+                local, options = self._run_options(job, run_time)
+                if local:
+                    retval = await call()
+                else:
+                    retval = await self._resolve().run_job(self.name_of(job), call, **options)
+            except BaseException:
+                events.append(_failed(job, alias, run_time, logger))
+                continue
+            events.append(_ended(job, alias, run_time, retval, logger))
+        return events
+
+    def _run_sync(
+        self, job: Any, alias: str, run_times: list[datetime], logger_name: str
+    ) -> list[JobExecutionEvent]:
+        events: list[JobExecutionEvent] = []
+        logger = logging.getLogger(logger_name)
+        for run_time in run_times:
+            missed = _missed(job, alias, run_time, logger)
+            if missed is not None:
+                events.append(missed)
+                continue
+            logger.info('Running job "%s" (scheduled at %s)', job, run_time)
+            call = functools.partial(job.func, *job.args, **job.kwargs)
+            try:
+                local, options = self._run_options(job, run_time)
+                if local:
+                    retval = call()
+                else:
+                    retval = self._resolve().sync.run_job(self.name_of(job), call, **options)
+            except BaseException:
+                events.append(_failed(job, alias, run_time, logger))
+                continue
+            events.append(_ended(job, alias, run_time, retval, logger))
+        return events
+
+
+def _grace_left(job: Any, run_time: datetime, at_most: float | timedelta) -> float:
+    """How long this fire may still wait for its start: what is left of the
+    job's misfire grace time on this host's clock (``at_most`` without one)."""
+    if job.misfire_grace_time is None:
+        return at_most.total_seconds() if isinstance(at_most, timedelta) else float(at_most)
+    late = (datetime.now(timezone.utc) - run_time).total_seconds()
+    return max(0.0, float(job.misfire_grace_time) - late)
+
+
+def once_per_cluster(
+    scheduler: Any,
+    locks: Any,
+    *,
+    at_most: float | timedelta,
+    alias: str = "default",
+    **options: Any,
+) -> OncePerClusterExecutor | OncePerClusterAsyncIOExecutor:
+    """Make ``scheduler``'s executor ``alias`` (its default one unless told)
+    dblock's, before the scheduler starts: an :class:`OncePerClusterExecutor`
+    with a :class:`~dblock.LockManager`, or for an ``AsyncIOScheduler`` an
+    :class:`OncePerClusterAsyncIOExecutor` with an
+    :class:`~dblock.AsyncLockManager` (either, or a function returning one).
+
+    ``scheduler`` is an APScheduler 3 scheduler, or Flask-APScheduler's
+    ``APScheduler`` (its ``.scheduler`` is used). Returns the executor."""
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+    inner = getattr(scheduler, "scheduler", scheduler)
+    if inner.running:
+        raise LockArgumentError(
+            "once_per_cluster: the scheduler is running already; call it before start() "
+            "(jobs already submitted to the old executor would run in every process)"
+        )
+    executor: OncePerClusterExecutor | OncePerClusterAsyncIOExecutor
+    if isinstance(inner, AsyncIOScheduler):
+        executor = OncePerClusterAsyncIOExecutor(locks, at_most=at_most, **options)
+    else:
+        executor = OncePerClusterExecutor(locks, at_most=at_most, **options)
+    if alias in inner._executors:
+        inner.remove_executor(alias)
+    inner.add_executor(executor, alias)
+    return executor

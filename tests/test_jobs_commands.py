@@ -1,0 +1,142 @@
+"""``manage.py dblock_run`` and ``flask dblock run``: the same command
+started on several hosts at once (four processes here, as four crontabs
+would) runs once; the others skip with exit status 75, as ``dblock run``.
+
+Each test starts the processes together and stops them by PID within a bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dblock import LockManager
+from tests.support.jobs_check import ROOT
+
+EXAMPLE = ROOT / "examples" / "django_project"
+HOSTS = 4
+
+
+def _together(
+    argvs: list[list[str]], *, env: dict[str, str], cwd: Path
+) -> list[tuple[int, str, str]]:
+    """Start the processes at once; each one's (status, stdout, stderr)."""
+    procs = [
+        subprocess.Popen(argv, cwd=cwd, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for argv in argvs
+    ]  # fmt: skip
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def _runs(db_url: str, job: str) -> list[str]:
+    import sqlalchemy as sa
+
+    with LockManager(db_url) as m:
+        runs = sa.Table(m.names.runs_table, sa.MetaData(), autoload_with=m.engine)
+        with m.engine.connect() as conn:
+            return [r.outcome for r in conn.execute(sa.select(runs).where(runs.c.job == job))]
+
+
+# -- Django ---------------------------------------------------------------------
+
+
+def _django_env(db_url: str, tmp_path: Path) -> dict[str, str]:
+    return {
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{EXAMPLE}",
+        "DJANGO_SETTINGS_MODULE": "tests.support.django_env_settings",
+        "EXAMPLE_DB_ENGINE": "sqlite",
+        "EXAMPLE_DB_NAME": str(tmp_path / "django.sqlite3"),
+        "EXAMPLE_DBLOCK": json.dumps({"URL": db_url}),
+    }
+
+
+@pytest.mark.slow
+def test_django_dblock_run_on_four_hosts_runs_once(db_url: str, tmp_path: Path) -> None:
+    name = f"dj-{uuid.uuid4().hex[:10]}"
+    code = "import time; time.sleep(1.5); print('ran it')"
+    argv = [sys.executable, "manage.py", "dblock_run", name, "--at-most", "30s", "--per", "1h",
+            "--", "shell", "-c", code]  # fmt: skip
+    results = _together([argv] * HOSTS, env=_django_env(db_url, tmp_path), cwd=EXAMPLE)
+    assert sorted(r[0] for r in results) == [0] + [75] * (HOSTS - 1), results
+    ran = [r for r in results if "ran it" in r[1]]
+    skipped = [r for r in results if "skipped" in r[2]]
+    assert (len(ran), len(skipped)) == (1, HOSTS - 1), results
+    assert _runs(db_url, name) == ["success"]
+
+
+@pytest.mark.databases("sqlite")
+def test_django_dblock_run_usage(db_url: str, tmp_path: Path) -> None:
+    env = _django_env(db_url, tmp_path)
+    base = [sys.executable, "manage.py", "dblock_run", f"dj-{uuid.uuid4().hex[:10]}"]
+    no_command = _together([[*base, "--at-most", "5"]], env=env, cwd=EXAMPLE)[0]
+    assert no_command[0] == 1
+    assert "give the command to run after --" in no_command[2]
+    no_zone = _together([[*base, "--at-most", "5", "--fire-time", "2026-01-01T03:00", "--",
+                          "check"]], env=env, cwd=EXAMPLE)[0]  # fmt: skip
+    assert no_zone[0] == 1
+    assert "needs a time zone" in no_zone[2]
+    bad = _together([[*base, "--at-most", "5 weeks", "--", "check"]], env=env, cwd=EXAMPLE)[0]
+    assert bad[0] == 2
+    assert "not a duration: '5 weeks'" in bad[2]
+    # The same fire time twice: the second is skipped, with the status asked for.
+    fire = ["--fire-time", "2026-01-01T03:00Z", "--skip-status", "3", "--", "check"]
+    first = _together([[*base, "--at-most", "5", *fire]], env=env, cwd=EXAMPLE)[0]
+    again = _together([[*base, "--at-most", "5", *fire]], env=env, cwd=EXAMPLE)[0]
+    assert (first[0], again[0]) == (0, 3), (first, again)
+    assert "System check identified no issues" in first[1]
+    assert "skipped" in again[2]
+    quiet = _together([[*base, "-q", *fire]], env=env, cwd=EXAMPLE)[0]
+    assert (quiet[0], quiet[2]) == (3, "")
+
+
+# -- Flask ----------------------------------------------------------------------
+
+
+def _flask(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flask", "--app", "tests.support.jobs_flask_app", *args]
+
+
+@pytest.mark.slow
+def test_flask_dblock_run_on_four_hosts_runs_once(db_url: str) -> None:
+    name = f"fl-{uuid.uuid4().hex[:10]}"
+    argv = _flask("dblock", "run", name, "--at-most", "30s", "--per", "1h", "--",
+                  "work", "--seconds", "1.5", "nightly")  # fmt: skip
+    results = _together([argv] * HOSTS, env={"DBLOCK_URL": db_url}, cwd=ROOT)
+    assert sorted(r[0] for r in results) == [0] + [75] * (HOSTS - 1), results
+    ran = [r for r in results if "ran nightly" in r[1]]
+    skipped = [r for r in results if "skipped" in r[2]]
+    assert (len(ran), len(skipped)) == (1, HOSTS - 1), results
+    assert _runs(db_url, name) == ["success"]
+
+
+@pytest.mark.databases("sqlite")
+def test_flask_dblock_run_usage_and_a_failing_command(db_url: str) -> None:
+    env = {"DBLOCK_URL": db_url}
+    name = f"fl-{uuid.uuid4().hex[:10]}"
+    unknown = _together([_flask("dblock", "run", name, "--at-most", "5", "--", "nope")],
+                        env=env, cwd=ROOT)[0]  # fmt: skip
+    assert unknown[0] == 2
+    assert "no such command: 'nope'" in unknown[2]
+    argv = _flask("dblock", "run", name, "--at-most", "5", "--fire-time", "2026-01-01T03:00Z",
+                  "--", "fail")  # fmt: skip
+    failed = _together([argv], env=env, cwd=ROOT)[0]
+    assert failed[0] == 1
+    assert "failed on purpose" in failed[2]
+    assert _runs(db_url, name) == ["failed"]
