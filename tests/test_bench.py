@@ -8,6 +8,7 @@ registry emptied, and the files were written.
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from tests.support.db import DEFAULT_URLS, reachable
 
@@ -166,6 +168,61 @@ def test_bench_many_users_quick(tmp_path: Path) -> None:
             assert r["ratio"] is not None, what
             assert 0 < r["statements_per_grant"] <= 2.01, what
             assert r["commits_per_grant"] <= r["statements_per_grant"], what
+
+
+_COUNTER_CHECK = """
+import sys, sqlite3
+from dblock.bench.dbapi import install
+c = install()
+url, path = sys.argv[1], sys.argv[2]
+import psycopg
+pg = psycopg.connect(url, autocommit=True)
+pg.execute("CREATE TEMP TABLE t (a int)")
+lite = sqlite3.connect(path, isolation_level=None)
+lite.execute("CREATE TABLE t (a int)")
+lite.execute("CREATE TABLE log (a int)")
+lite.execute("CREATE TRIGGER tr AFTER INSERT ON t BEGIN INSERT INTO log VALUES (new.a); END")
+seen = {}
+for name, conn in (("pg", pg), ("sqlite", lite)):
+    c.reset()
+    conn.execute("INSERT INTO t VALUES (1)")  # autocommit: its own transaction
+    seen[name, "autocommit"] = c.read()
+    c.reset()
+    conn.execute("BEGIN")
+    conn.execute("INSERT INTO t VALUES (2)")
+    conn.execute("INSERT INTO t VALUES (3)")
+    conn.execute("COMMIT")
+    seen[name, "transaction"] = c.read()
+    c.reset()
+    conn.cursor().executemany("INSERT INTO t VALUES (%s)" if name == "pg" else
+                              "INSERT INTO t VALUES (?)", [(4,), (5,), (6,)])
+    seen[name, "executemany"] = c.read()
+print(repr(seen))
+"""
+
+
+def test_driver_counter_counts_statements_and_commits(tmp_path: Path) -> None:
+    """What the many-users section counts, at the driver (in a process of
+    its own: it wraps the drivers for good): a statement in autocommit mode
+    is a commit, BEGIN/COMMIT frame one, a SQLite trigger's statements are
+    part of theirs, and psycopg's executemany runs in one pipeline
+    transaction (SQLite's, a statement each, autocommitted each)."""
+    url = sa.make_url(DEFAULT_URLS["postgresql"]).set(drivername="postgresql")
+    done = subprocess.run(
+        [sys.executable, "-c", _COUNTER_CHECK, url.render_as_string(False),
+         str(tmp_path / "c.sqlite3")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = ast.literal_eval(done.stdout.strip())
+    assert seen == {
+        ("pg", "autocommit"): (1, 1),
+        ("pg", "transaction"): (2, 1),
+        ("pg", "executemany"): (3, 1),
+        ("sqlite", "autocommit"): (1, 1),
+        ("sqlite", "transaction"): (2, 1),
+        ("sqlite", "executemany"): (3, 3),
+    }
 
 
 def test_bench_bad_arguments_are_one_line(tmp_path: Path) -> None:

@@ -17,8 +17,13 @@ microsecond per statement) and changes nobody's path.
   run in autocommit mode outside a transaction (its own transaction), or a
   ``commit()`` / ``COMMIT`` that ends an open one. Read-only transactions
   count too (a ``SELECT`` in autocommit mode is a commit; what it costs the
-  server is another matter). Not seen: psycopg's ``with conn.transaction()``
-  blocks, which commit below ``Connection.commit`` (nothing here uses them).
+  server is another matter). psycopg's ``executemany`` in autocommit mode
+  is one commit when it runs in a pipeline (its statements up to the Sync
+  are one implicit transaction). Not seen: psycopg's ``with
+  conn.transaction()`` blocks, which commit below ``Connection.commit``, and
+  separate ``execute`` calls inside an explicit ``with conn.pipeline()``
+  (counted a commit each, though they share one up to a Sync); nothing
+  measured here uses them.
 
 SQLite (``sqlite3`` is C, its classes cannot be patched): ``sqlite3.connect``
 makes connections of a counting subclass (``factory=``), whose cursors are
@@ -99,11 +104,16 @@ def _psycopg(counter: DriverCounter) -> None:
     idle = TransactionStatus.IDLE
     add = counter.add
 
+    # executemany() sends its statements in a pipeline when libpq can, and
+    # up to the pipeline's Sync they are one implicit transaction: one commit.
+    many_commits_one = psycopg.Pipeline.is_supported()
+
     def seen(conn: Any, query: Any, n: int = 1) -> None:
         kind = _kind(query)
         in_tx = conn.pgconn.transaction_status != idle
         if kind == "statement":
-            add(n, n if conn.autocommit and not in_tx else 0)
+            own = conn.autocommit and not in_tx
+            add(n, (1 if n > 1 and many_commits_one else n) if own else 0)
         elif kind == "commit" and in_tx:
             add(0, 1)
 
