@@ -45,7 +45,7 @@ from ._store import Store
 from ._store.aio import AsyncStore
 from ._store.base import Backoff
 from .adeferral import aexit_deferring
-from .config import Config, OnLost, check_lease
+from .config import Config, check_lease
 from .decorators import KeySpec, OnBusy
 from .deferral import DeferHook
 from .errors import (
@@ -67,21 +67,20 @@ from .lock import (
     _TRY,
     _TURN,
     _WAIT,
-    UNSET,
     HeldLock,
     Level2,
     Locker,
     Op,
-    Unset,
     _noop,
 )
 from .manager import LockManager, _fire_times, _level2, _until_hook
 from .multi import _TAKE, ManySteps, acquire_many_steps, order_keys
+from .options import LockArgs
 from .registry import Entry, Waiter, current_owner
 from .schema import FAILED, SUCCESS
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing_extensions import Self, Unpack
 
     from ._store.postgresql import Listener
     from .jobs import Skipped
@@ -514,14 +513,9 @@ class AsyncLockManager:
         self,
         key: str,
         *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
         until: object = None,
         fair: bool = False,
+        **options: Unpack[LockArgs],
     ) -> AsyncLockRequest:
         """``async with alocks.lock(key) as held:`` — the options of
         :meth:`dblock.LockManager.lock` (``fair`` included), checked now,
@@ -529,15 +523,7 @@ class AsyncLockManager:
         ``async_scoped_session`` or ``Session``) holds the lock past the block
         until that session's open transaction ends (see :mod:`dblock.sessions`)."""
         defer = _until_hook(until)
-        checked = self.sync._check(
-            key,
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        checked = self.sync._check(key, options)
         level2 = _level2(fair)
         return AsyncLockRequest(lambda: self._acquire(*checked, level2=level2), defer)
 
@@ -545,24 +531,11 @@ class AsyncLockManager:
         self,
         key: str,
         *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
         fair: bool = False,
+        **options: Unpack[LockArgs],
     ) -> AsyncHeldLock:
         """Like :meth:`lock` without ``async with``: ``await held.release()`` when done."""
-        checked = self.sync._check(
-            key,
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        checked = self.sync._check(key, options)
         return await self._acquire(*checked, level2=_level2(fair))
 
     async def _acquire(
@@ -601,12 +574,7 @@ class AsyncLockManager:
         key: str,
         *,
         permits: int,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
+        **options: Unpack[LockArgs],
     ) -> AsyncLockRequest:
         """``async with alocks.semaphore(key, permits=N) as permit:`` — a
         permit of :meth:`dblock.LockManager.semaphore`'s semaphore (the same
@@ -615,15 +583,7 @@ class AsyncLockManager:
         from .kinds.semaphore import check_permits
 
         n = check_permits(permits)
-        checked = self.sync._check(
-            key,
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        checked = self.sync._check(key, options)
         return AsyncLockRequest(lambda: self._acquire_permit(n, checked))
 
     async def _acquire_permit(
@@ -663,27 +623,14 @@ class AsyncLockManager:
         self,
         keys: Iterable[str],
         *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
         until: object = None,
+        **options: Unpack[LockArgs],
     ) -> AsyncLockRequest:
         """``async with alocks.lock_many(keys) as held:`` — every key, taken
         in one order (see :meth:`dblock.LockManager.lock_many`); ``until`` as
         for :meth:`lock`."""
         defer = _until_hook(until)
-        _, blocking, wait, lease, opts = self.sync._check(
-            "-",
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        _, blocking, wait, lease, opts = self.sync._check("-", options)
         ordered = order_keys(keys)
         return AsyncLockRequest(
             lambda: self._acquire_many(ordered, blocking, wait, lease, opts), defer
@@ -692,23 +639,9 @@ class AsyncLockManager:
     async def acquire_many(
         self,
         keys: Iterable[str],
-        *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
+        **options: Unpack[LockArgs],
     ) -> AsyncHeldLocks:
-        _, blocking, wait, lease, opts = self.sync._check(
-            "-",
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        _, blocking, wait, lease, opts = self.sync._check("-", options)
         return await self._acquire_many(order_keys(keys), blocking, wait, lease, opts)
 
     async def _acquire_many(
@@ -741,15 +674,10 @@ class AsyncLockManager:
         self,
         template: KeySpec,
         *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
         on_busy: OnBusy = "raise",
         until: object = None,
         fair: bool = False,
+        **options: Unpack[LockArgs],
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
         """Decorate an ``async def`` function or method so each call holds
         the lock named by ``template`` (see :meth:`dblock.LockManager.locked`;
@@ -758,15 +686,10 @@ class AsyncLockManager:
         return decorators.alocked(
             lambda: self,
             template,
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
             on_busy=on_busy,
             defer=_until_hook(until),
             fair=fair,
+            **options,
         )
 
     # -- jobs ----------------------------------------------------------------

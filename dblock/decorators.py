@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from .config import (
-    OnLost,
     check_lease,
     check_max_hold,
     check_on_lost,
@@ -30,10 +29,13 @@ from .config import (
 from .deferral import DeferHook, call_deferring
 from .errors import LockArgumentError, LockNotAcquired
 from .keys import KeyTemplate, check_key
-from .lock import UNSET, HeldLock, Unset
+from .lock import UNSET, HeldLock
 from .multi import HeldLocks, order_keys
+from .options import LockArgs, lock_args
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from .aio import AsyncLockManager
     from .manager import LockManager
 
@@ -65,15 +67,10 @@ def locked(
     resolve: Callable[[], LockManager],
     spec: KeySpec,
     *,
-    blocking: bool = True,
-    timeout: float | Unset | None = UNSET,
-    ttl: float | None = None,
-    renew: bool | None = None,
-    max_hold: float | None = None,
-    on_lost: OnLost | None = None,
     on_busy: OnBusy = "raise",
     defer: DeferHook | None = None,
     fair: bool = False,
+    **given: Unpack[LockArgs],
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """A decorator holding the lock(s) named by ``spec`` around each call.
 
@@ -82,15 +79,7 @@ def locked(
     ends outside the call (a transaction's commit, a response's close).
     The other arguments are those of ``LockManager.locked``.
     """
-    options = _checked_options(
-        blocking=blocking,
-        timeout=timeout,
-        ttl=ttl,
-        renew=renew,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        on_busy=on_busy,
-    )
+    options = _checked_options(given, on_busy)
     _fair_option(options, fair, spec)
 
     def decorate(func: Callable[P, R]) -> Callable[P, R]:
@@ -145,17 +134,15 @@ def _fair_option(options: dict[str, Any], fair: object, spec: KeySpec) -> None:
     options["fair"] = True
 
 
-def _checked_options(
-    *,
-    blocking: object,
-    timeout: object,
-    ttl: object,
-    renew: object,
-    max_hold: object,
-    on_lost: object,
-    on_busy: object,
-) -> dict[str, Any]:
+def _checked_options(given: Mapping[str, Any], on_busy: object) -> dict[str, Any]:
     """Check a decorator's options now, when it is applied."""
+    lock_args(given)
+    blocking = given.get("blocking", True)
+    timeout = given.get("timeout", UNSET)
+    ttl = given.get("ttl")
+    renew = given.get("renew")
+    max_hold = given.get("max_hold")
+    on_lost = given.get("on_lost")
     if not isinstance(blocking, bool):
         raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
     if timeout is not UNSET:
@@ -185,28 +172,15 @@ def alocked(
     resolve: Callable[[], AsyncLockManager],
     spec: KeySpec,
     *,
-    blocking: bool = True,
-    timeout: float | Unset | None = UNSET,
-    ttl: float | None = None,
-    renew: bool | None = None,
-    max_hold: float | None = None,
-    on_lost: OnLost | None = None,
     on_busy: OnBusy = "raise",
     defer: DeferHook | None = None,
     fair: bool = False,
+    **given: Unpack[LockArgs],
 ) -> Callable[[Callable[P, Awaitable[R]]], Callable[P, Awaitable[R]]]:
     """:func:`locked` for coroutine functions (``async def``), on an
     :class:`~dblock.AsyncLockManager`; ``on_busy`` may be a coroutine function.
     ``defer`` as for :func:`locked` (see :mod:`dblock.adeferral`)."""
-    options = _checked_options(
-        blocking=blocking,
-        timeout=timeout,
-        ttl=ttl,
-        renew=renew,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        on_busy=on_busy,
-    )
+    options = _checked_options(given, on_busy)
     _fair_option(options, fair, spec)
 
     def decorate(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:

@@ -31,7 +31,6 @@ from ._engine import make_engine, mask, resolve_url
 from ._store import Store, open_store
 from .config import (
     Config,
-    OnLost,
     check_lease,
     check_max_hold,
     check_on_lost,
@@ -43,12 +42,13 @@ from .deferral import DeferHook, exit_deferring
 from .errors import DBLockError, LockArgumentError, ManagerClosed
 from .keys import check_key
 from .kinds.fair import queued_loop
-from .lock import UNSET, HeldLock, Level2, Locker, LockOptions, Unset
+from .lock import UNSET, HeldLock, Level2, Locker, LockOptions
 from .multi import HeldLocks, acquire_many, order_keys
+from .options import LockArgs, lock_args
 from .schema import TableNames
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    from typing_extensions import Self, Unpack
 
     from .jobs import Skipped
     from .kinds.rw import RwHeld, RwLocker
@@ -249,14 +249,9 @@ class LockManager:
         self,
         key: str,
         *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
         until: object = None,
         fair: bool = False,
+        **options: Unpack[LockArgs],
     ) -> LockRequest[HeldLock]:
         """A context manager holding ``key`` for the ``with`` block.
 
@@ -275,15 +270,7 @@ class LockManager:
         :mod:`dblock.kinds.fair`).
         """
         defer = None if until is None else _until_hook(until)
-        key, blocking, wait, lease, opts = self._check(
-            key,
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        key, blocking, wait, lease, opts = self._check(key, options)
         # Positional: a partial with keywords copies them into a dict per call.
         return LockRequest(
             partial(
@@ -302,25 +289,12 @@ class LockManager:
         self,
         key: str,
         *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
         fair: bool = False,
+        **options: Unpack[LockArgs],
     ) -> HeldLock:
         """Like :meth:`lock` without ``with``: returns the held lock; call its
         ``release()`` (or use it as a context manager) when done."""
-        key, blocking, wait, lease, opts = self._check(
-            key,
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        key, blocking, wait, lease, opts = self._check(key, options)
         return self._locker.acquire(
             key, blocking=blocking, timeout=wait, ttl=lease, options=opts, level2=_level2(fair)
         )
@@ -330,12 +304,7 @@ class LockManager:
         key: str,
         *,
         permits: int,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
+        **options: Unpack[LockArgs],
     ) -> SemaphoreRequest:
         """A permit of the semaphore ``key``: at most ``permits`` holders at
         once across every process. Each permit is its own row with its own
@@ -348,15 +317,7 @@ class LockManager:
         from .kinds.semaphore import check_permits
 
         check_permits(permits)
-        key, blocking, wait, lease, opts = self._check(
-            key,
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        key, blocking, wait, lease, opts = self._check(key, options)
         return SemaphoreRequest(
             partial(
                 self._semaphores_().acquire,
@@ -373,13 +334,8 @@ class LockManager:
         self,
         key: str,
         *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
         until: object = None,
+        **options: Unpack[LockArgs],
     ) -> DecoratingRequest[RwHeld]:
         """The shared side of ``key``'s read-write lock, for a ``with`` block
         (or as a decorator): any number of readers in any processes at once,
@@ -387,53 +343,27 @@ class LockManager:
         Re-entrant per thread (or task). Options as for :meth:`lock`; the
         :class:`~dblock.kinds.rw.RwHeld` it yields is a :class:`~dblock.HeldLock`.
         See docs/kinds/read-write.md."""
-        return self._rw_request(
-            "read", key, blocking, timeout, ttl, renew, max_hold, on_lost, until
-        )
+        return self._rw_request("read", key, until, options)
 
     def write_lock(
         self,
         key: str,
         *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
         until: object = None,
+        **options: Unpack[LockArgs],
     ) -> DecoratingRequest[RwHeld]:
         """The exclusive side of ``key``'s read-write lock: one writer, no
         readers. The writer may take the read lock of its key too (and keeps
         it after releasing the write lock: a downgrade); a reader asking for
         the write lock gets :class:`~dblock.UpgradeRefused`. Options as for
         :meth:`lock`."""
-        return self._rw_request(
-            "write", key, blocking, timeout, ttl, renew, max_hold, on_lost, until
-        )
+        return self._rw_request("write", key, until, options)
 
-    def _rw_request(  # noqa: PLR0917 - the public options, passed through in order
-        self,
-        mode: str,
-        key: str,
-        blocking: bool,
-        timeout: float | Unset | None,
-        ttl: float | None,
-        renew: bool | None,
-        max_hold: float | None,
-        on_lost: OnLost | None,
-        until: object,
+    def _rw_request(
+        self, mode: str, key: str, until: object, options: Mapping[str, Any]
     ) -> DecoratingRequest[RwHeld]:
         defer = _until_hook(until)
-        key, blocking, wait, lease, opts = self._check(
-            key,
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        key, blocking, wait, lease, opts = self._check(key, options)
         rw = self._rw_locker()
         acquire = partial(
             rw.acquire, key, mode, blocking=blocking, timeout=wait, ttl=lease, options=opts
@@ -464,15 +394,10 @@ class LockManager:
         self,
         template: KeySpec,
         *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
         on_busy: OnBusy = "raise",
         until: object = None,
         fair: bool = False,
+        **options: Unpack[LockArgs],
     ) -> Callable[[Callable[P, R]], Callable[P, R]]:
         """Decorate a function (or method) so each call holds the lock named by
         ``template``: a format string over the call's arguments
@@ -487,15 +412,10 @@ class LockManager:
         return decorators.locked(
             lambda: self,
             template,
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
             on_busy=on_busy,
             defer=_until_hook(until),
             fair=fair,
+            **options,
         )
 
     # -- jobs ----------------------------------------------------------------
@@ -595,19 +515,19 @@ class LockManager:
         return jobs.run_job(self, name, key, options, func, args, kwargs, fire, nxt)
 
     def _check(
-        self,
-        key: object,
-        *,
-        blocking: object,
-        timeout: object,
-        ttl: object,
-        renew: object,
-        max_hold: object,
-        on_lost: object,
+        self, key: object, given: Mapping[str, Any]
     ) -> tuple[str, bool, float | None, float, LockOptions | None]:
-        """Validate one request before any SQL; ``None`` options mean the defaults."""
+        """Validate one request's key and options (:class:`~dblock.options.LockArgs`)
+        before any SQL; an option not given, or ``None``, means the default."""
         if self._closed:
             raise ManagerClosed("this LockManager is closed")
+        lock_args(given)
+        blocking = given.get("blocking", True)
+        timeout = given.get("timeout", UNSET)
+        ttl = given.get("ttl")
+        renew = given.get("renew")
+        max_hold = given.get("max_hold")
+        on_lost = given.get("on_lost")
         if not isinstance(blocking, bool):
             raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
         options = None
@@ -745,13 +665,8 @@ class LockManager:
         self,
         keys: Iterable[str],
         *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
         until: object = None,
+        **options: Unpack[LockArgs],
     ) -> LockRequest[HeldLocks]:
         """A context manager holding every key in ``keys`` for the ``with``
         block, yielding :class:`~dblock.HeldLocks`. The keys are taken in one
@@ -760,15 +675,7 @@ class LockManager:
         acquisition, and if one key cannot be had the others are released.
         The other options are those of :meth:`lock`, for every key."""
         defer = _until_hook(until)
-        _, blocking, wait, lease, opts = self._check(
-            "-",
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        _, blocking, wait, lease, opts = self._check("-", options)
         return LockRequest(
             partial(
                 acquire_many,
@@ -785,24 +692,10 @@ class LockManager:
     def acquire_many(
         self,
         keys: Iterable[str],
-        *,
-        blocking: bool = True,
-        timeout: float | Unset | None = UNSET,
-        ttl: float | None = None,
-        renew: bool | None = None,
-        max_hold: float | None = None,
-        on_lost: OnLost | None = None,
+        **options: Unpack[LockArgs],
     ) -> HeldLocks:
         """Like :meth:`lock_many` without ``with``: call ``release()`` on the result."""
-        _, blocking, wait, lease, opts = self._check(
-            "-",
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            renew=renew,
-            max_hold=max_hold,
-            on_lost=on_lost,
-        )
+        _, blocking, wait, lease, opts = self._check("-", options)
         return acquire_many(
             self._locker, order_keys(keys), blocking=blocking, timeout=wait, ttl=lease, options=opts
         )

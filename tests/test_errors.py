@@ -257,3 +257,32 @@ def test_async_refused_login_is_authentication_failed(db: str, db_url: str, key:
             assert "wrong-s3cret" not in str(info.value)
 
     asyncio.run(main())
+
+
+def test_a_mistyped_option_is_refused_by_every_request_of_both_faces(
+    manager: LockManager, key: str
+) -> None:
+    """The options are one TypedDict for both faces (dblock.options): a name
+    that is not one of them is refused before any SQL, naming it, wherever
+    it is given (a TypedDict checks nothing at run time by itself)."""
+    from dblock import AsyncLockManager
+
+    alocks = AsyncLockManager(manager)
+    requests = [
+        lambda: manager.lock(key, tmeout=1),
+        lambda: manager.acquire(key, tmeout=1),
+        lambda: manager.semaphore(key, permits=2, tmeout=1),
+        lambda: manager.read_lock(key, tmeout=1),
+        lambda: manager.write_lock(key, tmeout=1),
+        lambda: manager.lock_many([key], tmeout=1),
+        lambda: manager.locked(key, tmeout=1),
+        lambda: alocks.lock(key, tmeout=1),
+        lambda: alocks.semaphore(key, permits=2, tmeout=1),
+        lambda: alocks.lock_many([key], tmeout=1),
+        lambda: alocks.locked(key, tmeout=1),
+    ]
+    with StatementCounter(manager.engine) as c:
+        for request in requests:
+            with pytest.raises(LockArgumentError, match="unknown option 'tmeout'"):
+                request()
+    assert c.count == 0
