@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self, Unpack
 
     from ._store.postgresql import Listener
-    from .jobs import Skipped
+    from .jobs import JobArgs, Skipped
 
 __all__ = ["AsyncHeldLock", "AsyncHeldLocks", "AsyncLockManager", "AsyncLockRequest"]
 
@@ -698,27 +698,14 @@ class AsyncLockManager:
         self,
         name: str,
         *,
-        at_most: float | timedelta | None = None,
-        at_least: float | timedelta = 0,
         per: str | None = None,
-        retry_failed: bool = False,
-        on_skip: str = "return",
-        wait: float | timedelta = 0,
-        record: bool = True,
+        **options: Unpack[JobArgs],
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[..., Awaitable[R | Skipped]]]:
         """:meth:`dblock.LockManager.once` for ``async def`` jobs: the same
         options, the same decisions (shared with the blocking side)."""
         key = jobs.job_key(name)
         per = jobs.check_per(per)
-        options = jobs.JobOptions.make(
-            self.sync,
-            at_most=at_most,
-            at_least=at_least,
-            retry_failed=retry_failed,
-            on_skip=on_skip,
-            wait=wait,
-            record=record,
-        )
+        job = jobs.JobOptions.make(self.sync, options)
 
         def decorate(func: Callable[P, Awaitable[R]]) -> Callable[..., Awaitable[R | Skipped]]:
             if not inspect.iscoroutinefunction(func):
@@ -731,9 +718,7 @@ class AsyncLockManager:
             @functools.wraps(func)
             async def run_once(*args: Any, **kwargs: Any) -> R | Skipped:
                 fire_time, next_fire = _fire_times(per, passes_fire, kwargs)
-                return await self._run_job(
-                    name, key, options, func, args, kwargs, fire_time, next_fire
-                )
+                return await self._run_job(name, key, job, func, args, kwargs, fire_time, next_fire)
 
             return run_once
 
@@ -760,12 +745,14 @@ class AsyncLockManager:
         key = jobs.job_key(name)
         options = jobs.JobOptions.make(
             self.sync,
-            at_most=at_most,
-            at_least=at_least,
-            retry_failed=retry_failed,
-            on_skip=on_skip,
-            wait=wait,
-            record=record,
+            {
+                "at_most": at_most,
+                "at_least": at_least,
+                "retry_failed": retry_failed,
+                "on_skip": on_skip,
+                "wait": wait,
+                "record": record,
+            },
         )
         fire = None if fire_time is None else jobs.check_fire_time(fire_time)
         nxt = None if next_fire_time is None else jobs.check_fire_time(next_fire_time)

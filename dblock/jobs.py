@@ -39,9 +39,9 @@ import inspect
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypedDict, TypeVar
 
 from ._store.base import Steps
 from ._store.jobs import KEPT, JobSQL, statements
@@ -207,26 +207,40 @@ class JobOptions:
             raise LockArgumentError(f"on_skip must be 'return' or 'raise', got {self.on_skip!r}")
 
     @classmethod
-    def make(
-        cls,
-        manager: LockManager,
-        *,
-        at_most: float | timedelta | None,
-        at_least: float | timedelta,
-        retry_failed: bool,
-        on_skip: str,
-        wait: float | timedelta,
-        record: bool,
-    ) -> JobOptions:
-        """The options of one job; ``at_most=None`` is the manager's ``ttl``."""
+    def make(cls, manager: LockManager, given: Mapping[str, Any]) -> JobOptions:
+        """The options of one job (:class:`JobArgs`, names checked);
+        ``at_most`` not given, or ``None``, is the manager's ``ttl``."""
+        unknown = sorted(set(given) - JOB_ARGS)
+        if unknown:
+            raise LockArgumentError(
+                f"unknown job option{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(map(repr, unknown))}; the options are: {', '.join(sorted(JOB_ARGS))}"
+            )
+        at_most = given.get("at_most")
         return cls(
-            at_most=manager.config.ttl if at_most is None else at_most,  # type: ignore[arg-type]
-            at_least=at_least,  # type: ignore[arg-type]
-            retry_failed=retry_failed,
-            on_skip=on_skip,
-            wait=wait,  # type: ignore[arg-type]
-            record=record,
+            at_most=manager.config.ttl if at_most is None else at_most,
+            at_least=given.get("at_least", 0.0),
+            retry_failed=given.get("retry_failed", False),
+            on_skip=given.get("on_skip", "return"),
+            wait=given.get("wait", 0.0),
+            record=given.get("record", True),
         )
+
+
+class JobArgs(TypedDict, total=False):
+    """The options of a job, written once for ``once`` and ``run_job`` on
+    both faces (see :class:`JobOptions` for their meaning and defaults)."""
+
+    at_most: float | timedelta | None
+    at_least: float | timedelta
+    retry_failed: bool
+    on_skip: str
+    wait: float | timedelta
+    record: bool
+
+
+#: The names of :class:`JobArgs`.
+JOB_ARGS: frozenset[str] = JobArgs.__optional_keys__ | JobArgs.__required_keys__
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ from .schema import TableNames
 if TYPE_CHECKING:
     from typing_extensions import Self, Unpack
 
-    from .jobs import Skipped
+    from .jobs import JobArgs, Skipped
     from .kinds.rw import RwHeld, RwLocker
     from .kinds.semaphore import HeldPermit, Semaphores  # noqa: F401 - HeldPermit: a string below
     from .sweeper import Sweeper
@@ -424,13 +424,8 @@ class LockManager:
         self,
         name: str,
         *,
-        at_most: float | timedelta | None = None,
-        at_least: float | timedelta = 0,
         per: str | None = None,
-        retry_failed: bool = False,
-        on_skip: str = "return",
-        wait: float | timedelta = 0,
-        record: bool = True,
+        **options: Unpack[JobArgs],
     ) -> Callable[[Callable[P, R]], Callable[..., R | Skipped]]:
         """Decorate a job so each call runs it only if no other process runs
         it now (else it is skipped: :data:`~dblock.SKIPPED`, or
@@ -447,15 +442,7 @@ class LockManager:
 
         key = jobs.job_key(name)
         per = jobs.check_per(per)
-        options = jobs.JobOptions.make(
-            self,
-            at_most=at_most,
-            at_least=at_least,
-            retry_failed=retry_failed,
-            on_skip=on_skip,
-            wait=wait,
-            record=record,
-        )
+        job = jobs.JobOptions.make(self, options)
 
         def decorate(func: Callable[P, R]) -> Callable[..., R | Skipped]:
             if inspect.iscoroutinefunction(func):
@@ -467,9 +454,7 @@ class LockManager:
             @wraps(func)
             def run_once(*args: Any, **kwargs: Any) -> R | Skipped:
                 fire_time, next_fire = _fire_times(per, passes_fire, kwargs)
-                return jobs.run_job(
-                    self, name, key, options, func, args, kwargs, fire_time, next_fire
-                )
+                return jobs.run_job(self, name, key, job, func, args, kwargs, fire_time, next_fire)
 
             return run_once
 
@@ -501,12 +486,14 @@ class LockManager:
         key = jobs.job_key(name)
         options = jobs.JobOptions.make(
             self,
-            at_most=at_most,
-            at_least=at_least,
-            retry_failed=retry_failed,
-            on_skip=on_skip,
-            wait=wait,
-            record=record,
+            {
+                "at_most": at_most,
+                "at_least": at_least,
+                "retry_failed": retry_failed,
+                "on_skip": on_skip,
+                "wait": wait,
+                "record": record,
+            },
         )
         fire = None if fire_time is None else jobs.check_fire_time(fire_time)
         nxt = None if next_fire_time is None else jobs.check_fire_time(next_fire_time)
