@@ -31,12 +31,15 @@ ttl``), ``synchronous_mode: true``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -48,7 +51,7 @@ import sqlalchemy as sa
 from .proxy import Proxy
 from .servers import _pg_bin, free_port
 
-__all__ = ["PACKAGES", "Member", "PrivatePatroni", "ensure_packages"]
+__all__ = ["FAULTS", "PACKAGES", "Member", "PrivatePatroni", "WriteProbe", "ensure_packages"]
 
 # Debian package -> a file it installs.
 PACKAGES = {
@@ -58,6 +61,11 @@ PACKAGES = {
 }
 SCOPE = "dblock"
 TTL, LOOP_WAIT, RETRY_TIMEOUT = 10, 1, 4
+# How long a supervisor (systemd's Restart=on-failure, RestartSec) takes to
+# start a killed Patroni again.
+PATRONI_RESTART_DELAY = 1.0
+# The cluster faults, by the name the torture run and scripts/ha-patroni use.
+FAULTS = ("pg_kill", "patroni_kill", "switchover", "etcd_cut", "etcd_down", "haproxy_restart")
 
 
 def ensure_packages() -> None:
@@ -479,6 +487,80 @@ class PrivatePatroni:
         if done.returncode != 0:
             raise RuntimeError(f"patronictl switchover failed: {done.stdout}{done.stderr}")
 
+    def fault(self, kind: str, rng: random.Random | None = None) -> dict[str, Any]:
+        """Inject one fault of :data:`FAULTS`, wait until the cluster is
+        healthy again, and say what happened: the leader before and after,
+        and how long writes were impossible through HAProxy and through the
+        multi-host URL (the longest gap between two committed writes of a
+        probe writing every 50 ms, from just before the fault)."""
+        rng = rng or random.Random()
+        before = self.leader()
+        if before is None:
+            raise RuntimeError("no leader before the fault")
+        probes = [WriteProbe(self.haproxy_url), WriteProbe(self.multihost_url)]
+        for p in probes:
+            p.start()
+        started = time.monotonic()
+        detail = ""
+        if kind == "pg_kill":
+            before.kill_postgres()
+            detail = f"kill -9 of {before.name}'s postgres"
+        elif kind == "patroni_kill":
+            before.kill_patroni()
+            time.sleep(PATRONI_RESTART_DELAY)
+            before.start()
+            detail = (
+                f"kill -9 of {before.name}'s Patroni, started again "
+                f"{PATRONI_RESTART_DELAY:g} s later"
+            )
+        elif kind == "switchover":
+            to = rng.choice([m for m in self.members if m is not before])
+            self.switchover(to)
+            detail = f"patronictl switchover {before.name} -> {to.name}"
+        elif kind == "etcd_cut":
+            self.cut_from_etcd(before)
+            detail = f"{before.name} cut off from etcd until another member leads"
+            try:
+                self._until(
+                    lambda: (m := self.leader()) is not None and m is not before,
+                    3 * TTL,
+                    "no other member took over",
+                )
+            finally:
+                self.heal_etcd(before)
+        elif kind == "etcd_down":
+            e = rng.choice(self.etcds)
+            e.kill()
+            time.sleep(2.0)
+            e.start()
+            self._until(e.healthy, 30, f"{e.name} did not rejoin")
+            detail = f"kill -9 of {e.name}, started again 2 s later"
+        elif kind == "haproxy_restart":
+            self.restart_haproxy()
+            detail = "HAProxy killed and started again"
+        else:
+            raise ValueError(f"unknown fault {kind!r}")
+        injected = time.monotonic() - started
+        # Patroni may not have noticed yet (a killed postgres): healthy means
+        # a write through each way in after the fault, and Patroni content.
+        at = time.monotonic()
+        self._until(lambda: all(p.ok and p.ok[-1] > at for p in probes), 90,
+                    f"no write after {kind}")  # fmt: skip
+        healthy = self.wait_healthy(90)
+        for p in probes:
+            p.stop()
+        after = self.leader()
+        return {
+            "fault": kind,
+            "detail": detail,
+            "leader_before": before.name,
+            "leader_after": after.name if after else None,
+            "injected_s": round(injected, 3),
+            "healthy_after_s": round(injected + healthy, 3),
+            "writes_blocked_haproxy_s": round(probes[0].longest_gap(started), 3),
+            "writes_blocked_multihost_s": round(probes[1].longest_gap(started), 3),
+        }
+
     # -- HAProxy ---------------------------------------------------------------------
 
     def start_haproxy(self) -> None:
@@ -545,3 +627,85 @@ listen postgres
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class WriteProbe:
+    """A thread committing one small write every 50 ms through ``url`` (a new
+    connection each time, as a client after a failover would make), keeping
+    the times of the writes that committed."""
+
+    def __init__(self, url: str) -> None:
+        self._engine = sa.create_engine(
+            url,
+            poolclass=sa.pool.NullPool,
+            connect_args={"connect_timeout": 2, "options": "-c statement_timeout=3000"},
+        )
+        self.ok: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="write-probe", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self._engine.begin() as conn:
+                    conn.exec_driver_sql("CREATE TABLE IF NOT EXISTS dblock_probe (t timestamptz)")
+                    conn.exec_driver_sql("INSERT INTO dblock_probe VALUES (now())")
+                self.ok.append(time.monotonic())
+            except Exception:
+                pass
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._engine.dispose()
+
+    def longest_gap(self, since: float) -> float:
+        times = [since, *(t for t in self.ok if t > since)]
+        if len(times) == 1:
+            return float("inf")
+        return max(b - a for a, b in itertools.pairwise(times))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """scripts/ha-patroni: start the cluster and wait (``up``), or run faults."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="scripts/ha-patroni", description=main.__doc__)
+    parser.add_argument("command", choices=("up", "faults"), nargs="?", default="up")
+    parser.add_argument("--members", type=int, default=2, help="PostgreSQL members (2)")
+    parser.add_argument("--fault", action="append", choices=FAULTS, help="faults: these only")
+    parser.add_argument("--times", type=int, default=1, help="faults: rounds of each (1)")
+    parser.add_argument("--json", help="faults: write the measurements here")
+    args = parser.parse_args(argv)
+    with PrivatePatroni(args.members) as ha:
+        print(f"cluster up in {ha.start_seconds:.1f} s ({ha.dir})", file=sys.stderr)
+        print(f"HAProxy:    {ha.haproxy_url}")
+        print(f"multi-host: {ha.multihost_url}")
+        print(f"libpq:      {ha.conninfo}")
+        for m in ha.members:
+            print(f"{m.name}: postgres 127.0.0.1:{m.port}, REST http://127.0.0.1:{m.rest_port}")
+        sys.stdout.flush()
+        if args.command == "up":
+            print("Ctrl-C stops it and removes it.", file=sys.stderr)
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            return 0
+        rng = random.Random(7)
+        results = []
+        for _ in range(args.times):
+            for kind in args.fault or FAULTS:
+                r = ha.fault(kind, rng)
+                results.append(r)
+                print(json.dumps(r), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
