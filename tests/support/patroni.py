@@ -692,8 +692,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         if args.command == "up":
             print("Ctrl-C stops it and removes it.", file=sys.stderr)
-            with contextlib.suppress(KeyboardInterrupt):
-                signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            # Blocked first, or the signal goes to Python's handler and sigwait never returns.
+            stop = {signal.SIGINT, signal.SIGTERM}
+            signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+            signal.sigwait(stop)
             return 0
         rng = random.Random(7)
         results = []
