@@ -29,8 +29,9 @@ from typing import Any
 
 import pytest
 
-from dblock import LockManager
+from dblock import BackendError, LockManager
 from tests.support.patroni import PrivatePatroni
+from tests.support.proxy import Proxy
 
 pytestmark = pytest.mark.cluster
 
@@ -171,3 +172,27 @@ def test_failover(cluster: PrivatePatroni, way: str, fault: str) -> None:
     finally:
         for m in (holder, short, waiter):
             m.close()
+
+
+def test_a_connection_left_on_a_standby_is_dropped(cluster: PrivatePatroni) -> None:
+    """A pooled connection that reaches a standby (a demoted leader, behind a
+    balancer that does not close the sessions of a server it marks down, a
+    moved virtual IP, a pooler in front of one member) answers every write
+    with "read-only" (SQLSTATE 25006). dblock drops that connection and the
+    pool's older ones, so the next statement connects afresh, and reaches
+    the leader wherever the route now points; it must not write to the
+    standby forever."""
+    leader = cluster.leader()
+    assert leader is not None
+    standby = next(m for m in cluster.members if m is not leader)
+    route = Proxy("127.0.0.1", standby.port)  # the route still points at the old node
+    key = f"standby:{uuid.uuid4().hex[:8]}"
+    try:
+        with LockManager(route.url_for(standby.url)) as m:
+            with pytest.raises(BackendError, match="read-only"):
+                m.acquire(key, blocking=False)
+            route.target = ("127.0.0.1", leader.port)  # the route moves to the leader
+            with m.lock(key, blocking=False) as held:
+                assert held.fence > 0
+    finally:
+        route.close()

@@ -1,0 +1,41 @@
+"""A connection that reaches a server taking no writes (a standby: a demoted
+primary behind a route that still points at it) is dropped at its first
+"read-only" answer, with the pool's older connections, so the next statement
+connects afresh instead of writing to the standby forever.
+
+Here the server is the shared one and the read-only connection is made so
+by hand (``default_transaction_read_only`` / ``SET SESSION TRANSACTION READ
+ONLY`` on the connection dblock keeps idle): a fresh connection is writable,
+as a fresh connection through a balancer or a multi-host URL reaches the new
+primary. tests/test_patroni.py shows the same with a real standby.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dblock import BackendError, LockManager
+
+pytestmark = pytest.mark.databases("postgresql", "mariadb")
+
+READ_ONLY = {
+    "postgresql": "SET SESSION default_transaction_read_only = on",
+    "mariadb": "SET SESSION TRANSACTION READ ONLY",
+}
+
+
+def test_a_read_only_connection_is_not_used_again(db: str, db_url: str, key: str) -> None:
+    with LockManager(db_url) as m:
+        with m.lock(key):  # leaves a connection idle in the executor
+            pass
+        idle = m.store.executor._idle
+        assert idle, "no idle connection to make read-only"
+        for conn, _, _ in idle:
+            cursor = conn.dbapi_connection.cursor()  # type: ignore[union-attr]
+            cursor.execute(READ_ONLY[db])
+            cursor.close()
+        with pytest.raises(BackendError, match=r"read-only|READ ONLY"):
+            m.acquire(key, blocking=False)
+        # Without dropping it, every later statement failed the same way.
+        with m.lock(key, blocking=False) as held:
+            assert held.fence > 0
