@@ -13,7 +13,12 @@ A lock is *lost* when
 * renewal keeps failing (database unreachable) until the lease runs out: it is
   retried with backoff, then given up, because past that point another
   process may hold the key;
-* its lease runs out without renewal (``renew=False``, or ``max_hold`` reached).
+* its lease runs out without renewal (``renew=False``, or ``max_hold`` reached);
+* renewal reaches a server that takes no writes, and again on a fresh
+  connection: the process's route to the database leads to a standby (a
+  demoted primary behind a single-host URL, a pooler or a virtual IP that did
+  not move), so the lock cannot be renewed from here, and waiting for its
+  lease to run out would only hide that.
 
 Then, at once: ``held.lost`` turns true, the error is logged with the key, the
 lock's ``on_lost`` callback (or the manager's) is handed to the callback
@@ -45,6 +50,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._store import Store
+from ._store.base import not_writable
 from .callbacks import Callbacks
 from .errors import BackendError, SchemaMissing
 from .registry import owner_alive, owner_gone_reason
@@ -69,6 +75,12 @@ BATCH_WINDOW = 1 / 6
 RETRY_MAX = 1.0
 #: Shortest lease renewal will ask for when capped by max_hold.
 MIN_RENEWAL = 0.01
+
+
+def _read_only(exc: BackendError) -> bool:
+    """The renewal's statement was refused by a server that takes no writes."""
+    cause = exc.__cause__
+    return cause is not None and not_writable(getattr(cause, "orig", None) or cause)
 
 
 class Renewer:
@@ -245,7 +257,33 @@ class Renewer:
         batch = [(h.key, h.token, h._renewal_ttl(now)) for h in due]
         sent_at = _monotonic()
         try:
-            leases = self._store.renew(batch)
+            try:
+                leases = self._store.renew(batch)
+            except BackendError as first:
+                if not _read_only(first):
+                    raise
+                # A standby answered (a demoted primary): the executor dropped
+                # that connection and the pool's older ones. Once more, on a
+                # fresh connection, which a balancer or a multi-host URL takes
+                # to the new primary.
+                sent_at = _monotonic()
+                try:
+                    leases = self._store.renew(batch)
+                except BackendError as again:
+                    if not _read_only(again):
+                        raise
+                    # This process's route leads to a standby, even afresh:
+                    # it cannot renew these locks, so say so now rather than
+                    # at the end of their leases (a new primary without our
+                    # rows, under asynchronous replication, grants them at once).
+                    for held in due:
+                        self.lose(
+                            held,
+                            "renewal reached a server that takes no writes, twice, the second "
+                            "time on a fresh connection (a standby: the primary moved and this "
+                            f"process's route to the database did not follow): {again}",
+                        )
+                    return float("inf")
         except (BackendError, SchemaMissing) as exc:
             retry = now + RETRY_MAX
             for held in due:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from dblock import BackendError, LockManager
+from dblock import BackendError, LockLost, LockManager
 from tests.support.patroni import PrivatePatroni
 from tests.support.proxy import Proxy
 
@@ -196,3 +196,35 @@ def test_a_connection_left_on_a_standby_is_dropped(cluster: PrivatePatroni) -> N
                 assert held.fence > 0
     finally:
         route.close()
+
+
+def test_a_holder_whose_route_stays_on_the_demoted_leader_is_told(
+    cluster: PrivatePatroni,
+) -> None:
+    """A holder that reaches the database by the leader's own address (a
+    single-host URL, a pooler or a virtual IP in front of that member) is
+    left on a standby by a switchover: the old leader restarts as one. Its
+    renewal is refused ("read-only") there, on a fresh connection too: the
+    lock is declared lost at once, within one renewal interval of the
+    demotion, not at the end of its lease (30 s)."""
+    leader = cluster.leader()
+    assert leader is not None
+    lost_at: list[float] = []
+    with LockManager(leader.url, ttl=30) as m:  # renewed every 10 s
+        held = m.acquire(f"pinned:{uuid.uuid4().hex[:8]}",
+                         on_lost=lambda h: lost_at.append(time.monotonic()))  # fmt: skip
+        stop, demoted = _demotion_watch(cluster, leader)
+        report = cluster.fault("switchover")
+        deadline = time.monotonic() + 30
+        while not lost_at and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        assert held.lost, "still held through a standby"
+        assert "takes no writes" in (held.lost_reason or "")
+        after = lost_at[0] - demoted[0]
+        moved = f"{report['leader_before']} -> {report['leader_after']}"
+        print(f"\nswitchover {moved}: lost {after:.2f} s after the demotion (renewal every 10 s)")
+        assert after < 10.0 + 2.0
+        with pytest.raises(LockLost):
+            held.check()
+        held.release()  # the row is left to its lease on the new leader (logged)
