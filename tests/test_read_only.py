@@ -12,9 +12,15 @@ primary. tests/test_patroni.py shows the same with a real standby.
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
+import sqlalchemy as sa
 
 from dblock import BackendError, LockManager
+from dblock.aio import AsyncLockManager
+from tests.support.db import private_database
 
 pytestmark = pytest.mark.databases("postgresql", "mariadb")
 
@@ -39,3 +45,36 @@ def test_a_read_only_connection_is_not_used_again(db: str, db_url: str, key: str
         # Without dropping it, every later statement failed the same way.
         with m.lock(key, blocking=False) as held:
             assert held.fence > 0
+
+
+@pytest.mark.databases("postgresql")
+def test_a_read_only_connection_is_not_used_again_async(db: str, tmp_path: Path) -> None:
+    """The asyncio side: connections made while the database defaulted to
+    read-only stay read-only after it stops; the one that answered
+    "read-only" must not serve the next statement."""
+    with private_database(db, tmp_path) as url:
+        with LockManager(url) as m:
+            m.create_schema()
+        name = sa.make_url(url).database
+        other = sa.make_url(url).set(database="postgres")  # not read-only itself
+        admin = sa.create_engine(other, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+
+        def default_read_only(on: bool) -> None:
+            with admin.connect() as conn:
+                value = "SET default_transaction_read_only = on" if on else "RESET ALL"
+                conn.exec_driver_sql(f"ALTER DATABASE {name} {value}")
+
+        async def main() -> None:
+            async with AsyncLockManager(url) as m:
+                default_read_only(True)
+                with pytest.raises(BackendError, match="read-only"):
+                    await m.acquire("k", blocking=False)
+                default_read_only(False)  # a new connection is writable again
+                held = await m.acquire("k", blocking=False)
+                assert held.fence > 0
+                await held.release()
+
+        try:
+            asyncio.run(main())
+        finally:
+            admin.dispose()
