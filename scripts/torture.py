@@ -841,6 +841,7 @@ def check(
     unresolved = 0
     bound = ttl + poll_max
     beyond = float("-inf")  # the worst blocked time beyond what was allowed for it
+    worst: dict[str, Any] | None = None
     allowance = 0.0  # the largest failover time allowed for a blocked key
     for f in faults:
         if f.kind != "kill":
@@ -851,7 +852,21 @@ def check(
             later = [s.t_start for s in by_key.get(key, ()) if s.t_start > f.t]
             if later:
                 blocked.append(min(later) - f.t)
-                beyond = max(beyond, blocked[-1] - bound - failover)
+                if blocked[-1] - bound - failover > beyond:
+                    beyond = blocked[-1] - bound - failover
+                    # The worst one, with the faults around it, to tell why.
+                    worst = {
+                        "at": round(f.t - t0, 4),
+                        "key": key,
+                        "blocked_s": round(blocked[-1], 4),
+                        "failover_allowed_s": round(failover, 4),
+                        "faults_near": [
+                            {"kind": g.kind, "at": round(g.t - t0, 4),
+                             "until": None if g.t_end is None else round(g.t_end - t0, 4)}
+                            for g in faults
+                            if g.t <= f.t + blocked[-1] + 1 and (g.t_end or g.t) >= f.t - 10
+                        ],
+                    }  # fmt: skip
             else:
                 unresolved += 1
     longest = max(blocked, default=0.0)
@@ -878,6 +893,7 @@ def check(
         "blocked_bound_s": round(bound, 4),
         "blocked_failover_allowance_s": round(allowance, 4),
         "blocked_allowed_s": round(bound + slack + allowance, 4),
+        "blocked_after_kill_worst": worst,
         "outcomes": _outcomes(sections),
         "violations": violations[:MAX_REPORTED],
         "violations_not_reported": max(len(violations) - MAX_REPORTED, 0),

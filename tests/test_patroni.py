@@ -128,6 +128,14 @@ def test_failover(cluster: PrivatePatroni, way: str, fault: str) -> None:
         report = cluster.fault(fault)
         stop.set()
         print(f"\n{way} {fault}: {report}")
+        # The waiters' LISTEN connection is back soon after writes are: it
+        # retries at least every half second, whatever the outage's length.
+        listener = waiter.store._listener  # type: ignore[attr-defined]
+        assert listener is not None
+        assert listener.listening
+        late = listener._listening_since - report["writes_back_at"][way]
+        print(f"  LISTEN back {late:+.2f} s after writes were")
+        assert late < 1.5
 
         # The long holder kept its lock across the failover: renewal reached
         # the new leader, whose row (synchronous standby) is still ours.

@@ -559,7 +559,10 @@ class PrivatePatroni:
             "healthy_after_s": round(injected + healthy, 3),
             "writes_blocked_haproxy_s": round(probes[0].longest_gap(started), 3),
             "writes_blocked_multihost_s": round(probes[1].longest_gap(started), 3),
-        }
+            # time.monotonic() of the first write after the longest gap
+            "writes_back_at": {"haproxy": probes[0].back_at(started),
+                               "multihost": probes[1].back_at(started)},
+        }  # fmt: skip
 
     # -- HAProxy ---------------------------------------------------------------------
 
@@ -662,6 +665,11 @@ class WriteProbe:
         self._stop.set()
         self._thread.join(10)
         self._engine.dispose()
+
+    def back_at(self, since: float) -> float:
+        """When writes came back: the end of the longest gap since ``since``."""
+        times = [since, *(t for t in self.ok if t > since)]
+        return max(itertools.pairwise(times), key=lambda p: p[1] - p[0], default=(0, since))[1]
 
     def longest_gap(self, since: float) -> float:
         times = [since, *(t for t in self.ok if t > since)]
