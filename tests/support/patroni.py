@@ -486,6 +486,9 @@ class PrivatePatroni:
         )  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"patronictl switchover failed: {done.stdout}{done.stderr}")
+        # patronictl may say "failed" and still exit 0: the new leader is the proof.
+        self._until(lambda: self.leader() is candidate, 30,
+                    f"switchover to {candidate.name} did not happen: {done.stdout}")  # fmt: skip
 
     def fault(self, kind: str, rng: random.Random | None = None) -> dict[str, Any]:
         """Inject one fault of :data:`FAULTS`, wait until the cluster is
@@ -514,7 +517,11 @@ class PrivatePatroni:
                 f"{PATRONI_RESTART_DELAY:g} s later"
             )
         elif kind == "switchover":
-            to = rng.choice([m for m in self.members if m is not before])
+            # In synchronous mode Patroni switches over to a synchronous standby only.
+            sync = {m["name"] for m in self.cluster_state().get("members", [])
+                    if m.get("role") == "sync_standby"}  # fmt: skip
+            to = rng.choice([m for m in self.members if m.name in sync] or
+                            [m for m in self.members if m is not before])  # fmt: skip
             self.switchover(to)
             detail = f"patronictl switchover {before.name} -> {to.name}"
         elif kind == "etcd_cut":
