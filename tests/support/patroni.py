@@ -38,6 +38,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -325,6 +326,22 @@ class PrivatePatroni:
 
     def __init__(self, members: int = 2) -> None:
         ensure_packages()
+        started = time.monotonic()
+        # Twice at most: a port free_port() found can be taken by another
+        # process before our server binds it (other test runs share the host).
+        for attempt in (1, 2):
+            try:
+                self._start(members)
+                break
+            except Exception as exc:
+                logs = self._log_tails()
+                self.close()
+                if attempt == 2:
+                    raise RuntimeError(f"the Patroni cluster did not start: {exc}\n{logs}") from exc
+                print(f"Patroni cluster: start failed ({exc}), once more\n{logs}", file=sys.stderr)
+        self.start_seconds = time.monotonic() - started
+
+    def _start(self, members: int) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="dblock-patroni-"))
         if os.geteuid() == 0:
             shutil.chown(self.dir, "postgres")
@@ -333,27 +350,30 @@ class PrivatePatroni:
         self.haproxy: subprocess.Popen[bytes] | None = None
         self.haproxy_port = free_port()
         self.haproxy_stats_port = free_port()
-        try:
-            started = time.monotonic()
-            self.etcds = [Etcd(self, i) for i in range(3)]
-            for e in self.etcds:
-                e.start()
-            self._until(lambda: all(e.healthy() for e in self.etcds), 30, "etcd is not healthy")
-            self.members = [Member(self, i) for i in range(members)]
-            for m in self.members:
-                m.write_config()
-            # The first one bootstraps (initdb); the others clone it once it leads.
-            self.members[0].start()
-            self._until(lambda: self.members[0].rest("/primary")[0] == 200, 60,
-                        "the first member did not become the leader")  # fmt: skip
-            for m in self.members[1:]:
-                m.start()
-            self.start_haproxy()
-            self.wait_healthy(60)
-            self.start_seconds = time.monotonic() - started
-        except BaseException:
-            self.close()
-            raise
+        self.etcds = [Etcd(self, i) for i in range(3)]
+        for e in self.etcds:
+            e.start()
+        self._until(lambda: all(e.healthy() for e in self.etcds), 30, "etcd is not healthy")
+        self.members = [Member(self, i) for i in range(members)]
+        for m in self.members:
+            m.write_config()
+        # The first one bootstraps (initdb); the others clone it once it leads.
+        self.members[0].start()
+        self._until(lambda: self.members[0].rest("/primary")[0] == 200, 60,
+                    "the first member did not become the leader")  # fmt: skip
+        for m in self.members[1:]:
+            m.start()
+        self.start_haproxy()
+        self.wait_healthy(60)
+
+    def _log_tails(self, lines: int = 15) -> str:
+        """The end of every log in the cluster's directory, to tell why it failed."""
+        out = []
+        for path in sorted(self.dir.glob("*.log")) + sorted(self.dir.glob("*.out")):
+            with contextlib.suppress(OSError):
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"--- {path.name}\n" + "\n".join(tail))
+        return "\n".join(out)
 
     # -- addresses -------------------------------------------------------------
 
@@ -688,7 +708,6 @@ class WriteProbe:
 def main(argv: list[str] | None = None) -> int:
     """scripts/ha-patroni: start the cluster and wait (``up``), or run faults."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(prog="scripts/ha-patroni", description=main.__doc__)
     parser.add_argument("command", choices=("up", "faults"), nargs="?", default="up")
