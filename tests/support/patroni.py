@@ -342,12 +342,13 @@ class PrivatePatroni:
         self.start_seconds = time.monotonic() - started
 
     def _start(self, members: int) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="dblock-patroni-"))
-        if os.geteuid() == 0:
-            shutil.chown(self.dir, "postgres")
+        # Everything close() looks at first, so a start failing anywhere closes.
         self.etcds: list[Etcd] = []
         self.members: list[Member] = []
         self.haproxy: subprocess.Popen[bytes] | None = None
+        self.dir = Path(tempfile.mkdtemp(prefix="dblock-patroni-"))
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres")
         self.haproxy_port = free_port()
         self.haproxy_stats_port = free_port()
         self.etcds = [Etcd(self, i) for i in range(3)]
