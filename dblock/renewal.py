@@ -13,7 +13,12 @@ A lock is *lost* when
 * renewal keeps failing (database unreachable) until the lease runs out: it is
   retried with backoff, then given up, because past that point another
   process may hold the key;
-* its lease runs out without renewal (``renew=False``, or ``max_hold`` reached).
+* its lease runs out without renewal (``renew=False``, or ``max_hold`` reached);
+* renewal reaches a server that takes no writes, and again on a fresh
+  connection: the process's route to the database leads to a standby (a
+  demoted primary behind a single-host URL, a pooler or a virtual IP that did
+  not move), so the lock cannot be renewed from here, and waiting for its
+  lease to run out would only hide that.
 
 Then, at once: ``held.lost`` turns true, the error is logged with the key, the
 lock's ``on_lost`` callback (or the manager's) is handed to the callback
@@ -45,6 +50,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ._store import Store
+from ._store.base import Lease, not_writable
 from .callbacks import Callbacks
 from .errors import BackendError, SchemaMissing
 from .registry import owner_alive, owner_gone_reason
@@ -73,6 +79,12 @@ LATE_AFTER = 1 / 3
 RETRY_MAX = 1.0
 #: Shortest lease renewal will ask for when capped by max_hold.
 MIN_RENEWAL = 0.01
+
+
+def _read_only(exc: BackendError) -> bool:
+    """The renewal's statement was refused by a server that takes no writes."""
+    cause = exc.__cause__
+    return cause is not None and not_writable(getattr(cause, "orig", None) or cause)
 
 
 class Renewer:
@@ -246,23 +258,10 @@ class Renewer:
     def _renew(self, due: list[HeldLock]) -> float:
         """One batched renewal; returns the earliest retry time if it failed."""
         now = _monotonic()
-        batch = []
-        # How late this pass runs: the lock most overdue (locks taken along
-        # before they are due count as on time).
-        worst, latest = 0.0, due[0]
-        for h in due:
-            batch.append((h.key, h.token, h._renewal_ttl(now)))
-            if now - h._next_check > worst:
-                worst, latest = now - h._next_check, h
-        if self.telemetry is not None:
-            self.telemetry.renewal_lateness(worst)
-        if worst > latest.ttl * LATE_AFTER:
-            self._warn_late(
-                latest, worst, sum(now - h._next_check > h.ttl * LATE_AFTER for h in due)
-            )
+        batch = self._plan(due, now)
         sent_at = _monotonic()
         try:
-            leases = self._store.renew(batch)
+            sent = self._send(batch, due)
         except (BackendError, SchemaMissing) as exc:
             retry = now + RETRY_MAX
             for held in due:
@@ -274,6 +273,9 @@ class Renewer:
             if self.telemetry is not None:
                 self.telemetry.renewals(len(due), ok=False)
             return retry
+        if sent is None:
+            return float("inf")  # all lost (see _send)
+        leases, sent_at = sent[0], sent[1] or sent_at
         if self.telemetry is not None:
             self.telemetry.renewals(len(leases), ok=True)
         for held in due:
@@ -285,6 +287,56 @@ class Renewer:
                 continue
             held._renewed(lease.expires_at, sent_at + lease.expires_in)
         return min((h._next_check for h in due if h._lost is None), default=float("inf"))
+
+    def _plan(self, due: list[HeldLock], now: float) -> list[tuple[str, str, float]]:
+        """The renewal statement's rows; and how late this pass runs: the
+        lock most overdue (locks taken along before they are due count as on
+        time), measured and, past a third of its lease, warned of."""
+        batch = []
+        worst, latest = 0.0, due[0]
+        for h in due:
+            batch.append((h.key, h.token, h._renewal_ttl(now)))
+            if now - h._next_check > worst:
+                worst, latest = now - h._next_check, h
+        if self.telemetry is not None:
+            self.telemetry.renewal_lateness(worst)
+        if worst > latest.ttl * LATE_AFTER:
+            self._warn_late(
+                latest, worst, sum(now - h._next_check > h.ttl * LATE_AFTER for h in due)
+            )
+        return batch
+
+    def _send(
+        self, batch: list[tuple[str, str, float]], due: list[HeldLock]
+    ) -> tuple[dict[str, Lease], float | None] | None:
+        """Send the renewal: its leases and, if it was sent a second time,
+        when; None if every lock of ``due`` was lost (a standby answered twice)."""
+        try:
+            return self._store.renew(batch), None
+        except BackendError as first:
+            if not _read_only(first):
+                raise
+        # A standby answered (a demoted primary): the executor dropped that
+        # connection and the pool's older ones. Once more, on a fresh
+        # connection, which a balancer or a multi-host URL takes to the new primary.
+        sent_at = _monotonic()
+        try:
+            return self._store.renew(batch), sent_at
+        except BackendError as again:
+            if not _read_only(again):
+                raise
+            # This process's route leads to a standby, even afresh: it cannot
+            # renew these locks, so say so now rather than at the end of their
+            # leases (a new primary without our rows, under asynchronous
+            # replication, grants them at once).
+            for held in due:
+                self.lose(
+                    held,
+                    "renewal reached a server that takes no writes, twice, the second "
+                    "time on a fresh connection (a standby: the primary moved and this "
+                    f"process's route to the database did not follow): {again}",
+                )
+            return None
 
     @staticmethod
     def _warn_late(held: HeldLock, late: float, count: int) -> None:

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from dblock import LockManager
 from tests.support.counting import StatementCounter
 from tests.support.db import DEFAULT_URLS, reachable
+from tests.support.patroni import PrivatePatroni
 from tests.support.servers import PrivateGalera, PrivatePostgresPair
 
 DATABASES = ("sqlite", "postgresql", "mariadb")
@@ -119,6 +120,20 @@ def galera() -> Iterator[PrivateGalera]:
     try:
         with LockManager(cluster.nodes[0].url) as m:
             m.create_schema()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="session")
+def patroni() -> Iterator[PrivatePatroni]:
+    """A private Patroni cluster (etcd x3, PostgreSQL x2 under Patroni in
+    synchronous mode, HAProxy) for the session: started on first use
+    (~10 s; Debian's etcd-server, patroni and haproxy are installed first if
+    missing), stopped at the end. A test that injects a fault waits until the
+    cluster is healthy again (a leader, a synchronous standby) before the next."""
+    cluster = PrivatePatroni(2)
+    try:
         yield cluster
     finally:
         cluster.close()

@@ -316,3 +316,33 @@ def test_checker_wants_fences_in_grant_order() -> None:
     result = _check_sem(t, late, permits=2)
     assert result["fence_order_violations"] == 1
     assert not result["ok"]
+
+
+@pytest.mark.cluster
+def test_torture_run_on_patroni(tmp_path: Path) -> None:
+    """The short run on a Patroni cluster (workers through HAProxy and through
+    a multi-host URL), each of Patroni's faults once: the leader's postgres
+    and its Patroni killed, a switchover, the leader cut off from etcd, an
+    etcd member killed, HAProxy restarted. Keys blocked by a killed holder
+    may wait for a failover on top of the lease (its measured length)."""
+    out = tmp_path / "torture.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--db", "patroni", *SHORT, "--seconds", "150",
+         "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,  # inside pytest's own 300 s; a run takes about 75 s
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())["patroni"]
+    assert result["overlaps_real"] == 0
+    assert result["fence_violations"] == 0
+    assert result["fence_order_violations"] == 0
+    assert result["sections_completed"] > 100
+    patroni = {"pg_kill", "patroni_kill", "switchover", "etcd_cut", "etcd_down", "haproxy_restart"}
+    assert patroni | {"kill"} <= set(result["faults"]), result["faults"]
+    moved = {f["fault"] for f in result["failovers"] if f["leader_before"] != f["leader_after"]}
+    assert {"switchover", "etcd_cut"} <= moved, result["failovers"]
+    assert "failover time per fault" in done.stdout

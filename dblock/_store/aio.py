@@ -38,7 +38,7 @@ from sqlalchemy.util import greenlet_spawn
 
 from .._engine import _sqlite_pragmas
 from ..errors import BackendError, LockArgumentError
-from .base import IDLE_SECONDS, Params, Result, Steps, Store, T, _mark_unsent
+from .base import IDLE_SECONDS, Params, Result, Steps, Store, T, _mark_unsent, not_writable
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -353,7 +353,13 @@ class AsyncStore:
                     result = await conn.exec_driver_sql(sql, dict(params))
                     rows = [tuple(r) for r in result.fetchall()] if fetch else []
                     return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
-                except sa_exc.DBAPIError:
+                except sa_exc.DBAPIError as exc:
+                    if exc.orig is not None and not_writable(exc.orig):
+                        # A standby: the next statement must connect afresh
+                        # (see Executor.run).
+                        fairy = await conn.get_raw_connection()
+                        await conn.invalidate(exc.orig)
+                        pool.sync_engine.pool._invalidate(fairy, exc.orig)
                     raise
                 except BaseException:
                     # Cancelled mid-statement: the connection's state is
@@ -388,8 +394,13 @@ class AsyncStore:
         except pool.error as exc:
             dialect = pool.sync_engine.dialect
             interrupted = dialect.is_disconnect(exc, conn.dbapi_connection, None)  # type: ignore[arg-type]
-            if interrupted:
+            if interrupted or not_writable(exc):  # a standby: see Executor.run
                 await self._discard(conn, exc)
+                if not interrupted:  # the idle ones reach the same standby
+                    pool.sync_engine.pool._invalidate(conn, exc)
+                    stale, pool.idle[:] = list(pool.idle), []
+                    for other, _ in stale:
+                        await self._discard(other, exc)
             else:
                 self._checkin(pool, conn)
             raise self.store.executor._translate(exc, sent=True, interrupted=interrupted) from exc

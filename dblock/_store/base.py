@@ -258,9 +258,13 @@ class Executor:
             interrupted = self._engine.dialect.is_disconnect(
                 cast(Any, exc), conn.dbapi_connection, None
             )
-            if interrupted:
+            if interrupted or not_writable(exc):
                 # Like SQLAlchemy on a disconnect: drop this connection and
-                # recycle every older one, which is likely dead too.
+                # recycle every older one, which is likely dead too. A server
+                # that answers "read-only" is a standby (a demoted primary
+                # behind a route that still points at it): a new connection
+                # goes wherever the route points now (a balancer's, a
+                # multi-host URL's read-write choice), this one never will.
                 conn.invalidate(exc)
                 self._engine.pool._invalidate(conn, exc)
                 self.release_idle()
@@ -388,7 +392,15 @@ class Executor:
                 self._wait_for_pool()
             with self._engine.connect() as conn:
                 sent = True
-                result = conn.exec_driver_sql(sql, dict(params))
+                try:
+                    result = conn.exec_driver_sql(sql, dict(params))
+                except sa_exc.DBAPIError as exc:
+                    if exc.orig is not None and not_writable(exc.orig):  # see run()
+                        fairy = conn.connection
+                        conn.invalidate(exc.orig)
+                        self._engine.pool._invalidate(fairy, exc.orig)
+                        self.release_idle()
+                    raise
                 rows = [tuple(r) for r in result.fetchall()] if fetch else []
                 return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
         except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
@@ -480,6 +492,24 @@ def auth_failure(exc: BaseException) -> str | None:
 
 
 _UNSENT = "_dblock_unsent"
+
+
+# The answers of a server that takes no writes: PostgreSQL's
+# read_only_sql_transaction (a hot standby, default_transaction_read_only),
+# MySQL/MariaDB's "running with --read-only" (1290) and "read-only
+# transaction" (1792).
+_READ_ONLY_SQLSTATES = frozenset({"25006"})
+_READ_ONLY_ERRNOS = frozenset({1290, 1792})
+
+
+def not_writable(exc: BaseException) -> bool:
+    """``exc`` says the server that ran the statement takes no writes: the
+    connection reached a standby, and only a new connection can reach the
+    primary. Nothing was written: the statement was refused, not interrupted."""
+    if getattr(exc, "sqlstate", None) in _READ_ONLY_SQLSTATES:
+        return True
+    code = exc.args[0] if exc.args else None
+    return isinstance(code, int) and code in _READ_ONLY_ERRNOS
 
 
 def _undecodable(exc: BaseException) -> bool:

@@ -332,6 +332,8 @@ class Listener:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
+        # Set once the thread's first connection attempt is over (either way).
+        self._tried = threading.Event()
         # monotonic time since which the current LISTEN has been active
         self._listening_since = float("inf")
         self._stopping = False
@@ -347,8 +349,10 @@ class Listener:
         been released since ``since`` (a ``time.monotonic()`` reading)."""
         event = threading.Event()
         self._add(key, event)
-        # The first waiter of a process waits for the LISTEN to be active.
-        self._ready.wait(5.0)
+        # The first waiter of a process waits for the LISTEN to be active;
+        # not while it reconnects (a failover): that wait could outlast the
+        # key's holder, and the waiter polls meanwhile anyway (see sleep()).
+        self._tried.wait(5.0)
         self._check_missed(key, since, event)
         return event
 
@@ -369,6 +373,7 @@ class Listener:
                 self._thread = threading.Thread(
                     target=self._run, name="dblock-listener", daemon=True
                 )
+                self._tried.clear()
                 self._thread.start()
 
     def _check_missed(self, key: str, since: float, event: Settable) -> None:
@@ -416,12 +421,14 @@ class Listener:
                 with self._lock:
                     self._listening_since = time.monotonic()
                 self._ready.set()
+                self._tried.set()
                 self._wake_all()  # anything released while we were not listening
                 self._serve(conn)
                 return
             except Exception as exc:
                 if not self._stopping:
                     log.warning("dblock: LISTEN connection failed (%s); retrying", exc)
+                self._tried.set()
             finally:
                 if conn is not None:
                     with contextlib.suppress(Exception):  # already broken
@@ -434,7 +441,10 @@ class Listener:
                     return
             self._wake_all()  # waiters fall back to polling while we reconnect
             time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            # At most half a second between tries: a failover's end is not
+            # announced, and until we listen again, waiters poll (measured on
+            # Patroni with a 2 s cap: LISTEN back 1.8 s after writes were).
+            delay = min(delay * 2, 0.5)
 
     def _connect(self) -> Any:
         if self._make_room is not None:
