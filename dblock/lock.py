@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
 from ._store.base import Lease, never_sent
+from ._store.batch import Batcher, batches
 from ._store.fair import Seat
 from ._store.fair import statements as fair_statements
 from .config import Config, OnLost, check_ttl
@@ -404,6 +405,11 @@ class Locker:
             renew=config.renew, max_hold=config.max_hold, on_lost=config.on_lost
         )
         self.renewer = Renewer(store, idle_tick=config.ttl * RENEW_AT, abandon=self._abandon)
+        #: What sends the row statements of this process's threads: the
+        #: batcher (group commit, dblock._store.batch) where the dialect can
+        #: answer many requests in one statement, else the store itself.
+        self.batcher: Batcher | None = Batcher(store) if config.batch and batches(store) else None
+        self._rows: Batcher | Store = self.batcher or store
         self._closing = False
         #: The ``kind`` of the rows this locker writes; a holder row of another
         #: kind means the key is used as another kind of lock.
@@ -426,6 +432,8 @@ class Locker:
     def after_fork(self) -> None:
         self.registry.clear()
         self.renewer.after_fork()
+        if self.batcher is not None:
+            self.batcher.after_fork()
         self._set_client_id()
 
     def close(self, timeout: float) -> None:
@@ -608,6 +616,7 @@ class Locker:
     def run(self, steps: Op[T]) -> T:  # noqa: PLR0912 - one branch per op
         """Carry out ``steps`` on this thread, blocking."""
         store = self.store
+        rows = self._rows
         wait: Wait | None = None
         waiting_for: tuple[Any, ...] = ()
         try:
@@ -618,9 +627,9 @@ class Locker:
                     if tag is _TRY:
                         if wait is not None:
                             wait.prepare()
-                        answer: object = store.try_acquire(op[1], op[2], op[3], op[4])
+                        answer: object = rows.try_acquire(op[1], op[2], op[3], op[4])
                     elif tag is _RELEASE:
-                        answer = store.release(op[1], op[2])
+                        answer = rows.release(op[1], op[2])
                     elif tag is _TRANSFER:
                         answer = store.transfer(op[1], op[2], op[3], op[4], op[5], extra=op[6])
                     elif tag is _STEPS:

@@ -119,6 +119,46 @@ class PostgresStore(Store):
             f"WHERE t.lock_key = v.lock_key AND t.token = v.token "
             f"RETURNING t.token, t.expires_at, now()"
         )
+        # Group commit (dblock._store.batch): the same decisions for many keys
+        # in one statement. The advisory locks are taken in the order of
+        # their numbers and the rows are written in the order of their keys
+        # (the caller sorts them), so two batches sharing keys wait for each
+        # other instead of deadlocking; a deadlock PostgreSQL still detects
+        # (a row locked by a statement that is no batch) fails the batch
+        # cleanly, and its requests go out again one by one.
+        self._acquire_many_sql = (
+            f"WITH v AS MATERIALIZED (SELECT * FROM unnest(%(keys)s::text[], "
+            f"%(owners)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) WITH ORDINALITY "
+            f"AS v(lock_key, owner, token, ttl, n)), "
+            f"lk AS MATERIALIZED (SELECT pg_advisory_xact_lock({_lock_class(self.names.table)}, h) "
+            f"FROM (SELECT DISTINCT hashtext(lock_key) AS h FROM v ORDER BY h OFFSET 0) s), "
+            f"ins AS ("
+            f"INSERT INTO {t} AS t (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
+            f"SELECT s.lock_key, '', s.owner, s.token, nextval('{seq}'), now(), "
+            f"now() + make_interval(secs => s.ttl) "
+            f"FROM (SELECT * FROM v ORDER BY n OFFSET 0) s "
+            f"WHERE (SELECT count(*) FROM lk) >= 0 AND NOT EXISTS (SELECT FROM {t} "
+            f"WHERE lock_key = s.lock_key AND kind <> 'exclusive' OFFSET 0) "
+            f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
+            f"token = excluded.token, fence = excluded.fence, "
+            f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
+            f"WHERE t.expires_at <= now() AND t.kind = 'exclusive' "
+            f"RETURNING t.lock_key, t.token, t.owner, t.fence, t.expires_at, t.kind) "
+            f"SELECT lock_key, token, owner, fence, expires_at, now(), kind FROM ins "
+            f"UNION ALL "
+            f"(SELECT DISTINCT ON (t.lock_key) t.lock_key, t.token, t.owner, t.fence, "
+            f"t.expires_at, now(), t.kind FROM {t} AS t JOIN v ON t.lock_key = v.lock_key "
+            f"WHERE NOT EXISTS (SELECT FROM ins WHERE ins.lock_key = v.lock_key) "
+            f"ORDER BY t.lock_key, t.kind = 'exclusive', t.slot)"
+        )
+        self._release_many_sql = (
+            f"WITH gone AS (DELETE FROM {t} AS t USING (SELECT * FROM unnest("
+            f"%(keys)s::text[], %(tokens)s::text[]) WITH ORDINALITY AS v(lock_key, token, n) "
+            f"ORDER BY n OFFSET 0) AS v "
+            f"WHERE t.lock_key = v.lock_key AND t.slot = '' AND t.token = v.token "
+            f"RETURNING t.lock_key, t.token) "
+            f"SELECT token, pg_notify(%(channel)s, lock_key) FROM gone"
+        )
         self._channel = self.names.channel
         # What runs a statement: the executor itself unless retry() says
         # more than Store's (raise), saving a call per statement.
@@ -146,6 +186,39 @@ class PostgresStore(Store):
     def release(self, key: str, token: str) -> bool:
         params = {"key": key, "token": token, "channel": self._channel}
         return bool(self._run_once(self._release_sql, params, True).rows)
+
+    def acquire_many_steps(
+        self, requests: Sequence[tuple[str, str, str, float]]
+    ) -> Steps[list[Grant | Holder]]:
+        # Sorted by key, so that every batch writes its rows in one order.
+        order = sorted(range(len(requests)), key=lambda i: requests[i][0])
+        keys, tokens, owners, ttls = [], [], [], []
+        for i in order:
+            key, token, owner, ttl = requests[i]
+            keys.append(key)
+            tokens.append(token)
+            owners.append(owner)
+            ttls.append(ttl)
+        params = {"keys": keys, "owners": owners, "tokens": tokens, "ttls": ttls}
+        rows = (yield self._acquire_many_sql, params, True, False).rows
+        by_key: dict[str, tuple[Any, ...]] = {}
+        for row in rows:
+            by_key.setdefault(row[0], row[1:])
+        return [
+            _acquired([by_key[key]] if key in by_key else [], token)
+            for key, token, _, _ in requests
+        ]
+
+    def release_many_steps(self, requests: Sequence[tuple[str, str]]) -> Steps[list[bool]]:
+        ordered = sorted(requests)
+        params = {
+            "keys": [key for key, _ in ordered],
+            "tokens": [token for _, token in ordered],
+            "channel": self._channel,
+        }
+        rows = (yield self._release_many_sql, params, True, False).rows
+        gone = {row[0] for row in rows}
+        return [token in gone for _, token in requests]
 
     def transfer_steps(
         self, key: str, token: str, new_token: str, owner: str, ttl: float, *, extra: int = 0

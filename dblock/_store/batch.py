@@ -1,0 +1,305 @@
+"""Group commit: the level-2 statements of one process's threads, sent together.
+
+Many threads of one process each locking its own key send one short statement
+and one commit apiece; the database's commits (and, on PostgreSQL, its
+sequence and notification queue) then bound the grants per second, well
+below what a few multi-row statements would carry. The :class:`Batcher` sits
+between the lock (:class:`dblock.lock.Locker`) and the store and sends the
+requests that meet at the same moment as one statement:
+
+* **Leader and followers, no timer.** A request that finds no statement of
+  its kind in flight is sent at once, alone, by the statement a lone request
+  always used (one round trip, nothing added). Requests that arrive while a
+  statement is in flight queue; when it returns, the oldest of them is woken
+  to lead and sends the whole queue as one multi-row statement. So batches
+  grow only when the database is the bottleneck, and a lone request pays
+  nothing.
+* **A lane per kind of statement** (acquires, releases): they never share a
+  statement, so a key released and taken again in one batch cannot meet
+  itself in one statement. At most two statements per process are in
+  flight, so one or two pooled connections carry its level-2 traffic.
+* **One key once per statement.** A key asked for twice (only possible
+  without level 1, ``local_filter=False``) waits for the next batch.
+* **Per-request outcomes.** The store's ``*_many_steps`` answers each
+  request of the batch on its own (one key held elsewhere fails only that
+  key). A batch that fails cleanly (an error answer: nothing was committed)
+  is sent again as single statements, one per request, so each request
+  sees its own answer (one bad key fails only itself). A batch whose
+  outcome is unknown (connection lost in flight, or the leader interrupted
+  with the statement sent) gives every request :class:`Interrupted`, which
+  each resolves as an ambiguous single statement is resolved today (an
+  acquire asks again with its token; a release leaves an orphan to delete).
+* **Interruption.** A request interrupted (a signal handler's exception)
+  while still queued is withdrawn and was never sent (``never_sent``); one
+  interrupted once its batch was sent raises as an interrupted single
+  statement does, and the lock deletes its row, if granted, as an orphan.
+  A leader interrupted before sending passes the lead on.
+
+The decisions (who leads, what a batch holds, what each request is told)
+live in :class:`Lane`, written once; :class:`Batcher` waits with thread
+locks, and the asyncio side (``dblock._store.aio``) can wait with futures.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Generic, TypeVar
+
+from .base import Grant, Holder, Interrupted, Store, _mark_unsent, never_sent
+
+__all__ = ["MAX_BATCH", "Batcher", "Lane", "Request"]
+
+# Requests per statement: well under every driver's parameter limit, and a
+# batch this size already costs the database more than its round trip.
+MAX_BATCH: Final = 256
+
+# A request's states.
+QUEUED: Final = 0  # in its lane's queue: nothing sent, can be withdrawn
+LEAD: Final = 1  # woken to send its batch (``batch``), which is not sent yet
+SENT: Final = 2  # in a batch being sent: its outcome comes with the batch's
+DONE: Final = 3  # ``outcome`` or ``error`` is set
+
+A = TypeVar("A", bound=tuple[Any, ...])
+R = TypeVar("R")
+
+
+class _Alone:
+    """Marks a request to be sent again on its own (its batch failed cleanly)."""
+
+
+ALONE: Final = _Alone()
+
+
+class Request(Generic[A, R]):
+    """One request waiting in a lane; ``wake`` is the face's way to wake it."""
+
+    __slots__ = ("args", "batch", "error", "key", "outcome", "state", "wake")
+
+    def __init__(self, key: str, args: A, wake: Any) -> None:
+        self.key = key
+        self.args = args
+        self.state = QUEUED
+        self.batch: list[Request[A, R]] | None = None
+        self.outcome: R | _Alone | None = None
+        self.error: BaseException | None = None
+        self.wake = wake
+
+
+class Lane(Generic[A, R]):
+    """One kind of statement (acquire, release): whether one is in flight,
+    and the requests queued behind it. Every method runs under the owner's
+    mutex; none of them waits or sends anything."""
+
+    __slots__ = ("busy", "queue")
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.queue: list[Request[A, R]] = []
+
+    def enter(self) -> bool:
+        """True: nothing in flight, the caller sends its request alone at once."""
+        if self.busy:
+            return False
+        self.busy = True
+        return True
+
+    def next_leader(self) -> Request[A, R] | None:
+        """The statement in flight returned: the request to lead the next
+        batch (its ``batch`` set, to be woken by the caller), or None and the
+        lane is idle."""
+        queue = self.queue
+        if not queue:
+            self.busy = False
+            return None
+        batch: list[Request[A, R]] = []
+        rest: list[Request[A, R]] = []
+        seen: set[str] = set()
+        for request in queue:
+            if request.key in seen or len(batch) >= MAX_BATCH:
+                rest.append(request)
+            else:
+                seen.add(request.key)
+                batch.append(request)
+                request.state = SENT
+        self.queue = rest
+        leader = batch[0]
+        leader.state = LEAD
+        leader.batch = batch
+        return leader
+
+    def withdraw(self, request: Request[A, R]) -> bool:
+        """Take back a request that was never sent: True if it was still queued."""
+        if request.state == QUEUED:
+            self.queue.remove(request)
+            request.state = DONE
+            return True
+        return False
+
+    def pass_lead(self, request: Request[A, R]) -> Request[A, R] | None:
+        """A leader interrupted before sending: the next member of its batch
+        leads it instead (returned, to be woken), or, if it was alone, the
+        lane moves on to the next batch."""
+        assert request.batch is not None
+        batch = [r for r in request.batch if r is not request]
+        request.batch = None
+        request.state = DONE
+        if not batch:
+            return self.next_leader()
+        leader = batch[0]
+        leader.state = LEAD
+        leader.batch = batch
+        return leader
+
+
+def settle(
+    batch: Sequence[Request[A, R]], outcomes: Sequence[R] | None, exc: BaseException | None
+) -> None:
+    """Give each request of a batch its outcome: ``outcomes`` (in order), or
+    what the batch's failure ``exc`` means for it."""
+    if outcomes is not None:
+        for request, outcome in zip(batch, outcomes, strict=True):
+            request.outcome = outcome
+            request.state = DONE
+        return
+    assert exc is not None
+    # An error answer (or one raised before the statement left, such as a
+    # parameter the driver cannot encode) committed nothing: each request
+    # goes again alone and gets its own answer. A lost connection, or an
+    # interruption once the statement may have left, leaves the outcome
+    # unknown: each request settles it as a lone statement in doubt does.
+    in_doubt = isinstance(exc, Interrupted) or not (isinstance(exc, Exception) or never_sent(exc))
+    for request in batch:
+        if in_doubt:
+            request.error = Interrupted(
+                f"a grouped statement's outcome is unknown: {type(exc).__name__}: {exc}"
+            )
+        else:
+            request.outcome = ALONE
+        request.state = DONE
+
+
+class Batcher:
+    """Group commit for one store, on blocking connections (see the module)."""
+
+    __slots__ = ("_acquires", "_mutex", "_releases", "_store")
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._mutex = threading.Lock()
+        self._acquires: Lane[tuple[str, str, str, float], Grant | Holder] = Lane()
+        self._releases: Lane[tuple[str, str], bool] = Lane()
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    def after_fork(self) -> None:
+        """In a forked child: no statement of the parent's is in flight here."""
+        self._mutex = threading.Lock()
+        self._acquires = Lane()
+        self._releases = Lane()
+
+    # The store's own signatures: the lock calls these instead of the store's.
+
+    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+        store = self._store
+        return self._submit(
+            self._acquires,
+            key,
+            (key, token, owner, ttl),
+            store.try_acquire,
+            lambda many: store.drive(store.acquire_many_steps(many)),
+        )
+
+    def release(self, key: str, token: str) -> bool:
+        store = self._store
+        return self._submit(
+            self._releases,
+            key,
+            (key, token),
+            store.release,
+            lambda many: store.drive(store.release_many_steps(many)),
+        )
+
+    def _submit(
+        self,
+        lane: Lane[A, R],
+        key: str,
+        args: A,
+        single: Callable[..., R],
+        many: Callable[[list[A]], list[R]],
+    ) -> R:
+        mutex = self._mutex
+        with mutex:
+            if lane.enter():
+                request = None
+            else:
+                wake = threading.Lock()
+                wake.acquire()
+                request = Request[A, R](key, args, wake)
+                lane.queue.append(request)
+        if request is None:
+            try:
+                return single(*args)
+            finally:
+                self._next(lane)
+        try:
+            request.wake.acquire()  # released when we lead, or when our outcome is in
+        except BaseException as exc:
+            with mutex:
+                if lane.withdraw(request):
+                    _mark_unsent(exc)
+                    raise
+                leader = lane.pass_lead(request) if request.state == LEAD else None
+                if leader is not None:
+                    _mark_unsent(exc)  # we never sent it: the next member does
+            if leader is not None:
+                leader.wake.release()
+            raise  # sent with a batch: the lock treats it as an interrupted statement
+        if request.state == LEAD:
+            self._lead(lane, request, single, many)
+        if request.error is not None:
+            raise request.error
+        if request.outcome is ALONE:
+            return single(*args)
+        return request.outcome  # type: ignore[return-value]
+
+    def _lead(
+        self,
+        lane: Lane[A, R],
+        leader: Request[A, R],
+        single: Callable[..., R],
+        many: Callable[[list[A]], list[R]],
+    ) -> None:
+        batch = leader.batch
+        assert batch is not None
+        leader.batch = None
+        try:
+            alone = len(batch) == 1
+            outcomes = [single(*leader.args)] if alone else many([r.args for r in batch])
+        except BaseException as exc:
+            if len(batch) == 1:
+                leader.state = DONE
+                raise  # a lone statement: its error is its own, as without batching
+            settle(batch, None, exc)
+            if not isinstance(exc, Exception):
+                raise  # the leader's own interruption (the others were told above)
+        else:
+            settle(batch, outcomes, None)
+        finally:
+            for request in batch:
+                if request is not leader:
+                    request.wake.release()
+            self._next(lane)
+
+    def _next(self, lane: Lane[A, R]) -> None:
+        with self._mutex:
+            leader = lane.next_leader()
+        if leader is not None:
+            leader.wake.release()
+
+
+def batches(store: Store) -> bool:
+    """Whether ``store``'s dialect can answer many requests in one statement."""
+    return type(store).acquire_many_steps is not Store.acquire_many_steps
