@@ -426,6 +426,9 @@ class Locker:
         # The weak-reference callback of every held lock, bound once (not per lock).
         self._collect = self._collected
 
+    def _post_noop(self) -> None:
+        self.renewer.post(_noop)  # the renewal thread cleans orphans on its pass
+
     def _set_client_id(self) -> None:
         self._client_id = self.config.client_id or f"{socket.gethostname()}:{os.getpid()}"
 

@@ -74,7 +74,7 @@ ALONE: Final = _Alone()
 class Request(Generic[A, R]):
     """One request waiting in a lane; ``wake`` is the face's way to wake it."""
 
-    __slots__ = ("args", "batch", "error", "key", "outcome", "state", "wake")
+    __slots__ = ("abandoned", "args", "batch", "error", "key", "outcome", "state", "wake")
 
     def __init__(self, key: str, args: A, wake: Any) -> None:
         self.key = key
@@ -84,6 +84,8 @@ class Request(Generic[A, R]):
         self.outcome: R | _Alone | None = None
         self.error: BaseException | None = None
         self.wake = wake
+        # Interrupted while its batch was in flight: nobody takes its outcome.
+        self.abandoned = False
 
 
 class Lane(Generic[A, R]):
@@ -182,10 +184,12 @@ def settle(
 class Batcher:
     """Group commit for one store, on blocking connections (see the module)."""
 
-    __slots__ = ("_acquires", "_mutex", "_releases", "_store")
+    __slots__ = ("_acquires", "_mutex", "_releases", "_store", "_wake_cleaner")
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, wake_cleaner: Callable[[], None] = lambda: None) -> None:
         self._store = store
+        # Asks for the orphans to be deleted soon (the renewal thread's pass).
+        self._wake_cleaner = wake_cleaner
         self._mutex = threading.Lock()
         self._acquires: Lane[tuple[str, str, str, float], Grant | Holder] = Lane()
         self._releases: Lane[tuple[str, str], bool] = Lane()
@@ -254,6 +258,7 @@ class Batcher:
                 leader = lane.pass_lead(request) if request.state == LEAD else None
                 if leader is not None:
                     _mark_unsent(exc)  # we never sent it: the next member does
+                request.abandoned = True
             if leader is not None:
                 leader.wake.release()
             raise  # sent with a batch: the lock treats it as an interrupted statement
@@ -292,6 +297,20 @@ class Batcher:
                 if request is not leader:
                     request.wake.release()
             self._next(lane)
+            self._bury(batch)
+
+    def _bury(self, batch: Sequence[Request[A, R]]) -> None:
+        """A grant whose requester was interrupted while its batch was in
+        flight: the lock registered the row as an orphan when it raised, but
+        the orphan's DELETE may have run before the batch committed and found
+        nothing. Register it again now that the row exists."""
+        buried = False
+        for request in batch:
+            if request.abandoned and isinstance(request.outcome, Grant):
+                self._store.add_orphan(request.args[0], request.args[1])
+                buried = True
+        if buried:
+            self._wake_cleaner()
 
     def _next(self, lane: Lane[A, R]) -> None:
         with self._mutex:

@@ -1,0 +1,410 @@
+"""Group commit (dblock._store.batch): requests that meet go out as one statement.
+
+Each test makes a batch on purpose: a lone acquire of a ``gate`` key is held
+up by a transaction of the test's own that locks the gate's (expired) row,
+the requests under test queue behind it in the batcher, and when the test
+commits, the gate's statement returns and the queue goes out as one
+multi-row statement. Then every failure mode of a batch is checked per
+request: its own answer, fences, a connection cut, an interruption.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dblock import LockBusy, LockManager
+from dblock._store.base import Store
+from dblock.errors import BackendError
+from tests.conftest import row_of
+from tests.support.counting import StatementCounter
+from tests.support.proxy import Proxy
+
+pytestmark = pytest.mark.databases("postgresql")
+
+
+def wait_until(check: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+class Gate:
+    """An expired row of ``key`` locked by an open transaction of ours: an
+    acquire of ``key`` (a takeover) waits until :meth:`open` (any thread)."""
+
+    def __init__(self, db_url: str, manager: LockManager, key: str) -> None:
+        table = manager.store.table
+        self.engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+        with self.engine.begin() as conn:
+            conn.execute(sa.delete(table).where(table.c.lock_key == key))
+            conn.execute(
+                table.insert().values(
+                    lock_key=key,
+                    owner="gate",
+                    token="gate",
+                    fence=-1,
+                    acquired_at=sa.func.now() - sa.text("interval '1 hour'"),
+                    expires_at=sa.func.now() - sa.text("interval '1 hour'"),
+                )
+            )
+        self.conn = self.engine.connect()
+        self.conn.execute(sa.select(table.c.token).where(table.c.lock_key == key).with_for_update())
+        self._open = False
+
+    def blocking(self) -> int:
+        """How many statements wait on our row lock."""
+        sql = (
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))"
+        )
+        # Activity is a snapshot per transaction, and ours stays open.
+        self.conn.execute(sa.text("SELECT pg_stat_clear_snapshot()"))
+        return int(self.conn.execute(sa.text(sql)).scalar_one())
+
+    def open(self) -> None:
+        if not self._open:
+            self._open = True
+            self.conn.rollback()
+            self.conn.close()
+            self.engine.dispose()
+
+
+@contextlib.contextmanager
+def gate_row(db_url: str, manager: LockManager, key: str) -> Iterator[Gate]:
+    gate = Gate(db_url, manager, key)
+    try:
+        yield gate
+    finally:
+        gate.open()
+
+
+class Runner:
+    """Runs calls on threads and keeps what each returned or raised. Each
+    thread stays alive (its locks held, not collected as its owner's) until
+    :meth:`finish`."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, Any] = {}
+        self.threads: list[threading.Thread] = []
+        self._done = threading.Event()
+
+    def start(self, name: str, call: Callable[[], Any]) -> None:
+        def run() -> None:
+            try:
+                self.results[name] = call()
+            except BaseException as exc:
+                self.results[name] = exc
+            self._done.wait(5)
+
+        t = threading.Thread(target=run, name=name, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self) -> None:
+        """Until every call has returned or raised."""
+        names = [t.name for t in self.threads]
+        wait_until(lambda: all(n in self.results for n in names), "the calls", 30)
+
+    def finish(self) -> None:
+        for result in self.results.values():
+            if hasattr(result, "release") and not result.released:
+                result.release(force=True)
+        self._done.set()
+        for t in self.threads:
+            t.join(30)
+            assert not t.is_alive()
+
+
+def batched(
+    db_url: str, manager: LockManager, gate: str, calls: dict[str, Callable[[], Any]]
+) -> tuple[Runner, StatementCounter]:
+    """Run ``calls`` so that they queue behind a lone acquire of ``gate`` and
+    go out together; returns their results and the statements sent after the gate."""
+    batcher = manager._locker.batcher
+    assert batcher is not None
+    lane = batcher._acquires
+    runner = Runner()
+    counter = StatementCounter(manager.engine)
+    with gate_row(db_url, manager, gate) as row:
+        runner.start("gate", lambda: manager.acquire(gate, blocking=False))
+        wait_until(row.blocking, "the gate's statement waiting")
+        for name, call in calls.items():
+            runner.start(name, call)
+        wait_until(
+            lambda: len(lane.queue) + len(batcher._releases.queue) >= len(calls), "the queue"
+        )
+        counter.__enter__()
+    runner.join()
+    counter.__exit__(None, None, None)
+    return runner, counter
+
+
+@pytest.fixture
+def batching(make_manager: Callable[..., LockManager]) -> LockManager:
+    # Every statement through SQLAlchemy, so StatementCounter sees them.
+    m = make_manager()
+    sa.event.listen(m.engine, "before_cursor_execute", lambda *a: None)
+    return m
+
+
+def test_lone_request_is_one_statement_sent_at_once(batching: LockManager, key: str) -> None:
+    with StatementCounter(batching.engine) as c, batching.lock(key, blocking=False):
+        pass
+    assert c.count == 2
+    assert all("unnest" not in s for s in c.statements)  # the single statements
+
+
+def test_one_batch_answers_each_key_on_its_own(
+    db_url: str, batching: LockManager, make_manager: Callable[..., LockManager], key: str
+) -> None:
+    """A batch where one key is held by another process, one key's row has
+    expired (taken over), and the rest are free: each gets its own answer,
+    from one statement."""
+    other = make_manager()
+    held_elsewhere = other.acquire(f"{key}:held")
+    expired = make_manager(renew=False)
+    old = expired.acquire(f"{key}:expired", ttl=0.05)
+    time.sleep(0.1)
+    keys = [f"{key}:held", f"{key}:expired", *(f"{key}:free{i}" for i in range(4))]
+    calls = {k: (lambda k=k: batching.acquire(k, blocking=False)) for k in keys}
+    runner, counter = batched(db_url, batching, f"{key}:gate", calls)
+    assert isinstance(runner.results[f"{key}:held"], LockBusy)
+    taken = runner.results[f"{key}:expired"]
+    assert taken.fence > old.fence
+    for i in range(4):
+        got = runner.results[f"{key}:free{i}"]
+        assert row_of(batching, got.key).token == got.token  # type: ignore[union-attr]
+    assert counter.count == 1, counter.statements
+    assert "unnest" in counter.statements[0]
+    runner.finish()
+    held_elsewhere.release()
+
+
+def test_the_same_key_twice_waits_for_the_next_batch(
+    db_url: str, make_manager: Callable[..., LockManager], key: str
+) -> None:
+    """Without level 1 two threads of a process may ask for one key at once:
+    never in one statement (the second waits for the next), one of them wins."""
+    m = make_manager(local_filter=False)
+    sa.event.listen(m.engine, "before_cursor_execute", lambda *a: None)
+    calls = {
+        "a": lambda: m.acquire(f"{key}:same", blocking=False),
+        "b": lambda: m.acquire(f"{key}:same", blocking=False),
+        "c": lambda: m.acquire(f"{key}:other", blocking=False),
+    }
+    runner, counter = batched(db_url, m, f"{key}:gate", calls)
+    outcomes = [runner.results["a"], runner.results["b"]]
+    assert sum(isinstance(o, LockBusy) for o in outcomes) == 1, outcomes
+    assert counter.count == 2, counter.statements  # the batch, then the repeated key alone
+    assert not isinstance(runner.results["c"], BaseException)
+    runner.finish()
+
+
+def test_releases_go_out_together(
+    batching: LockManager, make_manager: Callable[..., LockManager], key: str
+) -> None:
+    """Releases queued behind one in flight go out as one statement; one
+    lock lost meanwhile (its row taken by another process) is told so, and
+    only it."""
+    held = [batching.acquire(f"{key}:{i}") for i in range(5)]
+    lost = held[4]
+    with batching.engine.begin() as conn:
+        t = batching.store.table
+        conn.execute(sa.delete(t).where(t.c.lock_key == lost.key))
+    thief = make_manager().acquire(lost.key)
+    batcher = batching._locker.batcher
+    assert batcher is not None
+    lane = batcher._releases
+    runner = Runner()
+    with batcher._mutex:
+        lane.busy = True  # as if a release were in flight
+    try:
+        for h in held:
+            runner.start(h.key, lambda h=h: h.release(force=True))
+        wait_until(lambda: len(lane.queue) == 5, "the releases queued")
+    finally:
+        with StatementCounter(batching.engine) as c:
+            batcher._next(lane)  # the release in flight returned
+            runner.join()
+    assert c.count == 1, c.statements
+    for h in held[:4]:
+        assert runner.results[h.key] is True
+        assert row_of(batching, h.key) is None
+    assert type(runner.results[lost.key]).__name__ == "LockLost"
+    assert row_of(batching, lost.key).token == thief.token  # type: ignore[union-attr]
+    assert not lane.busy
+    runner.finish()
+    thief.release()
+
+
+def test_fences_grow_per_key_across_concurrent_batches(
+    make_manager: Callable[..., LockManager], key: str
+) -> None:
+    """Two processes (managers), 12 threads each, batching over one set of 6
+    keys: every key's fences strictly grow, and no two holders overlap."""
+    managers = [make_manager(), make_manager()]
+    keys = [f"{key}:{i}" for i in range(6)]
+    fences: dict[str, list[int]] = {k: [] for k in keys}
+    inside: dict[str, int] = dict.fromkeys(keys, 0)
+    overlaps = []
+    counters = [StatementCounter(m.engine).__enter__() for m in managers]
+    stop = time.monotonic() + 3.0
+    errors: list[BaseException] = []
+
+    def hammer(m: LockManager, n: int) -> None:
+        i = n
+        try:
+            while time.monotonic() < stop:
+                k = keys[i % len(keys)]
+                i += 1
+                try:
+                    with m.lock(k, blocking=False) as held:
+                        inside[k] += 1
+                        if inside[k] != 1:
+                            overlaps.append(k)
+                        fences[k].append(held.fence)
+                        time.sleep(0.0002)
+                        inside[k] -= 1
+                except LockBusy:
+                    pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(m, n)) for m in managers for n in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert not overlaps
+    for k, seen in fences.items():
+        assert seen, k
+        assert all(a < b for a, b in itertools.pairwise(seen)), (k, seen)
+    batches = sum(s.count("unnest") for c in counters for s in c.statements)
+    assert batches > 0  # there were batches
+
+
+@pytest.fixture
+def proxied(db_url: str) -> Iterator[tuple[LockManager, Proxy]]:
+    url = sa.make_url(db_url)
+    p = Proxy(url.host or "127.0.0.1", url.port or 5432)
+    m = LockManager(p.url_for(db_url))
+    sa.event.listen(m.engine, "before_cursor_execute", lambda *a: None)
+    yield m, p
+    m.close()
+    p.close()
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_connection_cut_mid_batch_settles_each_token(
+    db_url: str, proxied: tuple[LockManager, Proxy], key: str, when: str
+) -> None:
+    """The batch's connection breaks with its statement in flight (committed
+    or not): every request settles its own outcome by its token, as a lone
+    acquire in doubt does, and none is left as an orphan."""
+    m, proxy = proxied
+    keys = [f"{key}:{i}" for i in range(4)]
+    cut = proxy.cut_after if when == "after" else proxy.cut_before
+    fired = cut(keys[-1].encode())
+    calls = {k: (lambda k=k: m.acquire(k, blocking=False)) for k in keys}
+    runner, _ = batched(db_url, m, f"{key}:gate", calls)
+    assert fired.is_set()
+    for k in keys:
+        held = runner.results[k]
+        assert not isinstance(held, BaseException), held
+        row = row_of(m, k)
+        assert row is not None
+        assert (row.token, row.fence) == (held.token, held.fence)
+        assert held.release(force=True) is True
+    runner.finish()
+    assert not m.store.has_orphans
+
+
+def test_a_batch_that_fails_cleanly_goes_again_one_by_one(
+    db_url: str,
+    batching: LockManager,
+    key: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error answer (nothing committed) to a batch: each request is sent
+    again alone and gets its own answer."""
+
+    def refuse(self: Store, requests: object) -> Any:
+        raise BackendError("statement failed: simulated")
+        yield  # a generator, as the real one
+
+    monkeypatch.setattr(type(batching.store), "acquire_many_steps", refuse)
+    keys = [f"{key}:{i}" for i in range(3)]
+    calls = {k: (lambda k=k: batching.acquire(k, blocking=False)) for k in keys}
+    runner, counter = batched(db_url, batching, f"{key}:gate", calls)
+    for k in keys:
+        assert runner.results[k].key == k
+    runner.finish()
+    assert counter.count == 3, counter.statements  # one each (the batch never reached the engine)
+
+
+class Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("sent", [False, True])
+def test_an_interrupted_request_is_as_if_never_made(
+    db_url: str, batching: LockManager, key: str, sent: bool
+) -> None:
+    """A signal handler's exception in a thread waiting for its batch: its
+    request is withdrawn (still queued: nothing sent) or, once its batch was
+    sent, its row is deleted as an orphan as soon as the batch commits; the
+    other requests of the batch go on and are granted."""
+    batcher = batching._locker.batcher
+    assert batcher is not None
+    lane = batcher._acquires
+    mine = f"{key}:mine"
+    others = [f"{key}:block", *(f"{key}:{i}" for i in range(3))]
+    runner = Runner()
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise Interrupt
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        with (
+            gate_row(db_url, batching, f"{key}:gate") as gate,
+            gate_row(db_url, batching, f"{key}:block") as block,
+        ):
+            runner.start("gate", lambda: batching.acquire(f"{key}:gate", blocking=False))
+            wait_until(lambda: lane.busy, "the gate's statement in flight")
+            for k in others:
+                runner.start(k, lambda k=k: batching.acquire(k, blocking=False))
+                wait_until(lambda k=k: any(r.key == k for r in lane.queue), "queued")
+            if sent:
+                # The gate's statement returns while we wait: our batch (the
+                # others and us) is sent and waits on the block's row lock.
+                threading.Timer(0.1, gate.open).start()
+            signal.setitimer(signal.ITIMER_REAL, 0.4)
+            with pytest.raises(Interrupt):
+                batching.acquire(mine, blocking=False)
+            assert batching.store.has_orphans is sent
+            gate.open()
+            block.open()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    runner.join()
+    for k in others:
+        assert runner.results[k].key == k
+    runner.finish()
+    assert batching._locker.registry.get(mine) is None  # level 1 as if never asked
+    wait_until(lambda: not batching.store.has_orphans, "the orphans cleaned")
+    assert row_of(batching, mine) is None
+    assert not lane.busy
