@@ -54,6 +54,12 @@ __all__ = ["MAX_BATCH", "Batcher", "Lane", "Request"]
 # batch this size already costs the database more than its round trip.
 MAX_BATCH: Final = 256
 
+# Statements of one lane in flight at once: one is sent alone at once, then
+# requests queue. A second lets the server's own group commit overlap two
+# batches, which pays when batches are small (a few threads) and commits
+# wait for the disk.
+DEPTH: Final = 2
+
 # A request's states.
 QUEUED: Final = 0  # in its lane's queue: nothing sent, can be withdrawn
 LEAD: Final = 1  # woken to send its batch (``batch``), which is not sent yet
@@ -93,17 +99,24 @@ class Lane(Generic[A, R]):
     and the requests queued behind it. Every method runs under the owner's
     mutex; none of them waits or sends anything."""
 
-    __slots__ = ("busy", "queue")
+    __slots__ = ("depth", "in_flight", "queue")
 
-    def __init__(self) -> None:
-        self.busy = False
+    def __init__(self, depth: int = 1) -> None:
+        #: Statements of this lane in flight at once, at most.
+        self.depth = depth
+        self.in_flight = 0
         self.queue: list[Request[A, R]] = []
 
+    @property
+    def busy(self) -> bool:
+        """No room for another statement: a request now queues."""
+        return self.in_flight >= self.depth
+
     def enter(self) -> bool:
-        """True: nothing in flight, the caller sends its request alone at once."""
-        if self.busy:
+        """True: room for a statement, the caller sends its request alone at once."""
+        if self.in_flight >= self.depth:
             return False
-        self.busy = True
+        self.in_flight += 1
         return True
 
     def next_leader(self) -> Request[A, R] | None:
@@ -112,7 +125,7 @@ class Lane(Generic[A, R]):
         lane is idle."""
         queue = self.queue
         if not queue:
-            self.busy = False
+            self.in_flight -= 1
             return None
         batch: list[Request[A, R]] = []
         rest: list[Request[A, R]] = []
@@ -191,8 +204,8 @@ class Batcher:
         # Asks for the orphans to be deleted soon (the renewal thread's pass).
         self._wake_cleaner = wake_cleaner
         self._mutex = threading.Lock()
-        self._acquires: Lane[tuple[str, str, str, float], Grant | Holder] = Lane()
-        self._releases: Lane[tuple[str, str], bool] = Lane()
+        self._acquires: Lane[tuple[str, str, str, float], Grant | Holder] = Lane(DEPTH)
+        self._releases: Lane[tuple[str, str], bool] = Lane(DEPTH)
 
     @property
     def store(self) -> Store:
@@ -201,8 +214,8 @@ class Batcher:
     def after_fork(self) -> None:
         """In a forked child: no statement of the parent's is in flight here."""
         self._mutex = threading.Lock()
-        self._acquires = Lane()
-        self._releases = Lane()
+        self._acquires = Lane(DEPTH)
+        self._releases = Lane(DEPTH)
 
     # The store's own signatures: the lock calls these instead of the store's.
 
@@ -293,10 +306,12 @@ class Batcher:
         else:
             settle(batch, outcomes, None)
         finally:
+            # The next batch first: it is on the critical path of every request
+            # queued behind it, while ours only need waking.
+            self._next(lane)
             for request in batch:
                 if request is not leader:
                     request.wake.release()
-            self._next(lane)
             self._bury(batch)
 
     def _bury(self, batch: Sequence[Request[A, R]]) -> None:
