@@ -451,3 +451,32 @@ def test_an_interrupted_request_is_as_if_never_made(
     wait_until(lambda: not batching.store.has_orphans, "the orphans cleaned")
     assert row_of(batching, mine) is None
     assert not lane.busy
+
+
+def test_many_threads_need_few_connections(batching: LockManager, keys: Any) -> None:
+    """32 threads locking keys of their own: with group commit the lock's
+    statements never need more connections at once than its two lanes have
+    room for (two each), plus the renewal thread's."""
+    batcher = batching._locker.batcher
+    assert batcher is not None
+    room = batcher._acquires.depth + batcher._releases.depth + 1
+    names = keys(32)
+    errors: list[BaseException] = []
+
+    def cycle(k: str) -> None:
+        try:
+            for _ in range(20):
+                with batching.lock(k, blocking=False):
+                    pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    with StatementCounter(batching.engine) as c:
+        threads = [threading.Thread(target=cycle, args=(k,)) for k in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors
+    assert c.max_in_flight <= room, c.max_in_flight
+    assert c.count < 32 * 20 * 2  # some requests went out together

@@ -246,11 +246,14 @@ class MySQLStore(Store):
     # alone, through the single attempt (read the holder, take over an
     # expired row, insert again). Rows are written in key order, so two
     # batches sharing keys lock them in one order. Releases: one DELETE …
-    # RETURNING. On Galera the INSERT carries the single INSERT's prefix; a
-    # lost certification (1213) rolls the whole batch back, which the batcher
-    # answers by sending each request alone, where the single rules apply;
-    # an undecodable answer is never run again (it may have committed): each
-    # request settles it by its token. MySQL (no RETURNING): one by one.
+    # RETURNING. On Galera the INSERT carries the single INSERT's prefix
+    # (no silent re-run after a lost certification); a lost certification
+    # or a deadlock (1213) rolls the whole batch back and retry() runs it
+    # again, as any victim; an undecodable answer is never run again (it may
+    # have committed: the batch is no for_galera write): each request
+    # settles it by its token, as a lone acquire in doubt does. Any other
+    # error answer sends each request again alone. MySQL (no RETURNING):
+    # one by one.
 
     def acquire_many_steps(
         self, requests: Sequence[tuple[str, str, str, float]]
