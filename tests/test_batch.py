@@ -10,6 +10,7 @@ request: its own answer, fences, a connection cut, an interruption.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import signal
@@ -480,3 +481,72 @@ def test_many_threads_need_few_connections(batching: LockManager, keys: Any) -> 
     assert not errors
     assert c.max_in_flight <= room, c.max_in_flight
     assert c.count < 32 * 20 * 2  # some requests went out together
+
+
+def test_async_tasks_batch_and_a_cancelled_request_is_as_if_never_made(
+    db_url: str, make_manager: Callable[..., LockManager], key: str
+) -> None:
+    """The asyncio face: tasks queued behind a statement in flight go out as
+    one batch (each key its own answer); a task cancelled while queued was
+    never sent, one cancelled once its batch was sent leaves no row (deleted
+    as an orphan once the batch returns), and the batch goes on for the others."""
+    from dblock import AsyncLockManager
+
+    m = make_manager()
+    am = AsyncLockManager(m)
+    other = make_manager()
+    held_elsewhere = other.acquire(f"{key}:held")
+    free = [f"{key}:free{i}" for i in range(3)]
+
+    async def main() -> dict[str, Any]:
+        assert am._abatcher is not None
+        lane = am._abatcher._lanes_here()[0]
+        lane.depth = 1
+        results: dict[str, Any] = {}
+
+        async def take(k: str) -> None:
+            try:
+                results[k] = await am.acquire(k, blocking=False)
+            except BaseException as exc:
+                results[k] = exc
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+
+        async def until(check: Callable[[], object], what: str, step: float = 0.005) -> None:
+            deadline = time.monotonic() + 10
+            while not check():
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(step)
+
+        gate = Gate(db_url, m, f"{key}:gate")
+        block = Gate(db_url, m, f"{key}:block")
+        try:
+            tasks = {f"{key}:gate": asyncio.create_task(take(f"{key}:gate"))}
+            await until(gate.blocking, "the gate's statement waiting", 0.15)
+            for k in [f"{key}:block", f"{key}:held", *free, f"{key}:queued", f"{key}:sent"]:
+                tasks[k] = asyncio.create_task(take(k))
+                await until(lambda k=k: any(r.key == k for r in lane.queue), "queued")
+            tasks[f"{key}:queued"].cancel()
+            await asyncio.sleep(0.01)
+            assert not any(r.key == f"{key}:queued" for r in lane.queue)
+            gate.open()  # the gate's statement returns; the batch goes out and waits
+            await until(block.blocking, "the batch waiting on the block", 0.15)
+            tasks[f"{key}:sent"].cancel()
+            await asyncio.sleep(0.01)
+        finally:
+            gate.open()
+            block.open()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        await am.close()  # its async connections, before the loop ends
+        return results  # (their tasks ended: dblock releases what they hold)
+
+    results = asyncio.run(main())
+    assert isinstance(results[f"{key}:held"], LockBusy)
+    for k in [f"{key}:block", *free]:
+        assert results[k].key == k
+    assert isinstance(results[f"{key}:queued"], asyncio.CancelledError)
+    assert isinstance(results[f"{key}:sent"], asyncio.CancelledError)
+    assert row_of(m, f"{key}:queued") is None
+    wait_until(lambda: not m.store.has_orphans, "the orphans cleaned")
+    assert row_of(m, f"{key}:sent") is None
+    held_elsewhere.release()

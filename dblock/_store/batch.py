@@ -42,13 +42,15 @@ locks, and the asyncio side (``dblock._store.aio``) can wait with futures.
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, Generic, TypeVar
 
 from .base import Grant, Holder, Interrupted, Store, _mark_unsent, never_sent
 
-__all__ = ["MAX_BATCH", "Batcher", "Lane", "Request"]
+__all__ = ["MAX_BATCH", "AsyncBatcher", "Batcher", "Lane", "Request"]
 
 # Requests per statement: well under every driver's parameter limit, and a
 # batch this size already costs the database more than its round trip.
@@ -194,6 +196,20 @@ def settle(
         request.state = DONE
 
 
+def bury(store: Store, batch: Sequence[Request[Any, Any]]) -> bool:
+    """Register as orphans the grants of a returned batch whose requesters
+    were interrupted while it was in flight (True if any). The lock
+    registered each as an orphan when it raised, but that orphan's DELETE
+    may have run before the batch committed and found nothing: register it
+    again now that the row exists."""
+    buried = False
+    for request in batch:
+        if request.abandoned and isinstance(request.outcome, Grant):
+            store.add_orphan(request.args[0], request.args[1])
+            buried = True
+    return buried
+
+
 class Batcher:
     """Group commit for one store, on blocking connections (see the module)."""
 
@@ -315,16 +331,7 @@ class Batcher:
             self._bury(batch)
 
     def _bury(self, batch: Sequence[Request[A, R]]) -> None:
-        """A grant whose requester was interrupted while its batch was in
-        flight: the lock registered the row as an orphan when it raised, but
-        the orphan's DELETE may have run before the batch committed and found
-        nothing. Register it again now that the row exists."""
-        buried = False
-        for request in batch:
-            if request.abandoned and isinstance(request.outcome, Grant):
-                self._store.add_orphan(request.args[0], request.args[1])
-                buried = True
-        if buried:
+        if bury(self._store, batch):
             self._wake_cleaner()
 
     def _next(self, lane: Lane[A, R]) -> None:
@@ -337,3 +344,143 @@ class Batcher:
 def batches(store: Store) -> bool:
     """Whether ``store``'s dialect can answer many requests in one statement."""
     return type(store).acquire_many_steps is not Store.acquire_many_steps
+
+
+# An event loop's acquire and release lanes.
+_Lanes = tuple[Lane[Any, Any], Lane[Any, Any]]
+
+
+class AsyncBatcher:
+    """Group commit for asyncio tasks: the same lanes and rules as
+    :class:`Batcher`, waiting with futures instead of thread locks. Only the
+    waiting differs: a batch is sent by a task of its own rather than by its
+    oldest request, so cancelling any request (its leader's included) never
+    cancels the statement the others share; the cancelled request is
+    withdrawn if still queued, else abandoned (its grant, if any, deleted as
+    an orphan once the batch returns). A lone request is sent at once, in
+    its own task, as without batching. Lanes are per event loop (futures
+    belong to one)."""
+
+    __slots__ = ("_drive", "_lanes", "_store", "_tasks", "_wake_cleaner")
+
+    def __init__(
+        self,
+        store: Store,
+        drive: Callable[[Any], Awaitable[Any]],
+        wake_cleaner: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._store = store
+        self._drive = drive  # AsyncStore.drive: runs Steps on async connections
+        self._wake_cleaner = wake_cleaner
+        self._lanes: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[Lane[Any, Any], Lane[Any, Any]]
+        ] = weakref.WeakKeyDictionary()
+        self._tasks: set[asyncio.Task[None]] = set()  # batches in flight, kept from the GC
+
+    def after_fork(self) -> None:
+        self._lanes = weakref.WeakKeyDictionary()
+        self._tasks = set()
+
+    def _lanes_here(self) -> _Lanes:
+        loop = asyncio.get_running_loop()
+        lanes = self._lanes.get(loop)
+        if lanes is None:
+            lanes = self._lanes[loop] = (Lane(DEPTH), Lane(DEPTH))
+        return lanes
+
+    async def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+        store = self._store
+        result: Grant | Holder = await self._submit(
+            self._lanes_here()[0],
+            key,
+            (key, token, owner, ttl),
+            lambda args: store.acquire_steps(*args),
+            store.acquire_many_steps,
+        )
+        return result
+
+    async def release(self, key: str, token: str) -> bool:
+        store = self._store
+        result: bool = await self._submit(
+            self._lanes_here()[1],
+            key,
+            (key, token),
+            lambda args: store.release_steps(*args),
+            store.release_many_steps,
+        )
+        return result
+
+    async def _submit(
+        self,
+        lane: Lane[A, R],
+        key: str,
+        args: A,
+        single: Callable[[A], Any],
+        many: Callable[[list[A]], Any],
+    ) -> R:
+        if lane.enter():
+            try:
+                return await self._drive(single(args))  # type: ignore[no-any-return]
+            finally:
+                self._next(lane, single, many)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        request = Request[A, R](key, args, future)
+        lane.queue.append(request)
+        try:
+            await future
+        except BaseException as exc:
+            if lane.withdraw(request):
+                _mark_unsent(exc)
+            else:
+                request.abandoned = True  # its batch task goes on for the others
+            raise
+        if request.error is not None:
+            raise request.error
+        if request.outcome is ALONE:
+            return await self._drive(single(args))  # type: ignore[no-any-return]
+        return request.outcome  # type: ignore[return-value]
+
+    def _next(
+        self, lane: Lane[A, R], single: Callable[[A], Any], many: Callable[[list[A]], Any]
+    ) -> None:
+        leader = lane.next_leader()
+        if leader is None:
+            return
+        batch = leader.batch
+        assert batch is not None
+        leader.batch = None
+        leader.state = SENT
+        task = asyncio.get_running_loop().create_task(self._send(lane, batch, single, many))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(
+        self,
+        lane: Lane[A, R],
+        batch: list[Request[A, R]],
+        single: Callable[[A], Any],
+        many: Callable[[list[A]], Any],
+    ) -> None:
+        alone = len(batch) == 1
+        try:
+            if alone:
+                outcomes = [await self._drive(single(batch[0].args))]
+            else:
+                outcomes = await self._drive(many([r.args for r in batch]))
+        except BaseException as exc:
+            if alone:  # a lone statement: its error is its own, as without batching
+                batch[0].error = exc
+                batch[0].state = DONE
+            else:
+                settle(batch, None, exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            settle(batch, outcomes, None)
+        finally:
+            self._next(lane, single, many)
+            for request in batch:
+                if not request.wake.done():
+                    request.wake.set_result(None)
+            if bury(self._store, batch):
+                self._wake_cleaner()
