@@ -144,7 +144,7 @@ class Config:
     batch
         Group commit: statements of this process's threads that meet at the
         same moment (acquires of different keys; releases) go to the database
-        as one statement and one commit (PostgreSQL). A lone request is still
+        as one statement and one commit (PostgreSQL, MariaDB, SQLite). A lone request is still
         sent at once, alone. Off: one statement per request.
     client_id
         How this process names itself in the ``owner`` column (default ``host:pid``).
