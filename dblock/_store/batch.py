@@ -236,24 +236,24 @@ class Batcher:
     # The store's own signatures: the lock calls these instead of the store's.
 
     def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
-        store = self._store
         return self._submit(
             self._acquires,
             key,
             (key, token, owner, ttl),
-            store.try_acquire,
-            lambda many: store.drive(store.acquire_many_steps(many)),
+            self._store.try_acquire,
+            self._many_acquires,
         )
 
     def release(self, key: str, token: str) -> bool:
-        store = self._store
         return self._submit(
-            self._releases,
-            key,
-            (key, token),
-            store.release,
-            lambda many: store.drive(store.release_many_steps(many)),
+            self._releases, key, (key, token), self._store.release, self._many_releases
         )
+
+    def _many_acquires(self, requests: list[tuple[str, str, str, float]]) -> list[Grant | Holder]:
+        return self._store.drive(self._store.acquire_many_steps(requests))
+
+    def _many_releases(self, requests: list[tuple[str, str]]) -> list[bool]:
+        return self._store.drive(self._store.release_many_steps(requests))
 
     def _submit(
         self,
