@@ -136,16 +136,24 @@ def test_a_waiter_registered_before_the_release_is_notified(
     assert key not in ear.payloads()
 
 
+@pytest.mark.parametrize("via", ["direct", "pooler"])
 def test_a_release_before_the_registration_is_not_missed(
     db_url: str,
     make_manager: Callable[..., LockManager],
     key: str,
     monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    via: str,
 ) -> None:
     """The other order: the release's DELETE and its look for waiters come
     before the waiter's registration (so it does not notify). The
     registration waits for the release's commit, and the waiter, woken by its
-    registration, tries again and finds the key free."""
+    registration, tries again and finds the key free. ``pooler``: the release
+    runs through a transaction-mode pgbouncer (its transaction, and so its
+    look, on whatever server connection the pooler lends it)."""
+    release_url = db_url
+    if via == "pooler":
+        release_url = request.getfixturevalue("bouncer").url
     holder = make_manager()
     waiter = make_manager(notify_recheck=RECHECK)
     held = holder.acquire(key)
@@ -165,7 +173,7 @@ def test_a_release_before_the_registration_is_not_missed(
     time.sleep(0.1)
     # The holder's release, by hand and left open: the row deleted, no waiter found.
     table = holder.store.names.table
-    release = psycopg.connect(_conninfo(db_url))
+    release = psycopg.connect(_conninfo(release_url), prepare_threshold=None)
     release.execute(f"DELETE FROM {table} WHERE lock_key = %s AND token = %s", (key, held.token))
     waiters = _waiters_class(table)
     (free,) = release.execute(
@@ -174,10 +182,12 @@ def test_a_release_before_the_registration_is_not_missed(
     assert free is True  # nobody registered: the release would not notify
     gate.set()  # the registration goes ahead, and waits for the release's commit
     admin = psycopg.connect(_conninfo(db_url), autocommit=True)
+    # (Through the pooler the backend is the pooler's, not the one psycopg reports.)
+    (server_pid,) = release.execute("SELECT pg_backend_pid()").fetchone()  # type: ignore[misc]
     until(
         lambda: admin.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
-            (release.info.backend_pid,),
+            (server_pid,),
         ).fetchone()[0],  # type: ignore[index]
         "the registration waiting for the release",
     )
@@ -228,3 +238,34 @@ def test_behind_the_pooler_a_release_notifies_only_a_waiter(
     finally:
         holder.close()
         waiter.close()
+
+
+def test_an_asyncio_waiter_is_woken_by_the_release(
+    make_manager: Callable[..., LockManager], key: str
+) -> None:
+    """The asyncio side registers through the same listener: woken by the
+    notification, not by its periodic re-check."""
+    import asyncio
+
+    from dblock import AsyncLockManager
+
+    holder = make_manager()
+    held = holder.acquire(key)
+
+    async def main() -> float:
+        waiter = AsyncLockManager(make_manager(notify_recheck=RECHECK))
+        task = asyncio.create_task(waiter.acquire(key, timeout=60))
+        deadline = time.monotonic() + 10
+        while not registered(waiter.sync, key):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        released = time.monotonic()
+        await asyncio.to_thread(held.release, force=True)
+        got = await asyncio.wait_for(task, RECHECK / 2)
+        woke = time.monotonic() - released
+        await got.release(force=True)
+        await waiter.close()
+        return woke
+
+    assert asyncio.run(main()) < 1.0
