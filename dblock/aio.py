@@ -207,7 +207,7 @@ class _Notified:
     with the same safety nets as the blocking side (the caller's cap at the
     holder's expiry, a periodic re-check, polling while not listening)."""
 
-    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_recheck")
+    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_poll_max", "_recheck")
 
     def __init__(
         self, listener: Listener, key: str, since: float, config: Config, address: str | None = None
@@ -215,6 +215,7 @@ class _Notified:
         self._listener = listener
         self._key = key
         self._recheck = config.notify_recheck
+        self._poll_max = config.poll_max
         self._backoff = _Backoff(config.poll_initial, config.poll_max)
         self._event = _LoopEvent()
         listener.attach(key, since, self._event)
@@ -229,6 +230,9 @@ class _Notified:
         if not self._listener.listening:
             await self._backoff.sleep(limit)
             return
+        if not self._listener.covers(self._key):
+            # Registration not in yet: never later than polling (see NotifyWait).
+            limit = min(limit, self._poll_max)
         await self._event.wait(min(limit, self._recheck))
 
     def close(self) -> None:

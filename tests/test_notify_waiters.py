@@ -26,7 +26,8 @@ from tests.support.servers import PgBouncer
 
 pytestmark = pytest.mark.databases("postgresql")
 
-# Long enough that a waiter woken by its periodic re-check fails the test.
+# Long enough that a waiter woken by its periodic re-check, or polling
+# (poll_max, its cap while its registration is not in), fails the test.
 RECHECK = 30.0
 
 
@@ -116,7 +117,7 @@ def test_a_waiter_registered_before_the_release_is_notified(
     make_manager: Callable[..., LockManager], heard: Any, key: str
 ) -> None:
     holder = make_manager()
-    waiter = make_manager(notify_recheck=RECHECK)
+    waiter = make_manager(notify_recheck=RECHECK, poll_max=RECHECK)
     ear = heard(holder)
     held = holder.acquire(key)
     t, got = start_waiter(waiter, key)
@@ -155,7 +156,7 @@ def test_a_release_before_the_registration_is_not_missed(
     if via == "pooler":
         release_url = request.getfixturevalue("bouncer").url
     holder = make_manager()
-    waiter = make_manager(notify_recheck=RECHECK)
+    waiter = make_manager(notify_recheck=RECHECK, poll_max=RECHECK)
     held = holder.acquire(key)
     gate = threading.Event()
     real = Listener._sync_registrations
@@ -218,7 +219,9 @@ def test_behind_the_pooler_a_release_notifies_only_a_waiter(
     silent, and a registered waiter is notified."""
     direct = DEFAULT_URLS["postgresql"]
     holder = LockManager(bouncer.url, pooler=True)
-    waiter = LockManager(bouncer.url, pooler=True, listen_url=direct, notify_recheck=RECHECK)
+    waiter = LockManager(
+        bouncer.url, pooler=True, listen_url=direct, notify_recheck=RECHECK, poll_max=RECHECK
+    )
     try:
         ear = heard(holder)
         for _ in range(3):
@@ -253,7 +256,7 @@ def test_an_asyncio_waiter_is_woken_by_the_release(
     held = holder.acquire(key)
 
     async def main() -> float:
-        waiter = AsyncLockManager(make_manager(notify_recheck=RECHECK))
+        waiter = AsyncLockManager(make_manager(notify_recheck=RECHECK, poll_max=RECHECK))
         task = asyncio.create_task(waiter.acquire(key, timeout=60))
         deadline = time.monotonic() + 10
         while not registered(waiter.sync, key):

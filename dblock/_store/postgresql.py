@@ -377,7 +377,7 @@ class NotifyWait(Wait):
     """Wait for a release notification of one key, with two safety nets: the
     caller's cap at the holder's expiry, and a periodic re-check."""
 
-    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_recheck")
+    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_poll_max", "_recheck")
 
     def __init__(
         self, listener: Listener, key: str, since: float, config: Config, address: str | None = None
@@ -385,6 +385,7 @@ class NotifyWait(Wait):
         self._listener = listener
         self._key = key
         self._recheck = config.notify_recheck
+        self._poll_max = config.poll_max
         self._backoff = Backoff(config.poll_initial, config.poll_max)
         self._event = listener.subscribe(key, since)
         # A fair-queue waiter: also woken by the notification addressed to it.
@@ -400,6 +401,11 @@ class NotifyWait(Wait):
             # No listener connection right now: notifications may be missed.
             self._backoff.sleep(limit)
             return
+        if not self._listener.covers(self._key):
+            # Its registration is not in yet: woken when it is, but no later
+            # than a polling waiter's longest sleep (a busy listener thread
+            # must not be what the waiter waits for).
+            limit = min(limit, self._poll_max)
         self._event.wait(min(limit, self._recheck))
 
     def close(self) -> None:
@@ -516,6 +522,11 @@ class Listener:
                 return  # woken once registered, which covers any release before
             if self._listening_since > since or self._recent.get(key, -1.0) >= since:
                 event.set()
+
+    def covers(self, key: str) -> bool:
+        """Whether every release of ``key`` notifies now (its registration
+        is in, or none is needed)."""
+        return self._waiters is None or key in self._registered or key.startswith(HANDED_MARK)
 
     def take_handed(self, address: str) -> int | None:
         """The fence of the head a release handed to the fair-queue waiter
