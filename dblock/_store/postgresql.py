@@ -430,6 +430,11 @@ class Listener:
 
     LINGER = 30.0
     RECENT = 2.0
+    #: A key nobody of this process waits for any more stays registered this
+    #: long: a key waited for again and again (a hot key) then needs no new
+    #: registration (and no extra attempt) each time, at the cost of a few
+    #: notifications nobody hears.
+    KEY_LINGER = 2.0
 
     def __init__(
         self,
@@ -449,6 +454,7 @@ class Listener:
         self._registering: set[str] = set()  # being registered by the thread
         self._to_register: set[str] = set()
         self._to_unregister: set[str] = set()
+        self._unwaited: dict[str, float] = {}  # registered, no waiter since (monotonic)
         self._subs: dict[str, set[Settable]] = {}
         self._recent: dict[str, float] = {}
         self._recent_order: deque[tuple[float, str]] = deque()
@@ -502,6 +508,7 @@ class Listener:
             if register:
                 self._to_register.add(key)
             self._to_unregister.discard(key)
+            self._unwaited.pop(key, None)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="dblock-listener", daemon=True
@@ -535,7 +542,6 @@ class Listener:
             return self._handed.pop(address, None)
 
     def unsubscribe(self, key: str, event: Settable) -> None:
-        poke = False
         with self._lock:
             events = self._subs.get(key)
             if events is not None:
@@ -544,10 +550,8 @@ class Listener:
                     del self._subs[key]
                     self._to_register.discard(key)
                     if key in self._registered:
-                        self._to_unregister.add(key)
-                        poke = True
-        if poke:
-            self._poke()
+                        # Dropped by the thread after KEY_LINGER, unless waited for again.
+                        self._unwaited[key] = time.monotonic()
 
     def _sync_registrations(self, conn: Any) -> None:
         """On the listener's thread: register the keys waited for since the
@@ -576,11 +580,9 @@ class Listener:
                 if events:
                     self._registered.add(key)
                     woken.extend(events)
-                else:  # nobody waits any more: dropped on the next turn
-                    self._to_unregister.add(key)
+                else:  # nobody waits any more: dropped after KEY_LINGER
+                    self._unwaited[key] = time.monotonic()
                     self._registered.add(key)
-        if self._to_unregister:
-            self._poke()
         for event in woken:
             event.set()
 
@@ -653,6 +655,7 @@ class Listener:
             self._registered.clear()
             self._registering.clear()
             self._to_unregister.clear()
+            self._unwaited.clear()
             if self._waiters is not None:
                 self._to_register = {k for k in self._subs if not k.startswith(HANDED_MARK)}
         return conn
@@ -682,6 +685,12 @@ class Listener:
                     self._listening_since = float("inf")
                     self._thread = None
                     return
+            if self._unwaited:
+                with self._lock:
+                    stale = [k for k, t in self._unwaited.items() if now - t > self.KEY_LINGER]
+                    for key in stale:
+                        del self._unwaited[key]
+                        self._to_unregister.add(key)
             if self._to_register or self._to_unregister:
                 self._sync_registrations(conn)
             if fileno not in readable:
