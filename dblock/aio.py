@@ -44,6 +44,7 @@ from . import decorators, jobs
 from ._store import Store
 from ._store.aio import AsyncStore
 from ._store.base import Backoff
+from ._store.batch import AsyncBatcher
 from .adeferral import aexit_deferring
 from .config import Config, check_lease
 from .decorators import KeySpec, OnBusy
@@ -213,7 +214,7 @@ class _Notified:
     with the same safety nets as the blocking side (the caller's cap at the
     holder's expiry, a periodic re-check, polling while not listening)."""
 
-    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_recheck")
+    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_poll_max", "_recheck")
 
     def __init__(
         self, listener: Listener, key: str, since: float, config: Config, address: str | None = None
@@ -221,6 +222,7 @@ class _Notified:
         self._listener = listener
         self._key = key
         self._recheck = config.notify_recheck
+        self._poll_max = config.poll_max
         self._backoff = _Backoff(config.poll_initial, config.poll_max)
         self._event = _LoopEvent()
         listener.attach(key, since, self._event)
@@ -235,6 +237,9 @@ class _Notified:
         if not self._listener.listening:
             await self._backoff.sleep(limit)
             return
+        if not self._listener.covers(self._key):
+            # Registration not in yet: never later than polling (see NotifyWait).
+            limit = min(limit, self._poll_max)
         await self._event.wait(min(limit, self._recheck))
 
     def close(self) -> None:
@@ -255,6 +260,22 @@ def _waiter(
     return _Notified(found, key, since, config, address)
 
 
+class _Alone:
+    """The row statements one by one, for a locker without group commit."""
+
+    __slots__ = ("_astore", "_store")
+
+    def __init__(self, astore: AsyncStore, store: Store) -> None:
+        self._astore = astore
+        self._store = store
+
+    async def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> object:
+        return await self._astore.drive(self._store.acquire_steps(key, token, owner, ttl))
+
+    async def release(self, key: str, token: str) -> bool:
+        return await self._astore.drive(self._store.release_steps(key, token))
+
+
 async def _drive(  # noqa: PLR0912 - one branch per op
     manager: AsyncLockManager, steps: Op[T], locker: Locker | None = None
 ) -> T:
@@ -262,6 +283,12 @@ async def _drive(  # noqa: PLR0912 - one branch per op
     driver is :meth:`dblock.lock.Locker.run`), for ``locker`` (default: the
     exclusive lock's; a semaphore's has a store of its own)."""
     store = manager._astore
+    # The exclusive lock's row statements go through the batcher (group commit).
+    rows: AsyncBatcher | _Alone = (
+        manager._abatcher
+        if manager._abatcher is not None and locker in (None, manager._locker)
+        else _Alone(store, (locker or manager._locker).store)
+    )
     locker = locker or manager._locker
     sync = locker.store
     wait: _Backoff | _Notified | None = None
@@ -275,9 +302,9 @@ async def _drive(  # noqa: PLR0912 - one branch per op
                 if tag is _TRY:
                     if wait is not None:
                         wait.prepare()
-                    answer = await store.drive(sync.acquire_steps(op[1], op[2], op[3], op[4]))
+                    answer = await rows.try_acquire(op[1], op[2], op[3], op[4])
                 elif tag is _RELEASE:
-                    answer = await store.drive(sync.release_steps(op[1], op[2]))
+                    answer = await rows.release(op[1], op[2])
                 elif tag is _TRANSFER:
                     answer = await store.drive(
                         sync.transfer_steps(op[1], op[2], op[3], op[4], op[5], extra=op[6])
@@ -498,6 +525,12 @@ class AsyncLockManager:
                 self.sync.close()
             raise
         self._locker: Locker = self.sync._locker
+        # Group commit for tasks, beside the threads' (dblock._store.batch).
+        self._abatcher: AsyncBatcher | None = None
+        if self._locker.batcher is not None:
+            self._abatcher = AsyncBatcher(
+                self.sync.store, self._astore.drive, self._locker._post_noop
+            )
         _amanagers.add(self)
 
     def __repr__(self) -> str:
@@ -854,6 +887,8 @@ _amanagers: weakref.WeakSet[AsyncLockManager] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for amanager in list(_amanagers):
         amanager._astore.after_fork()
+        if amanager._abatcher is not None:
+            amanager._abatcher.after_fork()
 
 
 if hasattr(os, "register_at_fork"):

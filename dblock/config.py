@@ -163,6 +163,11 @@ class Config:
     local_filter
         Level 1. Turning it off sends every request to the database and drops
         re-entrancy; it exists to measure what level 1 buys.
+    batch
+        Group commit: statements of this process's threads that meet at the
+        same moment (acquires of different keys; releases) go to the database
+        as one statement and one commit (PostgreSQL, MariaDB, SQLite). A lone request is still
+        sent at once, alone. Off: one statement per request.
     client_id
         How this process names itself in the ``owner`` column (default ``host:pid``).
     renew
@@ -199,6 +204,7 @@ class Config:
     notify: bool = True
     notify_recheck: float = 2.0
     local_filter: bool = True
+    batch: bool = True
     client_id: str | None = None
     renew: bool = True
     max_hold: float | None = None
@@ -243,7 +249,7 @@ class Config:
                     f"telemetry must be True, False, None or a dblock.telemetry.Telemetry, "
                     f"got {self.telemetry!r}"
                 )
-        for name in ("notify", "local_filter", "renew", "pooler"):
+        for name in ("notify", "local_filter", "batch", "renew", "pooler"):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
                 raise LockArgumentError(f"{name} must be True or False, got {value!r}")

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
 from ._store.base import Lease, PoolerMismatch, never_sent, what_failed
+from ._store.batch import Batcher, batches
 from ._store.fair import Seat
 from ._store.fair import statements as fair_statements
 from ._store.jobs import statements as job_statements
@@ -420,6 +421,11 @@ class Locker:
         self.renewer = Renewer(
             store, idle_tick=config.ttl * RENEW_AT, abandon=self._abandon, reap=self._reap
         )
+        #: What sends the row statements of this process's threads: the
+        #: batcher (group commit, dblock._store.batch) where the dialect can
+        #: answer many requests in one statement, else the store itself.
+        self.batcher: Batcher | None = Batcher(store) if config.batch and batches(store) else None
+        self._rows: Batcher | Store = self.batcher or store
         self._closing = False
         #: The ``kind`` of the rows this locker writes; a holder row of another
         #: kind means the key is used as another kind of lock.
@@ -436,12 +442,17 @@ class Locker:
         # The weak-reference callback of every held lock, bound once (not per lock).
         self._collect = self._collected
 
+    def _post_noop(self) -> None:
+        self.renewer.post(_noop)  # the renewal thread cleans orphans on its pass
+
     def _set_client_id(self) -> None:
         self._client_id = self.config.client_id or f"{socket.gethostname()}:{os.getpid()}"
 
     def after_fork(self) -> None:
         self.registry.clear()
         self.renewer.after_fork()
+        if self.batcher is not None:
+            self.batcher.after_fork()
         self._set_client_id()
 
     def close(self, timeout: float) -> None:
@@ -661,6 +672,7 @@ class Locker:
     def run(self, steps: Op[T]) -> T:  # noqa: PLR0912 - one branch per op
         """Carry out ``steps`` on this thread, blocking."""
         store = self.store
+        rows = self._rows
         wait: Wait | None = None
         waiting_for: tuple[Any, ...] = ()
         try:
@@ -671,9 +683,9 @@ class Locker:
                     if tag is _TRY:
                         if wait is not None:
                             wait.prepare()
-                        answer: object = store.try_acquire(op[1], op[2], op[3], op[4])
+                        answer: object = rows.try_acquire(op[1], op[2], op[3], op[4])
                     elif tag is _RELEASE:
-                        answer = store.release(op[1], op[2])
+                        answer = rows.release(op[1], op[2])
                     elif tag is _TRANSFER:
                         answer = store.transfer(op[1], op[2], op[3], op[4], op[5], extra=op[6])
                     elif tag is _STEPS:

@@ -119,8 +119,9 @@ def test_listener_survives_its_connection_being_killed(make_manager: object, key
     _until(lambda: _subscribed(waiter, key))
     admin = sa.create_engine(DEFAULT_URLS["postgresql"])
     listening = sa.text(
-        "SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND application_name = :app"
-    )
+        "SELECT pid FROM pg_stat_activity WHERE application_name = :app "
+        "AND (query LIKE 'LISTEN %' OR query LIKE '%pg_advisory_%lock_shared%')"
+    )  # the listener's last statement: its LISTEN, or a registration of waited-for keys
 
     def listeners() -> list[int]:
         # A connection per look: pg_stat_activity is a snapshot per transaction.

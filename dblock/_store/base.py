@@ -628,6 +628,21 @@ class Store:
         than any fence drawn for this key after the row leaves us."""
         raise NotImplementedError
 
+    def acquire_many_steps(
+        self, requests: Sequence[tuple[str, str, str, float]]
+    ) -> Steps[list[Grant | Holder]]:
+        """Group commit (:mod:`dblock._store.batch`): one attempt for each
+        ``(key, token, owner, ttl)`` of distinct keys, in one statement and
+        one commit where the dialect allows, each answered as
+        :meth:`acquire_steps` would answer it alone, in order. Dialects that
+        cannot leave it out, and their requests go one by one."""
+        raise NotImplementedError
+
+    def release_many_steps(self, requests: Sequence[tuple[str, str]]) -> Steps[list[bool]]:
+        """Group commit: :meth:`release_steps` for each ``(key, token)`` of
+        distinct keys, answered in order."""
+        raise NotImplementedError
+
     def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
         return self.drive(self.acquire_steps(key, token, owner, ttl))
 

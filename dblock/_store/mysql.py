@@ -239,6 +239,90 @@ class MySQLStore(Store):
     def release_steps(self, key: str, token: str) -> Steps[bool]:
         return (yield self._release_sql, {"key": key, "token": token}, False, False).rowcount > 0
 
+    # Group commit (dblock._store.batch). MariaDB 10.5+: one multi-row
+    # ``INSERT IGNORE … SELECT … UNION ALL … RETURNING`` takes every free key
+    # of the batch (a bulk insert: fences drawn in row order under the
+    # AUTO-INC lock, as for one key); only the keys it did not insert go on
+    # alone, through the single attempt (read the holder, take over an
+    # expired row, insert again). Rows are written in key order, so two
+    # batches sharing keys lock them in one order. Releases: one DELETE …
+    # RETURNING. On Galera the INSERT carries the single INSERT's prefix
+    # (no silent re-run after a lost certification); a lost certification
+    # or a deadlock (1213) rolls the whole batch back and retry() runs it
+    # again, as any victim; an undecodable answer is never run again (it may
+    # have committed: the batch is no for_galera write): each request
+    # settles it by its token, as a lone acquire in doubt does. Any other
+    # error answer sends each request again alone. MySQL (no RETURNING):
+    # one by one.
+
+    def acquire_many_steps(
+        self, requests: Sequence[tuple[str, str, str, float]]
+    ) -> Steps[list[Grant | Holder]]:
+        if self.returning is None:
+            yield from self._capabilities_steps()
+        if not self.returning:
+            alone: list[Grant | Holder] = []
+            for request in requests:
+                alone.append((yield from self.acquire_steps(*request)))
+            return alone
+        now = "UTC_TIMESTAMP(6)"
+        params: dict[str, object] = {}
+        rows_sql = []
+        for i, (key, token, owner, ttl) in enumerate(sorted(requests)):
+            params[f"k{i}"], params[f"o{i}"], params[f"t{i}"] = key, owner, token
+            params[f"l{i}"] = round(ttl * 1e6)
+            rows_sql.append(
+                f"SELECT %(k{i})s, '', %(o{i})s, %(t{i})s, {now}, "
+                f"{now} + INTERVAL %(l{i})s MICROSECOND"
+            )
+        sql = (
+            f"INSERT IGNORE INTO {self._t} "
+            f"(lock_key, slot, owner, token, acquired_at, expires_at) "
+            f"{' UNION ALL '.join(rows_sql)} RETURNING token, fence, expires_at, acquired_at"
+        )
+        if self.galera:
+            sql = _GALERA_INSERT + sql
+        rows = (yield sql, params, True, False).rows
+        granted = {row[0]: row[1:] for row in rows}
+        answers: list[Grant | Holder] = []
+        for key, token, owner, ttl in requests:
+            row = granted.get(token)
+            if row is None:  # not inserted: held, expired or freed meanwhile
+                answers.append((yield from self.acquire_steps(key, token, owner, ttl)))
+                continue
+            fence, expires_at, acquired_at = row
+            answers.append(
+                Grant(
+                    fence,
+                    expires_at.replace(tzinfo=_UTC),
+                    (expires_at - acquired_at).total_seconds(),
+                )
+            )
+        return answers
+
+    def release_many_steps(self, requests: Sequence[tuple[str, str]]) -> Steps[list[bool]]:
+        if self.returning is None:
+            yield from self._capabilities_steps()
+        if not self.returning:
+            gone_alone: list[bool] = []
+            for key, token in requests:
+                gone_alone.append((yield from self.release_steps(key, token)))
+            return gone_alone
+        params: dict[str, object] = {}
+        for i, (key, token) in enumerate(sorted(requests)):
+            params[f"k{i}"], params[f"t{i}"] = key, token
+        n = range(len(requests))
+        # lock_key IN (…) for the primary key's range scan, the pairs for the tokens.
+        sql = (
+            f"DELETE FROM {self._t} WHERE slot = '' "
+            f"AND lock_key IN ({', '.join(f'%(k{i})s' for i in n)}) "
+            f"AND (lock_key, token) IN ({', '.join(f'(%(k{i})s, %(t{i})s)' for i in n)}) "
+            f"RETURNING token"
+        )
+        rows = (yield sql, params, True, False).rows
+        gone = {row[0] for row in rows}
+        return [token in gone for _, token in requests]
+
     def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
         # No UPDATE ... RETURNING here: one UPDATE joined to the batch, then
         # one SELECT (by primary key) to see which rows carry our tokens.

@@ -17,8 +17,26 @@ write a fence drawn before the one another process was granted, and
 released, on that key meanwhile, and the fence went backwards.
 
 Release deletes the row where the token is ours and, in the same statement,
-``pg_notify``-s the key on a channel named after the table. One listener
-connection per process fans those notifications out to its waiting threads.
+``pg_notify``-s the key on a channel named after the table, but only when
+some process waits for that key: PostgreSQL serialises the commits of
+notifying transactions, so a notification nobody hears costs every process
+throughput. One listener connection per process fans the notifications out
+to its waiting threads and tasks, and registers each key they wait for on
+the server: a session-level shared advisory lock (class: the table's
+"waiters" class, number: the key's hash) held by that connection while a
+waiter of the process waits. The release tries the same lock exclusively in
+its transaction, after its DELETE; if that fails, someone waits and it
+notifies. The race between a waiter registering and a holder releasing:
+
+* registered first: the release's try fails, it notifies (at commit);
+* the release's try first: it holds the lock until its commit, so the
+  registration waits for that commit, and only then does the listener wake
+  the waiter to try again, which finds the row gone.
+
+Either way no wake-up is missed. A waiter is therefore woken once its
+registration is in (it tries again at once: a release between its first
+attempt and its registration notified nobody). A hash collision only costs
+a notification nobody needed.
 """
 
 from __future__ import annotations
@@ -53,6 +71,12 @@ HANDED_MARK = "\x1f"
 def _lock_class(table: str) -> int:
     """The advisory lock class of a lock table: its name's CRC-32 as a signed int4."""
     return (zlib.crc32(table.encode()) ^ 0x80000000) - 0x80000000
+
+
+def _waiters_class(table: str) -> int:
+    """The advisory lock class in which listeners register the keys their
+    process waits for (see the module's docstring)."""
+    return _lock_class(table + "\x00waiters")
 
 
 def _acquired(rows: Sequence[tuple[Any, ...]], token: str) -> Grant | Holder:
@@ -97,10 +121,17 @@ class PostgresStore(Store):
             f"WHERE lock_key = %(key)s AND NOT EXISTS (SELECT FROM ins) "
             f"ORDER BY kind = 'exclusive', slot LIMIT 1)"
         )
+        # Notify only if a listener registered the key (the try fails),
+        # the try made after the DELETE (it reads gone); see the module's docstring.
+        self._waiters = _waiters_class(self.names.table)
+        notify_if_waited = (
+            f"CASE WHEN NOT pg_try_advisory_xact_lock({self._waiters}, hashtext(lock_key)) "
+            f"THEN pg_notify(%(channel)s, lock_key) END"
+        )
         self._release_sql = (
             f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' "
             f"AND token = %(token)s RETURNING lock_key) "
-            f"SELECT pg_notify(%(channel)s, lock_key) FROM gone"
+            f"SELECT {notify_if_waited} FROM gone"
         )
         # The reserve is drawn in RETURNING, after the SET's nextval and under
         # the row's lock: a takeover's fence, drawn only once the row is no
@@ -118,6 +149,46 @@ class PostgresStore(Store):
             f"AS v(lock_key, token, ttl) "
             f"WHERE t.lock_key = v.lock_key AND t.token = v.token "
             f"RETURNING t.token, t.expires_at, now()"
+        )
+        # Group commit (dblock._store.batch): the same decisions for many keys
+        # in one statement. The advisory locks are taken in the order of
+        # their numbers and the rows are written in the order of their keys
+        # (the caller sorts them), so two batches sharing keys wait for each
+        # other instead of deadlocking; a deadlock PostgreSQL still detects
+        # (a row locked by a statement that is no batch) fails the batch
+        # cleanly, and its requests go out again one by one.
+        self._acquire_many_sql = (
+            f"WITH v AS MATERIALIZED (SELECT * FROM unnest(%(keys)s::text[], "
+            f"%(owners)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) WITH ORDINALITY "
+            f"AS v(lock_key, owner, token, ttl, n)), "
+            f"lk AS MATERIALIZED (SELECT pg_advisory_xact_lock({_lock_class(self.names.table)}, h) "
+            f"FROM (SELECT DISTINCT hashtext(lock_key) AS h FROM v ORDER BY h OFFSET 0) s), "
+            f"ins AS ("
+            f"INSERT INTO {t} AS t (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
+            f"SELECT s.lock_key, '', s.owner, s.token, nextval('{seq}'), now(), "
+            f"now() + make_interval(secs => s.ttl) "
+            f"FROM (SELECT * FROM v ORDER BY n OFFSET 0) s "
+            f"WHERE (SELECT count(*) FROM lk) >= 0 AND NOT EXISTS (SELECT FROM {t} "
+            f"WHERE lock_key = s.lock_key AND kind <> 'exclusive' OFFSET 0) "
+            f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
+            f"token = excluded.token, fence = excluded.fence, "
+            f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
+            f"WHERE t.expires_at <= now() AND t.kind = 'exclusive' "
+            f"RETURNING t.lock_key, t.token, t.owner, t.fence, t.expires_at, t.kind) "
+            f"SELECT lock_key, token, owner, fence, expires_at, now(), kind FROM ins "
+            f"UNION ALL "
+            f"(SELECT DISTINCT ON (t.lock_key) t.lock_key, t.token, t.owner, t.fence, "
+            f"t.expires_at, now(), t.kind FROM {t} AS t JOIN v ON t.lock_key = v.lock_key "
+            f"WHERE NOT EXISTS (SELECT FROM ins WHERE ins.lock_key = v.lock_key) "
+            f"ORDER BY t.lock_key, t.kind = 'exclusive', t.slot)"
+        )
+        self._release_many_sql = (
+            f"WITH gone AS (DELETE FROM {t} AS t USING (SELECT * FROM unnest("
+            f"%(keys)s::text[], %(tokens)s::text[]) WITH ORDINALITY AS v(lock_key, token, n) "
+            f"ORDER BY n OFFSET 0) AS v "
+            f"WHERE t.lock_key = v.lock_key AND t.slot = '' AND t.token = v.token "
+            f"RETURNING t.lock_key, t.token) "
+            f"SELECT token, {notify_if_waited} FROM gone"
         )
         self._channel = self.names.channel
         # What runs a statement: the executor itself unless retry() says
@@ -146,6 +217,39 @@ class PostgresStore(Store):
     def release(self, key: str, token: str) -> bool:
         params = {"key": key, "token": token, "channel": self._channel}
         return bool(self._run_once(self._release_sql, params, True).rows)
+
+    def acquire_many_steps(
+        self, requests: Sequence[tuple[str, str, str, float]]
+    ) -> Steps[list[Grant | Holder]]:
+        # Sorted by key, so that every batch writes its rows in one order.
+        order = sorted(range(len(requests)), key=lambda i: requests[i][0])
+        keys, tokens, owners, ttls = [], [], [], []
+        for i in order:
+            key, token, owner, ttl = requests[i]
+            keys.append(key)
+            tokens.append(token)
+            owners.append(owner)
+            ttls.append(ttl)
+        params = {"keys": keys, "owners": owners, "tokens": tokens, "ttls": ttls}
+        rows = (yield self._acquire_many_sql, params, True, False).rows
+        by_key: dict[str, tuple[Any, ...]] = {}
+        for row in rows:
+            by_key.setdefault(row[0], row[1:])
+        return [
+            _acquired([by_key[key]] if key in by_key else [], token)
+            for key, token, _, _ in requests
+        ]
+
+    def release_many_steps(self, requests: Sequence[tuple[str, str]]) -> Steps[list[bool]]:
+        ordered = sorted(requests)
+        params = {
+            "keys": [key for key, _ in ordered],
+            "tokens": [token for _, token in ordered],
+            "channel": self._channel,
+        }
+        rows = (yield self._release_many_sql, params, True, False).rows
+        gone = {row[0] for row in rows}
+        return [token in gone for _, token in requests]
 
     def transfer_steps(
         self, key: str, token: str, new_token: str, owner: str, ttl: float, *, extra: int = 0
@@ -195,7 +299,9 @@ class PostgresStore(Store):
                 engine = self._listen_engine()
                 # Straight to the server (listen_url): no pool of ours to make room in.
                 make_room = self.executor.release_idle if engine is self.engine else None
-                self._listener = Listener(engine, self._channel, make_room=make_room)
+                self._listener = Listener(
+                    engine, self._channel, make_room=make_room, waiters=self._waiters
+                )
             return self._listener
 
     def _listen_engine(self) -> Engine:
@@ -271,7 +377,7 @@ class NotifyWait(Wait):
     """Wait for a release notification of one key, with two safety nets: the
     caller's cap at the holder's expiry, and a periodic re-check."""
 
-    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_recheck")
+    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_poll_max", "_recheck")
 
     def __init__(
         self, listener: Listener, key: str, since: float, config: Config, address: str | None = None
@@ -279,6 +385,7 @@ class NotifyWait(Wait):
         self._listener = listener
         self._key = key
         self._recheck = config.notify_recheck
+        self._poll_max = config.poll_max
         self._backoff = Backoff(config.poll_initial, config.poll_max)
         self._event = listener.subscribe(key, since)
         # A fair-queue waiter: also woken by the notification addressed to it.
@@ -294,6 +401,11 @@ class NotifyWait(Wait):
             # No listener connection right now: notifications may be missed.
             self._backoff.sleep(limit)
             return
+        if not self._listener.covers(self._key):
+            # Its registration is not in yet: woken when it is, but no later
+            # than a polling waiter's longest sleep (a busy listener thread
+            # must not be what the waiter waits for).
+            limit = min(limit, self._poll_max)
         self._event.wait(min(limit, self._recheck))
 
     def close(self) -> None:
@@ -318,13 +430,31 @@ class Listener:
 
     LINGER = 30.0
     RECENT = 2.0
+    #: A key nobody of this process waits for any more stays registered this
+    #: long: a key waited for again and again (a hot key) then needs no new
+    #: registration (and no extra attempt) each time, at the cost of a few
+    #: notifications nobody hears.
+    KEY_LINGER = 2.0
 
     def __init__(
-        self, engine: Engine, channel: str, *, make_room: Callable[[], None] | None = None
+        self,
+        engine: Engine,
+        channel: str,
+        *,
+        make_room: Callable[[], None] | None = None,
+        waiters: int | None = None,
     ) -> None:
         self._engine = engine
         self._channel = channel
         self._make_room = make_room
+        # Registration of waited-for keys on the server (see the module's
+        # docstring): the advisory lock class, or None (nothing registered).
+        self._waiters = waiters
+        self._registered: set[str] = set()  # held by our connection now
+        self._registering: set[str] = set()  # being registered by the thread
+        self._to_register: set[str] = set()
+        self._to_unregister: set[str] = set()
+        self._unwaited: dict[str, float] = {}  # registered, no waiter since (monotonic)
         self._subs: dict[str, set[Settable]] = {}
         self._recent: dict[str, float] = {}
         self._recent_order: deque[tuple[float, str]] = deque()
@@ -369,17 +499,46 @@ class Listener:
                 event.set()
                 return
             self._subs.setdefault(key, set()).add(event)
+            # A key registered all along needs nothing more: every release
+            # since then notified. Otherwise the thread registers it and then
+            # wakes its waiters, who try again (see the module's docstring).
+            register = (
+                self._waiters is not None
+                and not key.startswith(HANDED_MARK)
+                and key not in self._registered
+                and key not in self._registering
+                and key not in self._to_register
+            )
+            if register:
+                self._to_register.add(key)
+            self._to_unregister.discard(key)
+            self._unwaited.pop(key, None)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="dblock-listener", daemon=True
                 )
                 self._tried.clear()
                 self._thread.start()
+        if register:
+            self._poke()
+
+    def _poke(self) -> None:
+        if self._stopping:  # the pipe may be closed (and its number reused)
+            return
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"r")
 
     def _check_missed(self, key: str, since: float, event: Settable) -> None:
         with self._lock:
+            if key in self._to_register or key in self._registering:
+                return  # woken once registered, which covers any release before
             if self._listening_since > since or self._recent.get(key, -1.0) >= since:
                 event.set()
+
+    def covers(self, key: str) -> bool:
+        """Whether every release of ``key`` notifies now (its registration
+        is in, or none is needed)."""
+        return self._waiters is None or key in self._registered or key.startswith(HANDED_MARK)
 
     def take_handed(self, address: str) -> int | None:
         """The fence of the head a release handed to the fair-queue waiter
@@ -394,6 +553,43 @@ class Listener:
                 events.discard(event)
                 if not events:
                     del self._subs[key]
+                    self._to_register.discard(key)
+                    if key in self._registered:
+                        # Dropped by the thread after KEY_LINGER, unless waited for again.
+                        self._unwaited[key] = time.monotonic()
+
+    def _sync_registrations(self, conn: Any) -> None:
+        """On the listener's thread: register the keys waited for since the
+        last call and drop those nobody waits for any more, then wake the
+        waiters of the newly registered keys."""
+        with self._lock:
+            drop = list(self._to_unregister)
+            self._to_unregister.clear()
+            # Not registered from here on: a waiter arriving now registers again.
+            self._registered.difference_update(drop)
+            add = list(self._to_register)
+            self._to_register.clear()
+            self._registering.update(add)
+        sql = "SELECT {}(%s, hashtext(k)) FROM unnest(%s::text[]) AS k"
+        if drop:
+            conn.execute(sql.format("pg_advisory_unlock_shared"), (self._waiters, drop))
+        if add:
+            # Waits while a release that found no waiter commits (it holds
+            # the same lock exclusively until then): see the module's docstring.
+            conn.execute(sql.format("pg_advisory_lock_shared"), (self._waiters, add))
+        woken: list[Settable] = []
+        with self._lock:
+            self._registering.difference_update(add)
+            for key in add:
+                events = self._subs.get(key)
+                if events:
+                    self._registered.add(key)
+                    woken.extend(events)
+                else:  # nobody waits any more: dropped after KEY_LINGER
+                    self._unwaited[key] = time.monotonic()
+                    self._registered.add(key)
+        for event in woken:
+            event.set()
 
     def close(self) -> None:
         with self._lock:
@@ -405,9 +601,11 @@ class Listener:
         os.close(self._wake_r)
         os.close(self._wake_w)
 
-    def _wake_all(self) -> None:
+    def _wake_all(self, *, registering: bool = True) -> None:
         with self._lock:
-            events = [e for subs in self._subs.values() for e in subs]
+            # On connect, keys waiting for their registration are woken when it is in.
+            pending = self._to_register if not registering else ()
+            events = [e for k, subs in self._subs.items() if k not in pending for e in subs]
         for event in events:
             event.set()
 
@@ -422,7 +620,7 @@ class Listener:
                     self._listening_since = time.monotonic()
                 self._ready.set()
                 self._tried.set()
-                self._wake_all()  # anything released while we were not listening
+                self._wake_all(registering=False)  # released while we were not listening
                 self._serve(conn)
                 return
             except Exception as exc:
@@ -457,7 +655,19 @@ class Listener:
         conn: Any = proxied.dbapi_connection
         conn.autocommit = True
         quoted = self._engine.dialect.identifier_preparer.quote_identifier(self._channel)
+        # Notifications that arrive while our own statements run (the
+        # registrations) are taken by psycopg, and handed here.
+        conn.add_notify_handler(lambda note: self._dispatch([note.payload], time.monotonic()))
         conn.execute(f"LISTEN {quoted}")
+        with self._lock:
+            # A new session holds no registration: register every waited-for
+            # key again (its waiters are woken once that is done).
+            self._registered.clear()
+            self._registering.clear()
+            self._to_unregister.clear()
+            self._unwaited.clear()
+            if self._waiters is not None:
+                self._to_register = {k for k in self._subs if not k.startswith(HANDED_MARK)}
         return conn
 
     def _serve(self, conn: Any) -> None:
@@ -485,25 +695,40 @@ class Listener:
                     self._listening_since = float("inf")
                     self._thread = None
                     return
+            if self._unwaited:
+                with self._lock:
+                    stale = [k for k, t in self._unwaited.items() if now - t > self.KEY_LINGER]
+                    for key in stale:
+                        del self._unwaited[key]
+                        self._to_unregister.add(key)
+            if self._to_register or self._to_unregister:
+                self._sync_registrations(conn)
             if fileno not in readable:
                 continue
             pgconn.consume_input()
             if pgconn.status != 0:  # CONNECTION_OK
                 raise ConnectionError("LISTEN connection closed by the server")
-            woken: list[Settable] = []
-            with self._lock:
-                while (note := pgconn.notifies()) is not None:
-                    key = note.extra.decode(encoding)
-                    if key.startswith(HANDED_MARK):
-                        # A fair-queue waiter's address, with the fence of the
-                        # head handed to it: kept until it takes it (or RECENT).
-                        key, _, fence = key.partition(" ")
-                        if fence.isdigit():
-                            self._handed[key] = int(fence)
-                    self._remember(key, now)
-                    woken.extend(self._subs.get(key, ()))
-            for event in woken:
-                event.set()
+            keys = []
+            while (note := pgconn.notifies()) is not None:
+                keys.append(note.extra.decode(encoding))
+            self._dispatch(keys, now)
+
+    def _dispatch(self, keys: list[str], now: float) -> None:
+        """Wake the waiters of each released key (a notification's payload)."""
+        woken: list[Settable] = []
+        with self._lock:
+            for payload in keys:
+                key = payload
+                if key.startswith(HANDED_MARK):
+                    # A fair-queue waiter's address, with the fence of the
+                    # head handed to it: kept until it takes it (or RECENT).
+                    key, _, fence = key.partition(" ")
+                    if fence.isdigit():
+                        self._handed[key] = int(fence)
+                self._remember(key, now)
+                woken.extend(self._subs.get(key, ()))
+        for event in woken:
+            event.set()
 
     def _remember(self, key: str, now: float) -> None:
         self._recent[key] = now
