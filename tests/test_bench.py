@@ -166,7 +166,9 @@ def test_bench_many_users_quick(tmp_path: Path) -> None:
             assert r["commits_per_grant"] == r["statements_per_grant"], what
         else:
             assert r["ratio"] is not None, what
-            assert 0 < r["statements_per_grant"] <= 2.01, what
+            # At most 2 a grant, but for retries: a batch the database
+            # refused cleanly (SQLite's busy file) goes again one by one.
+            assert 0 < r["statements_per_grant"] <= 2.5, what
             assert r["commits_per_grant"] <= r["statements_per_grant"], what
 
 
