@@ -775,22 +775,17 @@ class AsyncLockManager:
     ) -> R | Skipped:
         """``await alocks.run_job(name, coro_func, *args, ...)``: see
         :meth:`dblock.LockManager.run_job`. ``func`` returns an awaitable."""
-        key = jobs.job_key(name)
-        options = jobs.JobOptions.make(
-            self.sync,
-            {
-                "at_most": at_most,
-                "at_least": at_least,
-                "retry_failed": retry_failed,
-                "on_skip": on_skip,
-                "wait": wait,
-                "record": record,
-            },
+        given = {
+            "at_most": at_most,
+            "at_least": at_least,
+            "retry_failed": retry_failed,
+            "on_skip": on_skip,
+            "wait": wait,
+            "record": record,
+        }
+        key, options, fire, nxt = jobs.prepare_run(
+            self.sync, name, func, given, fire_time=fire_time, next_fire_time=next_fire_time
         )
-        fire = None if fire_time is None else jobs.check_fire_time(fire_time)
-        nxt = None if next_fire_time is None else jobs.check_fire_time(next_fire_time)
-        if not callable(func):
-            raise LockArgumentError(f"run_job needs a callable to run, got {func!r}")
         return await self._run_job(name, key, options, func, args, kwargs, fire, nxt)
 
     async def _run_job(  # noqa: PLR0917 - internal: once and run_job call it

@@ -227,6 +227,26 @@ class JobOptions:
         )
 
 
+def prepare_run(
+    manager: LockManager,
+    name: str,
+    func: object,
+    given: Mapping[str, Any],
+    *,
+    fire_time: datetime | None,
+    next_fire_time: datetime | None,
+) -> tuple[str, JobOptions, datetime | None, datetime | None]:
+    """What ``run_job`` checks before any SQL, on both faces: the job's key,
+    its options, its fire times; a clear error for anything wrong."""
+    key = job_key(name)
+    options = JobOptions.make(manager, given)
+    fire = None if fire_time is None else check_fire_time(fire_time)
+    nxt = None if next_fire_time is None else check_fire_time(next_fire_time)
+    if not callable(func):
+        raise LockArgumentError(f"run_job needs a callable to run, got {func!r}")
+    return key, options, fire, nxt
+
+
 class JobArgs(TypedDict, total=False):
     """The options of a job, written once for ``once`` and ``run_job`` on
     both faces (see :class:`JobOptions` for their meaning and defaults)."""

@@ -483,22 +483,17 @@ class LockManager:
         is recorded for ``dblock jobs`` to show. Options as for :meth:`once`."""
         from . import jobs
 
-        key = jobs.job_key(name)
-        options = jobs.JobOptions.make(
-            self,
-            {
-                "at_most": at_most,
-                "at_least": at_least,
-                "retry_failed": retry_failed,
-                "on_skip": on_skip,
-                "wait": wait,
-                "record": record,
-            },
+        given = {
+            "at_most": at_most,
+            "at_least": at_least,
+            "retry_failed": retry_failed,
+            "on_skip": on_skip,
+            "wait": wait,
+            "record": record,
+        }
+        key, options, fire, nxt = jobs.prepare_run(
+            self, name, func, given, fire_time=fire_time, next_fire_time=next_fire_time
         )
-        fire = None if fire_time is None else jobs.check_fire_time(fire_time)
-        nxt = None if next_fire_time is None else jobs.check_fire_time(next_fire_time)
-        if not callable(func):
-            raise LockArgumentError(f"run_job needs a callable to run, got {func!r}")
         return jobs.run_job(self, name, key, options, func, args, kwargs, fire, nxt)
 
     def _check(
