@@ -584,6 +584,7 @@ class AsyncLockManager:
         locker = self._locker
         opts = options or locker.defaults
         me = current_owner()
+        entry = None
         if locker._local:
             entry = locker.registry.get(key)
             if entry is not None:
@@ -599,6 +600,7 @@ class AsyncLockManager:
             opts=opts,
             waiter_type=AsyncWaiter,
             level2=level2,
+            seen=entry,
         )
         return AsyncHeldLock(self, await _drive(self, steps))
 

@@ -514,6 +514,7 @@ class Locker:
         me = current_owner()
         if self.kind_guard is not None:
             self.kind_guard(key)
+        entry = None
         if self._local:
             entry = self.registry.get(key)
             if entry is not None:
@@ -530,6 +531,7 @@ class Locker:
                 opts=opts,
                 waiter_type=Waiter,
                 level2=level2,
+                seen=entry,
             )
         )
 
@@ -574,6 +576,7 @@ class Locker:
         opts: LockOptions,
         waiter_type: type[Waiter],
         level2: Level2 | None = None,
+        seen: Entry | Unset | None = UNSET,
     ) -> Op[HeldLock]:
         """Level 1, then level 2, written once for threads and tasks: what to
         wait for and which statement to send are yielded as :data:`Op`
@@ -594,7 +597,8 @@ class Locker:
         watch = None if telemetry is None else Watch(telemetry, key)
         try:
             if self._local:
-                mine = self.registry.get(key)
+                # (``seen``: the caller's own look-up of the key, not made twice.)
+                mine = self.registry.get(key) if seen is UNSET else seen
                 if mine is not None and mine.owner is me:
                     entry = yield from self._take_back(mine, me)
             if entry is not None:
