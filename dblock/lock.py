@@ -1095,18 +1095,10 @@ class Locker:
         until it has passed the key on (None: ask for it as anyone would)."""
         key = entry.key
         ref: _Ref | None = entry.held
-        # One atomic pop (untrack) decides between us and the renewal thread.
-        if (
-            ref is not None
-            and ref() is None
-            and ref.live
-            and (self.renewer.untrack_token(ref.token) or not ref.tracked)
-        ):
-            ref.live = False
+        if ref is not None and ref() is None and self._claim_collected(ref):
             entry.held = None
             entry.depth = 1
             entry.handoffs = 0
-            log.warning("dblock: lock %r was never released by its holder; releasing it", key)
             yield from self._delete_row(key, ref.token)
             return entry
         # The renewal thread (or close()) is releasing it: a DELETE away.
@@ -1154,13 +1146,21 @@ class Locker:
             with contextlib.suppress(RuntimeError):
                 self.renewer.post(lambda: self._release_collected(ref))
 
-    def _release_collected(self, ref: _Ref) -> None:
+    def _claim_collected(self, ref: _Ref) -> bool:
+        """Take the job of releasing a collected lock: True for exactly one
+        of the renewal thread, close() and the owner's next acquire of its
+        key (one atomic pop, ``untrack``, decides)."""
         if not ref.live:
-            return
+            return False
         ref.live = False
         if not self.renewer.untrack_token(ref.token) and ref.tracked:
-            return  # released by close() meanwhile
+            return False  # released by another meanwhile
         log.warning("dblock: lock %r was never released by its holder; releasing it", ref.key)
+        return True
+
+    def _release_collected(self, ref: _Ref) -> None:
+        if not self._claim_collected(ref):
+            return
         entry = ref.entry
         try:
             self.run(self._delete_row(ref.key, ref.token))
