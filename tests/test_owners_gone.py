@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import pytest
 
 from dblock import AsyncLockManager, LockBusy, LockManager
-from tests.conftest import row_of
+from tests.conftest import row_of, wait_queued
 
 TTL = 1.5  # renewal (and the liveness check) every 0.5 s
 
@@ -43,6 +43,16 @@ def short(db_url: str) -> Iterator[LockManager]:
 
 def _run_until(loop: asyncio.AbstractEventLoop, flag: asyncio.Event, limit: float = 10.0) -> None:
     loop.run_until_complete(asyncio.wait_for(flag.wait(), limit))
+
+
+async def _queued(manager: LockManager, key: str, n: int) -> None:
+    """On the loop: until ``n`` requests are queued at level 1 for ``key``."""
+    for _ in range(10_000):
+        entry = manager._locker.registry.get(key)
+        if entry is not None and len(entry.queue) >= n:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{n} waiters never queued")
 
 
 def _close_with_pending(loop: asyncio.AbstractEventLoop) -> None:
@@ -104,7 +114,7 @@ def test_handoff_skips_waiter_of_closed_loop(short: LockManager) -> None:
 
     task = loop.create_task(waiter())  # it will never run again
     _run_until(loop, queued)
-    loop.run_until_complete(asyncio.sleep(0.05))  # it is in the queue now
+    loop.run_until_complete(_queued(short, k, 1))  # it is in the queue now
     entry = short._locker.registry.get(k)
     assert entry is not None
     assert len(entry.queue) == 1
@@ -120,7 +130,7 @@ def test_handoff_skips_waiter_of_closed_loop(short: LockManager) -> None:
 
     t = threading.Thread(target=behind)
     t.start()
-    time.sleep(0.1)
+    wait_queued(short, k, 2)  # behind the dead task
     held.release()  # must go to the thread, not to the task nobody will run
     t.join(10)
     assert granted.is_set()
