@@ -512,6 +512,13 @@ class Run:
             return None
         pid, keys = picked
         os.kill(pid, signal.SIGSTOP)
+        # It may have released between the look and the stop: then the pause
+        # makes no stale holder. Look again while it is stopped; if it holds
+        # nothing, let it go at once and try the pause again later.
+        keys = self._holders().get(pid, [])
+        if not keys:
+            os.kill(pid, signal.SIGCONT)
+            return None
         fault = Fault("pause", time.monotonic(), "SIGSTOP past the lease", pid, keys)
         time.sleep(self.args.ttl + 0.5)
         os.kill(pid, signal.SIGCONT)
