@@ -34,7 +34,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import datetime, timedelta
-from types import TracebackType
+from types import CodeType, TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from sqlalchemy import URL
@@ -453,6 +453,15 @@ async def _release_all(held: list[AsyncHeldLock], *, force: bool = False) -> boo
 H = TypeVar("H", AsyncHeldLock, AsyncHeldLocks)
 
 
+def _own_task(code: CodeType) -> bool:
+    """Is the running task there only to run the coroutine of ``code``
+    (``asyncio.wait_for`` before Python 3.12, ``create_task``, ``gather``)?
+    Then it ends as soon as that returns, and what it acquired belongs to
+    whoever awaits it (see ``Locker.handed_on``)."""
+    task = asyncio.current_task()
+    return task is not None and getattr(task.get_coro(), "cr_code", None) is code
+
+
 class AsyncLockRequest:
     """What ``AsyncLockManager.lock()`` and ``lock_many()`` return: checked
     before any SQL, acquired on ``async with`` entry, released on exit (or,
@@ -569,7 +578,10 @@ class AsyncLockManager:
     ) -> AsyncHeldLock:
         """Like :meth:`lock` without ``async with``: ``await held.release()`` when done."""
         checked = self.sync._check(key, options)
-        return await self._acquire(*checked, level2=_level2(fair))
+        got = await self._acquire(*checked, level2=_level2(fair))
+        if _own_task(_ACQUIRE):
+            got.held._locker.handed_on(got.held)
+        return got
 
     async def _acquire(
         self,
@@ -677,7 +689,11 @@ class AsyncLockManager:
         **options: Unpack[LockArgs],
     ) -> AsyncHeldLocks:
         _, blocking, wait, lease, opts = self.sync._check("-", options)
-        return await self._acquire_many(order_keys(keys), blocking, wait, lease, opts)
+        got = await self._acquire_many(order_keys(keys), blocking, wait, lease, opts)
+        if _own_task(_ACQUIRE_MANY):
+            for one in got.values():
+                one.held._locker.handed_on(one.held)
+        return got
 
     async def _acquire_many(
         self,
@@ -890,3 +906,7 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_ACQUIRE = AsyncLockManager.acquire.__code__
+_ACQUIRE_MANY = AsyncLockManager.acquire_many.__code__

@@ -67,6 +67,7 @@ from .keys import db_text
 from .registry import (
     CLOSED,
     Entry,
+    HandedOn,
     Registry,
     ThreadOwner,
     Waiter,
@@ -193,6 +194,7 @@ class HeldLock:
     __slots__ = (
         "__weakref__",
         "_acquired_mono",
+        "_adopt",
         "_deferred",
         "_entry",
         "_expires_mono",
@@ -240,6 +242,10 @@ class HeldLock:
         # Its release waits for a commit or a response (dblock.deferral): the
         # taking thread or task may end first without abandoning it.
         self._deferred = False
+        # Taken by a task that only ran the acquire (asyncio.wait_for before
+        # Python 3.12, create_task, gather): its owner is whoever awaited
+        # that task, known once it uses the lock (see Locker.adopt).
+        self._adopt = False
         ref = self._ref = _Ref(self, locker._collect)
         ref.entry = entry
         ref.key = entry.key
@@ -297,6 +303,8 @@ class HeldLock:
         ``isHeldByCurrentThread()``); :meth:`check` raises instead of answering."""
         if self._released or self._lost is not None or self._expires_mono <= _monotonic():
             return False
+        if self._adopt:
+            self._locker.adopt(self)
         # As for release: a lock taken by a thread outside any task is held by
         # a task running on that thread too.
         return self._owner is current_owner() or self._owner is _thread_owner()
@@ -1040,12 +1048,38 @@ class Locker:
             raise LockLost(held.key, "its row was gone or held by another owner at release")
         return True
 
+    def handed_on(self, held: HeldLock) -> None:
+        """``held`` was taken by a task that ran nothing but the acquire and
+        so ends at once (``asyncio.wait_for`` before Python 3.12,
+        ``create_task``, ``gather``): the lock is the task's result, handed
+        to whoever awaits it. That task's end does not abandon it (the
+        renewal pass leaves it be); the first task or thread to use it
+        (``release()``, ``owned()``) becomes its owner. Dropped unused, it
+        is collected and released like any other."""
+        task = held._owner
+        placeholder = HandedOn(task)
+        if not self._local or self.registry.adopt(held._entry, task, placeholder):
+            held._owner = placeholder
+            held._adopt = True
+
+    def adopt(self, held: HeldLock) -> None:
+        """The caller becomes the owner of a handed-on lock (see :meth:`handed_on`)."""
+        old = held._owner
+        if not held._adopt or not isinstance(old, HandedOn) or not old.returned():
+            return  # the acquiring task has not even returned it yet
+        me = current_owner()
+        if held._released or not self._local or self.registry.adopt(held._entry, old, me):
+            held._owner = me
+        held._adopt = False
+
     @staticmethod
     def check_owner(held: HeldLock) -> None:
         """Refuse a release by anyone but the holder, as ``threading.RLock`` does.
         (A lock taken by a thread outside any task may be released by a task
         running on that same thread: the thread is the holder.)"""
         me = current_owner()
+        if held._adopt:
+            Locker.adopt(held._locker, held)
         if held._owner is not me and held._owner is not _thread_owner() and not held._released:
             raise LockNotHeld(
                 f"lock {held.key!r} is held by {owner_name(held._owner)}, not by "

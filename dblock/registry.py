@@ -27,6 +27,7 @@ from .errors import ManagerClosed
 __all__ = [
     "CLOSED",
     "Entry",
+    "HandedOn",
     "Registry",
     "ThreadOwner",
     "Waiter",
@@ -107,6 +108,25 @@ def thread_owner() -> ThreadOwner | None:
         return None
 
 
+class HandedOn:
+    """The owner of a lock that a task running nothing but the acquire took
+    and returned as its result (``asyncio.wait_for`` before Python 3.12,
+    ``create_task``, ``gather``): whoever awaits that task, known only once
+    it uses the lock. Holds the task weakly: a task keeps its result, so a
+    strong reference here would keep a dropped lock alive for ever."""
+
+    __slots__ = ("name", "task")
+
+    def __init__(self, task: Any) -> None:
+        self.task = weakref.ref(task)
+        self.name = task.get_name()
+
+    def returned(self) -> bool:
+        """Has the acquiring task returned the lock (so its awaiter may have it)?"""
+        task = self.task()
+        return task is None or bool(task.done())
+
+
 def owner_alive(owner: object) -> bool:
     """Can the thread (or asyncio task) still run? A task whose event loop
     is closed cannot, though it is not done: nothing will ever resume it."""
@@ -131,6 +151,8 @@ def owner_name(owner: object) -> str:
     """The owner, for people: ``thread 'worker-3'`` or ``task 'Task-7'``."""
     if isinstance(owner, ThreadOwner):
         return f"thread {owner.name!r}"
+    if isinstance(owner, HandedOn):
+        return f"whoever awaited task {owner.name!r}"
     get_name = getattr(owner, "get_name", None)
     return f"task {get_name()!r}" if get_name is not None else repr(owner)
 
@@ -317,6 +339,15 @@ class Registry:
             if waiter is None:
                 del self._entries[entry.key]
             return True, waiter
+
+    def adopt(self, entry: Entry, old: object, new: object) -> bool:
+        """Make ``new`` the owner of ``entry``'s key if ``old`` still is (a
+        lock handed on by a task of its own: see :class:`HandedOn`)."""
+        with self._mutex:
+            if self._entries.get(entry.key) is not entry or entry.owner is not old:
+                return False
+            entry.owner = new
+            return True
 
     def stranded(self) -> list[Entry]:
         """Entries whose owner can never run again and holds no lock of

@@ -318,3 +318,71 @@ def test_dropped_lock_after_its_lease(db_url: str) -> None:
             assert not held.lost
     finally:
         m.close()
+
+
+# -- a lock taken in a task of its own is handed to whoever awaits it ----------
+
+
+@pytest.mark.parametrize("how", ["wait_for", "create_task", "gather", "acquire_many"])
+def test_lock_acquired_in_a_task_of_its_own(
+    db_url: str, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``await asyncio.wait_for(alocks.acquire(k), 5)`` runs the acquire in a
+    task of its own before Python 3.12 (as ``create_task`` and ``gather``
+    always do): that task ends the moment it returns the lock, which is not
+    an owner ending without releasing. The lock stays, renewed, and the task
+    that awaited it releases it (no force) as its own."""
+    k = key(how)
+    short = LockManager(db_url, ttl=0.3)  # a renewal pass every 0.1 s
+    alocks = AsyncLockManager(short)
+
+    async def main() -> None:
+        if how == "wait_for":
+            got = await asyncio.wait_for(asyncio.ensure_future(alocks.acquire(k)), 5)
+        elif how == "create_task":
+            got = await asyncio.create_task(alocks.acquire(k))
+        elif how == "gather":
+            (got,) = await asyncio.gather(alocks.acquire(k))
+        else:
+            got = (await asyncio.create_task(alocks.acquire_many([k])))[k]
+        await asyncio.sleep(1.0)  # ten renewal passes, three leases
+        assert not got.lost
+        assert got.owned()  # adopted: the awaiting task is its owner now
+        other = LockManager(db_url)
+        try:
+            with pytest.raises(LockBusy):
+                await asyncio.to_thread(other.acquire, k, blocking=False)
+        finally:
+            await asyncio.to_thread(other.close)
+        assert await got.release() is True  # not force: it is this task's
+
+    with caplog.at_level(logging.WARNING, logger="dblock"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if k in r.getMessage()]
+    asyncio.run(alocks.close())
+    short.close()
+
+
+def test_lock_handed_on_and_dropped_is_released(db_url: str) -> None:
+    """A lock a task of its own acquired, and nobody ever used, is released
+    once dropped (collected), as any dropped lock is."""
+    k = key("dropped")
+    short = LockManager(db_url, ttl=0.3)
+    alocks = AsyncLockManager(short)
+
+    async def main() -> None:
+        task = asyncio.create_task(alocks.acquire(k))
+        await asyncio.wait([task])
+        assert short.is_locked(k)
+        del task
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gc.collect()
+        deadline = time.monotonic() + 5
+        while short.is_locked(k):
+            assert time.monotonic() < deadline, "the dropped lock was never released"
+            await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    asyncio.run(alocks.close())
+    short.close()
