@@ -459,6 +459,9 @@ class Listener:
         self._recent: dict[str, float] = {}
         self._recent_order: deque[tuple[float, str]] = deque()
         self._handed: dict[str, int] = {}  # fair queue: address -> fence handed to it
+        #: Notification payloads dispatched since the listener was made: what
+        #: this process hears (``dblock/bench/listeners.py`` reports it).
+        self.received = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -717,6 +720,7 @@ class Listener:
         """Wake the waiters of each released key (a notification's payload)."""
         woken: list[Settable] = []
         with self._lock:
+            self.received += len(keys)
             for payload in keys:
                 key = payload
                 if key.startswith(HANDED_MARK):
