@@ -20,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from dblock import LockManager
-from dblock._store.postgresql import Listener, _waiters_class
+from dblock._store.postgresql import BUCKETS, Listener, _waiters_class
 from tests.support.db import DEFAULT_URLS
 from tests.support.servers import PgBouncer
 
@@ -37,14 +37,21 @@ def _conninfo(url: str) -> str:
 
 
 class Heard:
-    """A LISTEN connection of the test's own on a manager's channel."""
+    """A LISTEN connection of the test's own on every channel of a manager's
+    table: each bucket's, and the one channel of earlier versions."""
 
     def __init__(self, url: str, manager: LockManager) -> None:
         self.conn = psycopg.connect(_conninfo(url), autocommit=True)
-        self.conn.execute(f'LISTEN "{manager.store.names.channel}"')
+        names = manager.store.names
+        channels = [names.channel, *(f"{names.channel_prefix}{b}" for b in range(BUCKETS))]
+        self.conn.execute("; ".join(f'LISTEN "{c}"' for c in channels))
+
+    def notes(self, wait: float = 0.3) -> list[tuple[str, str]]:
+        """(channel, payload) of each notification heard."""
+        return [(n.channel, n.payload) for n in self.conn.notifies(timeout=wait, stop_after=100)]
 
     def payloads(self, wait: float = 0.3) -> list[str]:
-        return [n.payload for n in self.conn.notifies(timeout=wait, stop_after=100)]
+        return [payload for _, payload in self.notes(wait)]
 
     def close(self) -> None:
         self.conn.close()
