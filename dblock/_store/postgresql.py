@@ -421,8 +421,10 @@ class NotifyWait(Wait):
 
     def sleep(self, limit: float) -> None:
         if not self._listener.listening:
-            # No listener connection right now: notifications may be missed.
-            self._backoff.sleep(limit)
+            # No listener connection right now: notifications may be missed,
+            # so poll; but the listener back (its keys registered again, its
+            # buckets listened to again) wakes us at once to look again.
+            self._event.wait(self._backoff.step(limit))
             return
         if not self._listener.covers(self._key):
             # Its registration is not in yet: woken when it is, but no later
