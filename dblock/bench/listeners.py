@@ -60,7 +60,7 @@ class ProcessReport:
     listener_cpu: float  # seconds of CPU of the listener thread
     process_cpu: float  # seconds of CPU of the whole process
     latencies: list[float]  # partner's release -> our grant, seconds
-    buckets: int  # bucket channels its listener listens to at the end
+    buckets: int  # bucket channels its listener listens to at the end (0: one channel)
 
 
 @dataclasses.dataclass
@@ -77,6 +77,7 @@ class ListenersResult:
     p50_ms: float
     p99_ms: float
     releases_per_s: float  # of the whole cluster
+    channels: float  # bucket channels a process listens to at the end (median)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -121,6 +122,7 @@ def run_listeners(spec: ListenersSpec) -> ListenersResult:
         p50_ms=percentile(latencies, 50) * 1e3,
         p99_ms=percentile(latencies, 99) * 1e3,
         releases_per_s=sum(releases.values()) / window,
+        channels=percentile([float(r.buckets) for _, r in reports], 50),
     )
 
 
@@ -141,6 +143,7 @@ def render(result: ListenersResult) -> str:
             "{:.1f} / {:.1f}".format(*r.listener_cpu_ms_per_s),
         ),
         ("process CPU, ms per second (median)", f"{r.process_cpu_ms_per_s:.1f}"),
+        ("bucket channels listened to per process (median)", f"{r.channels:g}"),
         ("listener CPU per notification heard, µs", f"{r.us_per_notification:.1f}"),
         (
             f"grant latency after the partner's release, p50 / p99 ms ({r.grants} grants)",
