@@ -6,6 +6,7 @@ hundreds of processes never weigh on a shared server, and removes it after.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dblock import LockManager
 from dblock.bench.listeners import ListenersSpec, render, run_listeners
+
+
+def server_cpu(data: Path) -> float:
+    """CPU seconds of the PostgreSQL instance whose data directory is ``data``
+    so far: its postmaster's and its children's (backends, background workers)."""
+    postmaster = int((data / "postmaster.pid").read_text().split()[0])
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        # After the name: state, ppid, ..., utime and stime are fields 14 and 15.
+        if int(entry.name) == postmaster or int(fields[1]) == postmaster:
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
 
 
 def main(argv: list[str]) -> int:
@@ -43,7 +63,8 @@ def main(argv: list[str]) -> int:
             hold=args.hold / 1e3,
             gap=args.gap / 1e3,
         )
-        result = run_listeners(spec)
+        cpu = None if server is None else (lambda: server_cpu(server.data))
+        result = run_listeners(spec, cpu)
     finally:
         if server is not None:
             server.close()

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import LockNotAcquired
@@ -77,25 +78,43 @@ class ListenersResult:
     p50_ms: float
     p99_ms: float
     releases_per_s: float  # of the whole cluster
+    server_cpu_ms_per_s: float | None  # the server's processes, all together (if known)
     channels: float  # bucket channels a process listens to at the end (median)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
 
-def run_listeners(spec: ListenersSpec) -> ListenersResult:
+def run_listeners(
+    spec: ListenersSpec, server_cpu: Callable[[], float] | None = None
+) -> ListenersResult:
+    """Run the processes and sum up. ``server_cpu``: the database server's
+    CPU seconds so far (all its processes), read over the same window."""
     if spec.processes < 2 or spec.processes % 2:
         raise ValueError("processes must be an even number, at least 2")
     if not 0 < spec.gap < spec.hold:
         raise ValueError("gap must be between 0 and hold")
     run = uuid.uuid4().hex[:8]
+    server: list[float] = []
+
+    def sample() -> None:
+        assert server_cpu is not None
+        time.sleep(1.0)  # the workers' warm-up
+        began, cpu = time.monotonic(), server_cpu()
+        time.sleep(spec.seconds)
+        server.append((server_cpu() - cpu) / (time.monotonic() - began))
+
+    sampler = threading.Thread(target=sample, daemon=True)
     reports: list[tuple[int, ProcessReport]] = run_together(
         _worker,
         (spec, run),
         processes=spec.processes,
         timeout=spec.seconds + 180,
         doubles=spec.processes,
+        after_go=sampler.start if server_cpu is not None else None,
     )
+    if server_cpu is not None:
+        sampler.join(5.0)
     # Both sides of a pair release its key: a key's events are the two's sum.
     releases: dict[int, int] = {}
     for pair, r in reports:
@@ -122,6 +141,7 @@ def run_listeners(spec: ListenersSpec) -> ListenersResult:
         p50_ms=percentile(latencies, 50) * 1e3,
         p99_ms=percentile(latencies, 99) * 1e3,
         releases_per_s=sum(releases.values()) / window,
+        server_cpu_ms_per_s=server[0] * 1e3 if server else None,
         channels=percentile([float(r.buckets) for _, r in reports], 50),
     )
 
@@ -144,6 +164,10 @@ def render(result: ListenersResult) -> str:
         ),
         ("process CPU, ms per second (median)", f"{r.process_cpu_ms_per_s:.1f}"),
         ("bucket channels listened to per process (median)", f"{r.channels:g}"),
+        (
+            "database server CPU, ms per second (all its processes)",
+            "?" if r.server_cpu_ms_per_s is None else f"{r.server_cpu_ms_per_s:,.0f}",
+        ),
         ("listener CPU per notification heard, µs", f"{r.us_per_notification:.1f}"),
         (
             f"grant latency after the partner's release, p50 / p99 ms ({r.grants} grants)",

@@ -33,10 +33,12 @@ def run_together(
     processes: int,
     timeout: float,
     doubles: int = 0,
+    after_go: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Run ``target(*args, start)`` in ``processes`` spawned processes and
     return their results (in the order they arrived); ``doubles``: the size
-    of ``start.shared``, lock-free."""
+    of ``start.shared``, lock-free; ``after_go`` is called in this process
+    as the workers are let go."""
     ctx = multiprocessing.get_context("spawn")
     start = Start(
         ready=ctx.Queue(),
@@ -54,6 +56,8 @@ def run_together(
         for _ in workers:
             start.ready.get(timeout=120)
         start.go.set()
+        if after_go is not None:
+            after_go()
         return [start.results.get(timeout=timeout) for _ in workers]
     finally:
         for w in workers:
