@@ -8,7 +8,8 @@ including once its last waiter of a bucket left (UNLISTEN), and the release
 again once a new waiter comes (LISTEN). A LISTEN connection killed while
 waiters wait LISTENs again to every bucket with waiters, and no release is
 missed, even one made while it was gone. With one channel per table, every
-process heard every release: the counting tests fail.
+process heard every release: the counting tests fail. A process of an
+earlier version, notifying the table's one channel, still wakes a waiter.
 """
 
 from __future__ import annotations
@@ -19,13 +20,21 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 
 from dblock import LockManager
 from dblock._store.postgresql import Listener
 from tests.support.db import DEFAULT_URLS
-from tests.support.notify import bucket_of, listener_of, registered, start_waiter, until
+from tests.support.notify import (
+    bucket_of,
+    conninfo,
+    listener_of,
+    registered,
+    start_waiter,
+    until,
+)
 
 pytestmark = pytest.mark.databases("postgresql")
 
@@ -183,3 +192,28 @@ def test_a_killed_listen_connection_listens_again_to_every_bucket(
         assert waiting[key][1][0] - released < 1.0
     for t, _ in waiting.values():
         t.join(10)
+
+
+def test_a_release_by_an_earlier_version_still_wakes_a_waiter(
+    db_url: str, make_manager: Callable[..., LockManager], key: str
+) -> None:
+    """A rolling upgrade: a process of an earlier version releases the way
+    it did, on the table's one channel; the listener still LISTENs to it."""
+    holder = make_manager()
+    waiter = make_manager(notify_recheck=RECHECK, poll_max=RECHECK)
+    held = holder.acquire(key)
+    t, got = start_waiter(waiter, key)
+    until(lambda: registered(waiter, key), "the registration")
+    time.sleep(0.1)
+    names = holder.store.names
+    with psycopg.connect(conninfo(db_url), autocommit=True) as old:
+        released = time.monotonic()
+        old.execute(
+            f"WITH gone AS (DELETE FROM {names.table} WHERE lock_key = %s AND token = %s "
+            f"RETURNING lock_key) SELECT pg_notify(%s, lock_key) FROM gone",
+            (key, held.token, names.channel),
+        )
+    held._released = True  # released by hand above
+    until(lambda: got, "the grant", timeout=RECHECK / 2)
+    assert got[0] - released < 1.0
+    t.join(10)
