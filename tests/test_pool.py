@@ -9,6 +9,7 @@ returns False, like any other unreachable database."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -60,6 +61,64 @@ def test_threads_share_a_pool_without_overflow(db_url: str, keys: object, pool_s
         for t in pool:
             t.join(120)
         assert manager.engine.pool.checkedout() <= pool_size  # type: ignore[attr-defined]
+    assert errors == []
+
+
+def test_a_pool_sized_to_the_threads_keeps_its_connections(db_url: str, key: str) -> None:
+    """A pool without overflow (``max_overflow=0``, the size the threads
+    need) is all checked out the moment dblock keeps its connection: it
+    used to hand it back to the pool and check it out again for every
+    statement (a third more client CPU per lock). Now it is kept, and
+    whoever waits for the pool gets it (the next tests)."""
+    options = {"pool_size": 1, "max_overflow": 0, "pool_timeout": 3}
+    with LockManager(db_url, engine_options=options) as manager:
+        checkouts: list[object] = []
+        sa.event.listen(manager.engine.pool, "checkout", lambda *_: checkouts.append(1))
+        for _ in range(50):
+            with manager.lock(key, blocking=False):
+                pass
+        assert len(checkouts) <= 2
+
+
+def test_the_engine_is_served_beside_the_kept_connections(db_url: str, keys: object) -> None:
+    """Someone else using the manager's engine (a migration, the
+    application's own query) while dblock's threads keep every connection
+    of a pool without overflow busy or idle in its stack: served at once,
+    never left to the pool's timeout."""
+    names = keys(4)  # type: ignore[operator]
+    options = {"pool_size": 2, "max_overflow": 0, "pool_timeout": 3}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    with LockManager(db_url, engine_options=options) as manager:
+        with manager.lock(names[0], blocking=False):
+            pass  # its connection is idle in dblock's stack now
+        started = time.monotonic()
+        with manager.engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+        assert time.monotonic() - started < 1.0
+
+        def work(key: str) -> None:
+            try:
+                while not stop.is_set():
+                    with manager.lock(key, timeout=10):
+                        pass
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        pool = [threading.Thread(target=work, args=(k,)) for k in names]
+        for t in pool:
+            t.start()
+        try:
+            for _ in range(10):
+                started = time.monotonic()
+                with manager.engine.connect() as conn:
+                    conn.exec_driver_sql("SELECT 1")
+                assert time.monotonic() - started < 2.0
+                time.sleep(0.02)
+        finally:
+            stop.set()
+            for t in pool:
+                t.join(60)
     assert errors == []
 
 
@@ -186,3 +245,42 @@ def test_interrupted_while_waiting_for_the_pool_leaves_nothing(
                 pass
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_gates_its_own_pool(db_url: str, keys: object) -> None:
+    """A forked child gets a pool of its own (``engine.dispose()``): the
+    executor gates that one, not its parent's, so the child keeps its
+    connection and serves the engine beside it; the parent goes on."""
+    k_parent, k_child = keys(2)  # type: ignore[operator]
+    options = {"pool_size": 1, "max_overflow": 0, "pool_timeout": 3}
+    with LockManager(db_url, engine_options=options) as manager:
+        with manager.lock(k_parent, blocking=False):
+            pass
+        pid = os.fork()
+        if pid == 0:  # the child: nothing of pytest's may run here
+            code = 1
+            try:
+                executor = manager.store.executor
+                assert executor._bounded is manager.engine.pool
+                for _ in range(20):
+                    with manager.lock(k_child, timeout=10):
+                        pass
+                with manager.engine.connect() as conn:
+                    conn.exec_driver_sql("SELECT 1")
+                code = 0
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError("the forked child hung")
+            time.sleep(0.01)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with manager.lock(k_parent, blocking=False):
+            assert row_of(manager, k_parent) is not None

@@ -162,6 +162,17 @@ class Executor:
     a connection out and in again costs more CPU than the statement's own
     client side). A connection idle there for :data:`IDLE_SECONDS` is handed
     back to the pool first.
+
+    A bounded pool (``max_overflow`` not negative) counts the stack's
+    connections as checked out, so whoever waits in the pool (a thread of
+    ours that found the stack empty, or anyone else using the engine) would
+    wait for ever while our threads pass them around. So the pool's wait is
+    gated (:meth:`_gate`): a waiter first takes one from the stack into the
+    pool, and while anyone waits, connections coming back go to the pool,
+    not the stack. Both sides decide under one mutex, so none is missed.
+    Without that gate the stack was only usable while the pool could still
+    open connections, and a pool sized to the threads (``max_overflow=0``)
+    paid a pool check-out and check-in per statement.
     """
 
     __slots__ = (
@@ -173,7 +184,9 @@ class Executor:
         "_is_missing_table",
         "_keep_cursor",
         "_max_idle",
+        "_mutex",
         "_owns",
+        "_pool_waiters",
         "_table",
         "_url",
         "request",
@@ -201,10 +214,10 @@ class Executor:
         self._idle: list[tuple[PoolProxiedConnection, float, Any]] = []
         size = getattr(engine.pool, "size", None)
         self._max_idle = size() if callable(size) else 4
-        pool = engine.pool
+        self._mutex = threading.Lock()
+        self._pool_waiters = 0  # threads in (or about to enter) the bounded pool's wait
         self._bounded: QueuePool | None = None
-        if isinstance(pool, QueuePool) and getattr(pool, "_max_overflow", -1) >= 0:
-            self._bounded = pool
+        self._gate(engine.pool)
         # Per thread: ``deadline``, the time.monotonic() by which the
         # acquisition under way must end (None: none), so a wait for a pooled
         # connection ends with the request's own timeout rather than the pool's.
@@ -284,15 +297,16 @@ class Executor:
             # protocol state is unknown.
             conn.invalidate()
             raise
-        # _checkin(conn), inlined (the hot path), with the first test of
-        # _pool_exhausted(): a pool that may still open another connection.
-        pool = self._bounded
-        if len(self._idle) < self._max_idle and (
-            pool is None or pool.overflow() < pool._max_overflow or not self._pool_exhausted()
-        ):
-            self._idle.append((conn, _monotonic(), kept))
-        else:
-            conn.close()
+        # _checkin(conn, kept), inlined (the hot path).
+        if len(self._idle) < self._max_idle and not self._pool_waiters:
+            if self._bounded is None:
+                self._idle.append((conn, _monotonic(), kept))
+                return result
+            with self._mutex:
+                if not self._pool_waiters:
+                    self._idle.append((conn, _monotonic(), kept))
+                    return result
+        conn.close()
         return result
 
     def _checkout(self) -> PoolProxiedConnection:
@@ -305,8 +319,49 @@ class Executor:
             if _monotonic() - since < IDLE_SECONDS:
                 return conn
             conn.close()  # back to the pool, which recycles or pings it as configured
-        if self._bounded is not None:
+        if self._bounded is None:
+            return self._connect()
+        with self._mutex:
+            # From here on, connections coming back go to the pool (see _gate);
+            # one put in the stack before we counted ourselves is ours.
+            self._pool_waiters += 1
+            last = idle.pop() if idle else None
+        try:
+            if last is not None:
+                if _monotonic() - last[1] < IDLE_SECONDS:
+                    return last[0]
+                last[0].close()
             self._wait_for_pool()
+            return self._connect()
+        finally:
+            with self._mutex:
+                self._pool_waiters -= 1
+
+    def _gate(self, pool: object) -> None:
+        """Gate a bounded pool's wait (see the class docstring): whoever is
+        about to wait in it (``QueuePool._do_get``) counts itself and first
+        hands one idle connection of our stack back to the pool."""
+        self._bounded = None
+        if not isinstance(pool, QueuePool) or getattr(pool, "_max_overflow", -1) < 0:
+            return
+        self._bounded = pool
+        get = pool._do_get
+
+        def gated_get() -> Any:
+            with self._mutex:
+                self._pool_waiters += 1
+                spare = self._idle.pop() if self._idle else None
+            try:
+                if spare is not None:
+                    spare[0].close()  # into the pool, for this very wait
+                return get()
+            finally:
+                with self._mutex:
+                    self._pool_waiters -= 1
+
+        pool._do_get = gated_get  # type: ignore[method-assign]
+
+    def _connect(self) -> PoolProxiedConnection:
         try:
             return self._engine.raw_connection()
         except sa_exc.TimeoutError as exc:
@@ -353,10 +408,12 @@ class Executor:
         )
 
     def _checkin(self, conn: PoolProxiedConnection, kept: Any = None) -> None:
-        if len(self._idle) < self._max_idle and not self._pool_exhausted():
-            self._idle.append((conn, _monotonic(), kept))
-        else:
-            conn.close()
+        if len(self._idle) < self._max_idle and not self._pool_waiters:
+            with self._mutex:
+                if not self._pool_waiters:
+                    self._idle.append((conn, _monotonic(), kept))
+                    return
+        conn.close()
 
     def _pool_exhausted(self) -> bool:
         """Whether every connection the pool may make is checked out (those
@@ -382,8 +439,12 @@ class Executor:
                 conn.close()
 
     def forget_idle(self) -> None:
-        """In a forked child: drop the parent's connections without touching them."""
+        """In a forked child: drop the parent's connections without touching
+        them, and gate the child's new pool (``engine.dispose()`` made it)."""
         self._idle = []
+        self._mutex = threading.Lock()  # perhaps held by a parent's thread at the fork
+        self._pool_waiters = 0
+        self._gate(self._engine.pool)
 
     def _run_observed(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
         sent = False
@@ -707,8 +768,8 @@ class Store:
 
     def after_fork(self) -> None:
         """In a forked child: never reuse the parent's connections."""
-        self.executor.forget_idle()
         self.engine.dispose(close=False)
+        self.executor.forget_idle()
         self._orphans.clear()
         self._whole = set()
         self._orphans_lock = threading.Lock()
