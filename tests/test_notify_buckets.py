@@ -43,6 +43,12 @@ pytestmark = pytest.mark.databases("postgresql")
 RECHECK = 30.0
 
 
+def old_channel_notify(url: str, manager: LockManager, payload: str) -> None:
+    """What a process of an earlier version sends on release."""
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        conn.execute("SELECT pg_notify(%s, %s)", (manager.store.names.channel, payload))
+
+
 def in_distinct_buckets(url: str, candidates: list[str], n: int) -> list[str]:
     chosen: dict[int, str] = {}
     for key in candidates:
@@ -109,6 +115,9 @@ def test_a_bucket_is_unlistened_when_its_last_waiter_leaves_and_listened_again(
     held.release()
     until(lambda: got, "the other process's grant", timeout=RECHECK / 2)
     t.join(10)
+    # Nor the old channel of earlier versions: the session LISTENs to
+    # nothing, so the server no longer signals it at every notifying commit.
+    old_channel_notify(db_url, waiter, key)
     time.sleep(0.2)
     assert listener.received == heard
     # A new waiter: its bucket is listened to again, and the release wakes it.
@@ -116,6 +125,9 @@ def test_a_bucket_is_unlistened_when_its_last_waiter_leaves_and_listened_again(
     t, got = start_waiter(waiter, key)
     until(lambda: registered(waiter, key), "the registration again")
     assert bucket in listener._listened
+    before = listener.received
+    old_channel_notify(db_url, waiter, f"{key}:nobody's")  # listened to again, with the bucket
+    until(lambda: listener.received > before, "the old channel's notification")
     time.sleep(0.1)
     released = time.monotonic()
     held.release()

@@ -453,10 +453,12 @@ class Listener:
     buckets, not the cluster's. The bucket of a key is the server's answer to
     its registration; the LISTEN follows, and only then are its waiters woken
     to try again, so a release is either heard or found by that attempt.
-    It also LISTENs to the table's one channel of earlier versions
-    (:attr:`TableNames.channel <dblock.schema.TableNames.channel>`), which
-    only their processes still notify (a rolling upgrade): nothing to hear
-    once they are gone.
+    While it LISTENs to any bucket it also LISTENs to the table's one
+    channel of earlier versions (:attr:`TableNames.channel
+    <dblock.schema.TableNames.channel>`), which only their processes still
+    notify (a rolling upgrade): nothing to hear once they are gone. Without
+    waiters for :attr:`KEY_LINGER` it LISTENs to nothing, so its server
+    session is out of the listeners every notifying commit signals.
 
     A waiter subscribes only after its first attempt found the key held, so
     the listener remembers the keys released in the last :attr:`RECENT`
@@ -653,16 +655,23 @@ class Listener:
 
     def _listen(self, conn: Any, wanted: set[int]) -> None:
         """LISTEN to the channels of the ``wanted`` buckets, UNLISTEN the
-        others, in one round trip (on the listener's thread)."""
-        start = sorted(wanted - self._listened)
-        stop = sorted(self._listened - wanted)
+        others, in one round trip (on the listener's thread). The old
+        channel is listened to while any bucket is: a session that LISTENs
+        to nothing is out of the server's listeners, which every notifying
+        commit signals whatever the channel (up to PostgreSQL 18)."""
+        start = [f"{self._channel}{b}" for b in sorted(wanted - self._listened)]
+        stop = [f"{self._channel}{b}" for b in sorted(self._listened - wanted)]
         if not start and not stop:
             return
+        if self._legacy is not None and not self._listened:
+            start.append(self._legacy)
+        elif self._legacy is not None and not wanted:
+            stop.append(self._legacy)
         quote = self._engine.dialect.identifier_preparer.quote_identifier
         conn.execute(
             "; ".join(
-                [f"LISTEN {quote(f'{self._channel}{b}')}" for b in start]
-                + [f"UNLISTEN {quote(f'{self._channel}{b}')}" for b in stop]
+                [f"LISTEN {quote(name)}" for name in start]
+                + [f"UNLISTEN {quote(name)}" for name in stop]
             )
         )
         self._listened = wanted
@@ -733,10 +742,7 @@ class Listener:
         # Notifications that arrive while our own statements run (the
         # registrations) are taken by psycopg, and handed here.
         conn.add_notify_handler(lambda note: self._dispatch([note.payload], time.monotonic()))
-        if self._legacy is not None:
-            quoted = self._engine.dialect.identifier_preparer.quote_identifier(self._legacy)
-            conn.execute(f"LISTEN {quoted}")
-        self._listened = set()
+        self._listened = set()  # a new session LISTENs to nothing yet
         with self._lock:
             # A new session holds no registration and LISTENs to no bucket:
             # register every waited-for key again, which LISTENs to its
