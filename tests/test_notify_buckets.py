@@ -14,6 +14,7 @@ earlier version, notifying the table's one channel, still wakes a waiter.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -24,10 +25,11 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from dblock import LockManager
+from dblock import LockLost, LockManager
 from dblock._store.postgresql import Listener
 from tests.support.db import DEFAULT_URLS
 from tests.support.notify import (
+    Heard,
     bucket_of,
     conninfo,
     listener_of,
@@ -229,3 +231,56 @@ def test_a_release_by_an_earlier_version_still_wakes_a_waiter(
     until(lambda: got, "the grant", timeout=RECHECK / 2)
     assert got[0] - released < 1.0
     t.join(10)
+
+
+def test_every_announcement_goes_to_the_bucket_of_its_key(
+    db_url: str, private: LockManager, make_manager: Callable[..., LockManager], keys: Any
+) -> None:
+    """Each statement that announces a key computes its bucket itself: the
+    exclusive lock's release (when waited for), ``dblock release --force``,
+    the sweeper's DELETE, a semaphore permit's release, the read-write
+    lock's releases, the fair queue's release."""
+    from dblock.contrib._admin import force_release, sweep
+
+    ear = Heard(db_url, private)
+    prefix = private.store.names.channel_prefix
+
+    def announced(key: str) -> bool:
+        return (f"{prefix}{bucket_of(db_url, key)}", key) in ear.notes()
+
+    try:
+        waited, forced, swept, permit, written, read, fair = keys(7)
+        # Released while another process waits for it (registered).
+        waiter = make_manager(table=private.store.names.table, notify_recheck=RECHECK)
+        held = private.acquire(waited)
+        t, got = start_waiter(waiter, waited)
+        until(lambda: registered(waiter, waited), "the registration")
+        held.release()
+        until(lambda: got, "the grant", timeout=RECHECK / 2)
+        t.join(10)
+        assert announced(waited)
+        held = private.acquire(forced)
+        assert force_release(private, forced)
+        assert announced(forced)
+        with contextlib.suppress(LockLost):
+            held.release()
+        held = private.acquire(swept, ttl=0.2)  # kept: a dropped handle is released
+        time.sleep(0.4)
+        assert sweep(private) >= 1
+        assert announced(swept)
+        with contextlib.suppress(LockLost):
+            held.release()
+        with private.semaphore(permit, permits=2):
+            pass
+        assert announced(permit)
+        with private.write_lock(written):
+            pass
+        assert announced(written)
+        with private.read_lock(read):
+            pass
+        assert announced(read)
+        with private.lock(fair, fair=True):
+            pass
+        assert announced(fair)
+    finally:
+        ear.close()
