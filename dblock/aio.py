@@ -223,7 +223,7 @@ class _Notified:
         self._key = key
         self._recheck = config.notify_recheck
         self._poll_max = config.poll_max
-        self._backoff = _Backoff(config.poll_initial, config.poll_max)
+        self._backoff = Backoff(config.poll_initial, config.poll_max)
         self._event = _LoopEvent()
         listener.attach(key, since, self._event)
         self._address = address  # a fair-queue waiter's own wake-ups
@@ -235,7 +235,8 @@ class _Notified:
 
     async def sleep(self, limit: float) -> None:
         if not self._listener.listening:
-            await self._backoff.sleep(limit)
+            # Polling, until the listener is back and wakes us (see NotifyWait).
+            await self._event.wait(self._backoff.step(limit))
             return
         if not self._listener.covers(self._key):
             # Registration not in yet: never later than polling (see NotifyWait).

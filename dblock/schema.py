@@ -173,8 +173,17 @@ class TableNames:
 
     @property
     def channel(self) -> str:
-        """The PostgreSQL NOTIFY channel releases are announced on."""
+        """The PostgreSQL NOTIFY channel releases were announced on before
+        the channels per key bucket (listened to still, for the releases of
+        processes of earlier versions during a rolling upgrade)."""
         return self.table
+
+    @property
+    def channel_prefix(self) -> str:
+        """The PostgreSQL NOTIFY channels releases are announced on: this
+        prefix and the key's bucket number (``dblock_locks:17``), within
+        PostgreSQL's 63 bytes whatever the bucket."""
+        return derived_name(self.table, ":0000")[:-4]
 
     def all(self) -> tuple[str, ...]:
         """Every name dblock creates in the database for this table."""

@@ -17,11 +17,11 @@ from typing import Any
 
 import psycopg
 import pytest
-import sqlalchemy as sa
 
 from dblock import LockManager
 from dblock._store.postgresql import Listener, _waiters_class
 from tests.support.db import DEFAULT_URLS
+from tests.support.notify import Heard, bucket_of, conninfo, registered, start_waiter, until
 from tests.support.servers import PgBouncer
 
 pytestmark = pytest.mark.databases("postgresql")
@@ -29,50 +29,6 @@ pytestmark = pytest.mark.databases("postgresql")
 # Long enough that a waiter woken by its periodic re-check, or polling
 # (poll_max, its cap while its registration is not in), fails the test.
 RECHECK = 30.0
-
-
-def _conninfo(url: str) -> str:
-    u = sa.make_url(url)
-    return f"host={u.host} port={u.port or 5432} user={u.username} dbname={u.database}"
-
-
-class Heard:
-    """A LISTEN connection of the test's own on a manager's channel."""
-
-    def __init__(self, url: str, manager: LockManager) -> None:
-        self.conn = psycopg.connect(_conninfo(url), autocommit=True)
-        self.conn.execute(f'LISTEN "{manager.store.names.channel}"')
-
-    def payloads(self, wait: float = 0.3) -> list[str]:
-        return [n.payload for n in self.conn.notifies(timeout=wait, stop_after=100)]
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-def until(check: Callable[[], object], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
-def registered(manager: LockManager, key: str) -> bool:
-    listener = manager.store._listener
-    return listener is not None and key in listener._registered
-
-
-def start_waiter(manager: LockManager, key: str) -> tuple[threading.Thread, list[float]]:
-    got: list[float] = []
-
-    def wait() -> None:
-        with manager.lock(key, timeout=60):
-            got.append(time.monotonic())
-
-    t = threading.Thread(target=wait, daemon=True)
-    t.start()
-    return t, got
 
 
 @pytest.fixture
@@ -114,7 +70,7 @@ def test_a_release_nobody_waits_for_sends_no_notify(
 
 
 def test_a_waiter_registered_before_the_release_is_notified(
-    make_manager: Callable[..., LockManager], heard: Any, key: str
+    db_url: str, make_manager: Callable[..., LockManager], heard: Any, key: str
 ) -> None:
     holder = make_manager()
     waiter = make_manager(notify_recheck=RECHECK, poll_max=RECHECK)
@@ -127,7 +83,10 @@ def test_a_waiter_registered_before_the_release_is_notified(
     assert held.release() is True
     until(lambda: got, "the waiter's grant", timeout=RECHECK / 2)
     assert got[0] - released < 1.0
-    assert key in ear.payloads()
+    # On the channel of the key's bucket, the only one the waiter listens to.
+    channel = f"{holder.store.names.channel_prefix}{bucket_of(db_url, key)}"
+    assert (channel, key) in ear.notes()
+    assert waiter.store._listener._listened == {bucket_of(db_url, key)}
     t.join(10)
     # Its wait over, the waiter's listener drops the registration: the next
     # release of the key notifies nobody.
@@ -174,7 +133,7 @@ def test_a_release_before_the_registration_is_not_missed(
     time.sleep(0.1)
     # The holder's release, by hand and left open: the row deleted, no waiter found.
     table = holder.store.names.table
-    release = psycopg.connect(_conninfo(release_url), prepare_threshold=None)
+    release = psycopg.connect(conninfo(release_url), prepare_threshold=None)
     release.execute(f"DELETE FROM {table} WHERE lock_key = %s AND token = %s", (key, held.token))
     waiters = _waiters_class(table)
     (free,) = release.execute(
@@ -182,7 +141,7 @@ def test_a_release_before_the_registration_is_not_missed(
     ).fetchone()  # type: ignore[misc]
     assert free is True  # nobody registered: the release would not notify
     gate.set()  # the registration goes ahead, and waits for the release's commit
-    admin = psycopg.connect(_conninfo(db_url), autocommit=True)
+    admin = psycopg.connect(conninfo(db_url), autocommit=True)
     # (Through the pooler the backend is the pooler's, not the one psycopg reports.)
     (server_pid,) = release.execute("SELECT pg_backend_pid()").fetchone()  # type: ignore[misc]
     until(
@@ -201,6 +160,62 @@ def test_a_release_before_the_registration_is_not_missed(
     until(lambda: got, "the waiter's grant", timeout=RECHECK / 2)
     assert got[0] - committed < 1.0
     t.join(10)
+
+
+@pytest.mark.parametrize("via", ["direct", "pooler"])
+def test_a_release_between_the_registration_and_the_listen_is_not_missed(
+    db_url: str,
+    make_manager: Callable[..., LockManager],
+    key: str,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    via: str,
+) -> None:
+    """The race on a bucket the process does not LISTEN to yet: the key's
+    registration is in (so the release notifies), but the LISTEN on its
+    bucket is not, so the notification reaches nobody. The waiter, woken
+    only once the LISTEN is active, tries again and finds the key free.
+    ``pooler``: both managers' statements go through a transaction-mode
+    pgbouncer, the waiter's LISTEN straight to the server (``listen_url``)."""
+    options: dict[str, Any] = {}
+    url = db_url
+    if via == "pooler":
+        url = request.getfixturevalue("bouncer").url
+        options = {"pooler": True}
+    holder = LockManager(url, **options)
+    waiter = LockManager(
+        url, **options, listen_url=db_url if via == "pooler" else None,
+        notify_recheck=RECHECK, poll_max=RECHECK,
+    )  # fmt: skip
+    try:
+        held = holder.acquire(key)
+        entered, gate = threading.Event(), threading.Event()
+        real = Listener._listen
+
+        def held_up(self: Listener, conn: Any, wanted: set[int]) -> None:
+            if wanted - self._listened:  # a LISTEN on a new bucket
+                entered.set()
+                gate.wait(30)
+            real(self, conn, wanted)
+
+        monkeypatch.setattr(Listener, "_listen", held_up)
+        t, got = start_waiter(waiter, key)
+        assert entered.wait(10)
+        listener = waiter.store._listener
+        assert key in listener._bucket  # registered: the release notifies ...
+        assert bucket_of(db_url, key) not in listener._listened  # ... nobody listening
+        assert held.release() is True
+        time.sleep(0.2)
+        assert not got  # asleep: not woken (its registration is not complete)
+        opened = time.monotonic()
+        gate.set()
+        until(lambda: got, "the waiter's grant", timeout=RECHECK / 2)
+        assert got[0] - opened < 1.0
+        assert listener._listened == {bucket_of(db_url, key)}
+        t.join(10)
+    finally:
+        holder.close()
+        waiter.close()
 
 
 @pytest.fixture(scope="module")

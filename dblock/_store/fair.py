@@ -183,7 +183,7 @@ class _PostgresFair(FairSQL):
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)
-        from .postgresql import _lock_class
+        from .postgresql import _lock_class, notify
 
         t = self.t
         seq = store.quoted(store.names.sequence).replace("'", "''")
@@ -253,8 +253,9 @@ class _PostgresFair(FairSQL):
             f"g AS (SELECT min(slot) AS slot, min(fence) AS fence FROM gone), "
             f"nxt AS (SELECT slot FROM {t} WHERE {live_q} AND token <> %(token)s "
             f"ORDER BY fence LIMIT 1) "
-            f"SELECT g.slot = '', (SELECT pg_notify(%(channel)s, "
-            f"coalesce(chr(31) || (SELECT slot FROM nxt), %(key)s)) "
+            f"SELECT g.slot = '', (SELECT "
+            + notify("%(key)s", "coalesce(chr(31) || (SELECT slot FROM nxt), %(key)s)")
+            + " "
             f"WHERE g.slot = '' OR (EXISTS (SELECT FROM nxt) AND NOT EXISTS ("
             f"SELECT FROM {t} WHERE {live_q} AND fence < g.fence AND token <> %(token)s))) "
             f"FROM g WHERE g.slot IS NOT NULL"
@@ -265,6 +266,8 @@ class _PostgresFair(FairSQL):
         # wake-up: the next grant costs no statement of its own. The queue
         # row's DELETE decides: a waiter leaving at that instant keeps it
         # (the DELETE finds nothing) and the head is released instead.
+        # Every wake-up goes to the key's bucket, where its waiter listens.
+        handed = "chr(31) || slot || ' ' || fence"
         self._release_sql = (
             f"WITH {lk}, "
             f"mine AS MATERIALIZED (SELECT FROM {t}, lk WHERE lock_key = %(key)s AND slot = '' "
@@ -287,8 +290,8 @@ class _PostgresFair(FairSQL):
             f"now() + make_interval(secs => %(ttl2)s), 'queued' FROM tk "
             f"RETURNING fence, expires_at) "
             f"SELECT EXISTS (SELECT FROM moved) OR EXISTS (SELECT FROM gone WHERE slot = ''), "
-            f"(SELECT pg_notify(%(channel)s, chr(31) || slot || ' ' || fence) FROM moved), "
-            f"(SELECT pg_notify(%(channel)s, %(key)s) WHERE EXISTS "
+            f"(SELECT {notify('%(key)s', handed)} FROM moved), "
+            f"(SELECT {notify('%(key)s')} WHERE EXISTS "
             f"(SELECT FROM gone WHERE slot = '')), "
             f"(SELECT fence FROM enq), (SELECT expires_at FROM enq), now()"
         )
@@ -296,7 +299,7 @@ class _PostgresFair(FairSQL):
             f"SELECT fence, expires_at, now() FROM {t} "
             f"WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s"
         )
-        self._channel = store.names.channel
+        self._channel = store.names.channel_prefix
 
     def release_steps(self, key: str, token: str) -> Steps[bool]:
         released, _ = yield from self._release(key, token, None, "", 1.0)

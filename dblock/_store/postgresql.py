@@ -17,7 +17,8 @@ write a fence drawn before the one another process was granted, and
 released, on that key meanwhile, and the fence went backwards.
 
 Release deletes the row where the token is ours and, in the same statement,
-``pg_notify``-s the key on a channel named after the table, but only when
+``pg_notify``-s the key on the channel of its bucket (``<table>:<n>``, the
+statement computing ``n`` from the key: see :data:`BUCKETS`), but only when
 some process waits for that key: PostgreSQL serialises the commits of
 notifying transactions, so a notification nobody hears costs every process
 throughput. One listener connection per process fans the notifications out
@@ -36,7 +37,10 @@ notifies. The race between a waiter registering and a holder releasing:
 Either way no wake-up is missed. A waiter is therefore woken once its
 registration is in (it tries again at once: a release between its first
 attempt and its registration notified nobody). A hash collision only costs
-a notification nobody needed.
+a notification nobody needed. The listener LISTENs to the key's bucket
+after the registration and before that wake-up, so the same holds per
+bucket: a release committed before the LISTEN is found by the attempt, one
+after it is heard (see :class:`Listener`).
 """
 
 from __future__ import annotations
@@ -66,6 +70,21 @@ _UNDEFINED_TABLE = "42P01"
 # A notification payload starting with this addresses one fair-queue waiter
 # (see dblock._store.fair); a space and a fence follow when it is handed the head.
 HANDED_MARK = "\x1f"
+
+
+#: Releases are announced on one channel per key bucket, ``<prefix><n>``
+#: with ``n = hashtext(key) & (BUCKETS - 1)`` computed by the notifying
+#: statement itself, and a listener LISTENs only to the buckets of the keys
+#: its process waits for: it hears its own keys' releases and, of the rest of
+#: the cluster, only those of the keys that share their buckets.
+BUCKETS = 1024
+
+
+def notify(key: str, payload: str | None = None) -> str:
+    """The SQL that announces ``payload`` (default: the key) on the channel
+    of ``key``'s bucket; both are SQL expressions, the channel's prefix is the
+    ``channel`` parameter."""
+    return f"pg_notify(%(channel)s || (hashtext({key}) & {BUCKETS - 1}), {payload or key})"
 
 
 def _lock_class(table: str) -> int:
@@ -126,7 +145,7 @@ class PostgresStore(Store):
         self._waiters = _waiters_class(self.names.table)
         notify_if_waited = (
             f"CASE WHEN NOT pg_try_advisory_xact_lock({self._waiters}, hashtext(lock_key)) "
-            f"THEN pg_notify(%(channel)s, lock_key) END"
+            f"THEN {notify('lock_key')} END"
         )
         self._release_sql = (
             f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = '' "
@@ -190,7 +209,7 @@ class PostgresStore(Store):
             f"RETURNING t.lock_key, t.token) "
             f"SELECT token, {notify_if_waited} FROM gone"
         )
-        self._channel = self.names.channel
+        self._channel = self.names.channel_prefix
         # What runs a statement: the executor itself unless retry() says
         # more than Store's (raise), saving a call per statement.
         self._run_once = self.executor.run if type(self).retry is Store.retry else self.run
@@ -300,7 +319,11 @@ class PostgresStore(Store):
                 # Straight to the server (listen_url): no pool of ours to make room in.
                 make_room = self.executor.release_idle if engine is self.engine else None
                 self._listener = Listener(
-                    engine, self._channel, make_room=make_room, waiters=self._waiters
+                    engine,
+                    self._channel,
+                    make_room=make_room,
+                    waiters=self._waiters,
+                    legacy=self.names.channel,
                 )
             return self._listener
 
@@ -343,7 +366,7 @@ class PostgresStore(Store):
         sql = (
             f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s "
             f"AND token = %(token)s RETURNING lock_key) "
-            f"SELECT pg_notify(%(channel)s, lock_key) FROM gone"
+            f"SELECT {notify('lock_key')} FROM gone"
         )
         params = {"key": key, "slot": slot, "token": token, "channel": self._channel}
         return bool(self.run(sql, params, fetch=True).rows)
@@ -360,7 +383,7 @@ class PostgresStore(Store):
             f"WITH gone AS (DELETE FROM {t} WHERE (lock_key, slot) IN ("
             f"SELECT lock_key, slot FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
             f"FOR UPDATE SKIP LOCKED) AND {old} RETURNING {COLUMNS}) "
-            f"SELECT {COLUMNS}, now(), pg_notify(%(channel)s, lock_key) FROM gone"
+            f"SELECT {COLUMNS}, now(), {notify('lock_key')} FROM gone"
         )
         params = {"older_than": older_than, "limit": limit, "channel": self._channel}
         return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
@@ -398,8 +421,10 @@ class NotifyWait(Wait):
 
     def sleep(self, limit: float) -> None:
         if not self._listener.listening:
-            # No listener connection right now: notifications may be missed.
-            self._backoff.sleep(limit)
+            # No listener connection right now: notifications may be missed,
+            # so poll; but the listener back (its keys registered again, its
+            # buckets listened to again) wakes us at once to look again.
+            self._event.wait(self._backoff.step(limit))
             return
         if not self._listener.covers(self._key):
             # Its registration is not in yet: woken when it is, but no later
@@ -417,10 +442,23 @@ class NotifyWait(Wait):
 class Listener:
     """One LISTEN connection per store, on a thread of its own.
 
-    Started by the first waiter; it stops (and closes its connection, so the
-    process no longer receives every release of the cluster) after
+    Started by the first waiter; it stops (and closes its connection) after
     :attr:`LINGER` seconds without waiters. While it is reconnecting,
     :attr:`listening` is false and waiters poll instead.
+
+    It LISTENs to the channel of a key's bucket (see :data:`BUCKETS`) from
+    the key's registration until its unregistration: a bucket is listened to
+    while some key of it is registered, so a process hears the releases of
+    the keys its waiters wait for and of the few others sharing their
+    buckets, not the cluster's. The bucket of a key is the server's answer to
+    its registration; the LISTEN follows, and only then are its waiters woken
+    to try again, so a release is either heard or found by that attempt.
+    While it LISTENs to any bucket it also LISTENs to the table's one
+    channel of earlier versions (:attr:`TableNames.channel
+    <dblock.schema.TableNames.channel>`), which only their processes still
+    notify (a rolling upgrade): nothing to hear once they are gone. Without
+    waiters for :attr:`KEY_LINGER` it LISTENs to nothing, so its server
+    session is out of the listeners every notifying commit signals.
 
     A waiter subscribes only after its first attempt found the key held, so
     the listener remembers the keys released in the last :attr:`RECENT`
@@ -441,24 +479,33 @@ class Listener:
         engine: Engine,
         channel: str,
         *,
+        waiters: int,
         make_room: Callable[[], None] | None = None,
-        waiters: int | None = None,
+        legacy: str | None = None,
     ) -> None:
         self._engine = engine
-        self._channel = channel
+        self._channel = channel  # the buckets' channels: this prefix and the bucket's number
+        self._legacy = legacy  # the one channel of earlier versions, listened to as well
         self._make_room = make_room
         # Registration of waited-for keys on the server (see the module's
-        # docstring): the advisory lock class, or None (nothing registered).
+        # docstring): the advisory lock class.
         self._waiters = waiters
         self._registered: set[str] = set()  # held by our connection now
         self._registering: set[str] = set()  # being registered by the thread
         self._to_register: set[str] = set()
         self._to_unregister: set[str] = set()
         self._unwaited: dict[str, float] = {}  # registered, no waiter since (monotonic)
+        # Bucket of each registered key (the server's answer to the
+        # registration); the buckets our connection LISTENs to (the thread's).
+        self._bucket: dict[str, int] = {}
+        self._listened: set[int] = set()
         self._subs: dict[str, set[Settable]] = {}
         self._recent: dict[str, float] = {}
         self._recent_order: deque[tuple[float, str]] = deque()
         self._handed: dict[str, int] = {}  # fair queue: address -> fence handed to it
+        #: Notification payloads dispatched since the listener was made: what
+        #: this process hears (``dblock/bench/listeners.py`` reports it).
+        self.received = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -503,8 +550,7 @@ class Listener:
             # since then notified. Otherwise the thread registers it and then
             # wakes its waiters, who try again (see the module's docstring).
             register = (
-                self._waiters is not None
-                and not key.startswith(HANDED_MARK)
+                not key.startswith(HANDED_MARK)
                 and key not in self._registered
                 and key not in self._registering
                 and key not in self._to_register
@@ -538,7 +584,7 @@ class Listener:
     def covers(self, key: str) -> bool:
         """Whether every release of ``key`` notifies now (its registration
         is in, or none is needed)."""
-        return self._waiters is None or key in self._registered or key.startswith(HANDED_MARK)
+        return key in self._registered or key.startswith(HANDED_MARK)
 
     def take_handed(self, address: str) -> int | None:
         """The fence of the head a release handed to the fair-queue waiter
@@ -560,8 +606,9 @@ class Listener:
 
     def _sync_registrations(self, conn: Any) -> None:
         """On the listener's thread: register the keys waited for since the
-        last call and drop those nobody waits for any more, then wake the
-        waiters of the newly registered keys."""
+        last call and drop those nobody waits for any more, LISTEN to the
+        buckets of the registered keys and no others, then wake the waiters
+        of the newly registered keys."""
         with self._lock:
             drop = list(self._to_unregister)
             self._to_unregister.clear()
@@ -570,13 +617,28 @@ class Listener:
             add = list(self._to_register)
             self._to_register.clear()
             self._registering.update(add)
-        sql = "SELECT {}(%s, hashtext(k)) FROM unnest(%s::text[]) AS k"
+        sql = "SELECT {}(%s, hashtext(k)){} FROM unnest(%s::text[]) AS k"
         if drop:
-            conn.execute(sql.format("pg_advisory_unlock_shared"), (self._waiters, drop))
+            conn.execute(sql.format("pg_advisory_unlock_shared", ""), (self._waiters, drop))
+        buckets: dict[str, int] = {}
         if add:
             # Waits while a release that found no waiter commits (it holds
             # the same lock exclusively until then): see the module's docstring.
-            conn.execute(sql.format("pg_advisory_lock_shared"), (self._waiters, add))
+            # The answer is each key's bucket, as the releases compute it.
+            rows = conn.execute(
+                sql.format("pg_advisory_lock_shared", f", k, hashtext(k) & {BUCKETS - 1}"),
+                (self._waiters, add),
+            ).fetchall()
+            buckets = {key: bucket for _, key, bucket in rows}
+        with self._lock:
+            for key in drop:
+                self._bucket.pop(key, None)
+            self._bucket.update(buckets)
+            wanted = {self._bucket[k] for k in self._registered if k in self._bucket}
+        wanted.update(buckets.values())
+        # Before the new keys' waiters are woken: a release committed after
+        # this LISTEN is heard, one before it is found by their next attempt.
+        self._listen(conn, wanted)
         woken: list[Settable] = []
         with self._lock:
             self._registering.difference_update(add)
@@ -590,6 +652,29 @@ class Listener:
                     self._registered.add(key)
         for event in woken:
             event.set()
+
+    def _listen(self, conn: Any, wanted: set[int]) -> None:
+        """LISTEN to the channels of the ``wanted`` buckets, UNLISTEN the
+        others, in one round trip (on the listener's thread). The old
+        channel is listened to while any bucket is: a session that LISTENs
+        to nothing is out of the server's listeners, which every notifying
+        commit signals whatever the channel (up to PostgreSQL 18)."""
+        start = [f"{self._channel}{b}" for b in sorted(wanted - self._listened)]
+        stop = [f"{self._channel}{b}" for b in sorted(self._listened - wanted)]
+        if not start and not stop:
+            return
+        if self._legacy is not None and not self._listened:
+            start.append(self._legacy)
+        elif self._legacy is not None and not wanted:
+            stop.append(self._legacy)
+        quote = self._engine.dialect.identifier_preparer.quote_identifier
+        conn.execute(
+            "; ".join(
+                [f"LISTEN {quote(name)}" for name in start]
+                + [f"UNLISTEN {quote(name)}" for name in stop]
+            )
+        )
+        self._listened = wanted
 
     def close(self) -> None:
         with self._lock:
@@ -654,20 +739,20 @@ class Listener:
         proxied.detach()  # ours alone for as long as we listen, not the pool's
         conn: Any = proxied.dbapi_connection
         conn.autocommit = True
-        quoted = self._engine.dialect.identifier_preparer.quote_identifier(self._channel)
         # Notifications that arrive while our own statements run (the
         # registrations) are taken by psycopg, and handed here.
         conn.add_notify_handler(lambda note: self._dispatch([note.payload], time.monotonic()))
-        conn.execute(f"LISTEN {quoted}")
+        self._listened = set()  # a new session LISTENs to nothing yet
         with self._lock:
-            # A new session holds no registration: register every waited-for
-            # key again (its waiters are woken once that is done).
+            # A new session holds no registration and LISTENs to no bucket:
+            # register every waited-for key again, which LISTENs to its
+            # bucket again (its waiters are woken once that is done).
             self._registered.clear()
             self._registering.clear()
             self._to_unregister.clear()
             self._unwaited.clear()
-            if self._waiters is not None:
-                self._to_register = {k for k in self._subs if not k.startswith(HANDED_MARK)}
+            self._bucket.clear()
+            self._to_register = {k for k in self._subs if not k.startswith(HANDED_MARK)}
         return conn
 
     def _serve(self, conn: Any) -> None:
@@ -717,6 +802,7 @@ class Listener:
         """Wake the waiters of each released key (a notification's payload)."""
         woken: list[Settable] = []
         with self._lock:
+            self.received += len(keys)
             for payload in keys:
                 key = payload
                 if key.startswith(HANDED_MARK):

@@ -136,7 +136,7 @@ def _intent_slot(token: str) -> str:
 class PostgresRw(RwStatements):
     def __init__(self, store: Store) -> None:
         super().__init__(store)
-        from .postgresql import _lock_class
+        from .postgresql import _lock_class, notify
 
         t = self.t
         names = store.names
@@ -186,17 +186,17 @@ class PostgresRw(RwStatements):
             f"RETURNING lock_key), "
             f"u AS (UPDATE {t} SET holders = holders - 1 WHERE {head} AND mode = 'read' "
             f"AND holders > 1 RETURNING holders) "
-            f"SELECT 0, pg_notify(%(channel)s, lock_key)::text FROM d "
+            f"SELECT 0, {notify('lock_key')}::text FROM d "
             f"UNION ALL SELECT holders, NULL FROM u"
         )
         self._release_write_sql = (
             f"WITH gone AS (DELETE FROM {t} WHERE {head} AND mode = 'write' "
-            f"RETURNING lock_key) SELECT pg_notify(%(channel)s, lock_key) FROM gone"
+            f"RETURNING lock_key) SELECT {notify('lock_key')} FROM gone"
         )
         self._downgrade_sql = (
             f"WITH u AS (UPDATE {t} SET mode = 'read', holders = 1 WHERE {head} "
             f"AND mode = 'write' RETURNING lock_key) "
-            f"SELECT pg_notify(%(channel)s, lock_key) FROM u"
+            f"SELECT {notify('lock_key')} FROM u"
         )
         self._intent_sql = (
             f"INSERT INTO {t} (lock_key, slot, kind, mode, holders, owner, token, fence, "
@@ -206,7 +206,7 @@ class PostgresRw(RwStatements):
         )
         self._drop_intent_sql = (
             f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s "
-            f"RETURNING lock_key) SELECT pg_notify(%(channel)s, lock_key) FROM gone"
+            f"RETURNING lock_key) SELECT {notify('lock_key')} FROM gone"
         )
         self._renew_sql = (
             f"UPDATE {t} AS t SET expires_at = CASE WHEN t.mode = 'read' THEN "
@@ -218,7 +218,7 @@ class PostgresRw(RwStatements):
             f"RETURNING t.token, t.expires_at, now()"
         )
         self._holder_sql = f"SELECT false, {cols} FROM {t} WHERE lock_key = %(key)s AND slot = ''"
-        self._channel = names.channel
+        self._channel = names.channel_prefix
 
     def grant_steps(
         self, mode: str, key: str, token: str, owner: str, ttl: float

@@ -16,6 +16,10 @@
   (and asyncio tasks) on random keys of a large space, dblock against the
   raw driver sending its statements, sqlalchemy-dlock and redis-py ``Lock``.
 
+Apart from the suite, :mod:`~dblock.bench.listeners` measures what each of
+many listening processes hears on PostgreSQL (``scripts/bench-listeners``,
+on a private instance of its own).
+
 It prints Markdown tables (with the PostgreSQL targets judged) and writes
 ``bench.md``, ``bench.json`` and ``bench.png`` (and ``bench-many.png``) to ``--out``. Its own
 dependencies (the ``bench`` extra: redis, sqlalchemy-dlock, matplotlib, tqdm)

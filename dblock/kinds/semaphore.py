@@ -145,7 +145,7 @@ class PermitStore(Store):
         t = self.quoted(self.names.table)
         cols = "lock_key, slot, kind, mode, holders, permits, owner, token"
         if dialect == "postgresql":
-            from .._store.postgresql import _lock_class
+            from .._store.postgresql import _lock_class, notify
 
             seq = self.quoted(self.names.sequence).replace("'", "''")
             mismatch = (
@@ -170,7 +170,7 @@ class PermitStore(Store):
             self._release_sql = (
                 f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
                 f"AND kind = 'semaphore' RETURNING lock_key) "
-                f"SELECT pg_notify(%(channel)s, lock_key) FROM gone"
+                f"SELECT {notify('lock_key')} FROM gone"
             )
             self._rows_sql = (
                 f"SELECT slot, kind, permits, owner, token, fence, expires_at, now() "
@@ -345,7 +345,7 @@ class PermitStore(Store):
     def release_steps(self, key: str, token: str) -> Steps[bool]:
         params = {"key": real_key(key), "token": token}
         if self.dialect == "postgresql":
-            params["channel"] = self.names.channel
+            params["channel"] = self.names.channel_prefix
             return bool((yield self._release_sql, params, True, False).rows)
         return (yield self._release_sql, params, False, False).rowcount > 0
 

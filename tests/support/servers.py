@@ -119,9 +119,11 @@ def _pg_bin(tool: str) -> str:
 class PrivatePostgres(PrivateServer):
     name = "postgresql"
 
-    def __init__(self) -> None:
+    def __init__(self, **settings: object) -> None:
+        """``settings``: server parameters for every start (``max_connections=400``)."""
         self.dir = Path(tempfile.mkdtemp(prefix="dblock-pg-"))
         self.port = free_port()
+        self.settings = settings
         self._as_postgres = os.geteuid() == 0
         if self._as_postgres:
             shutil.chown(self.dir, "postgres")
@@ -140,6 +142,7 @@ class PrivatePostgres(PrivateServer):
 
     def start(self) -> None:
         options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1"
+        options += "".join(f" -c {name}={value}" for name, value in self.settings.items())
         self._pg(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "log"),
                  "-o", options, "-w", "start")  # fmt: skip
         self.wait_ready()
