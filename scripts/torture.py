@@ -512,11 +512,14 @@ class Run:
             return None
         pid, keys = picked
         os.kill(pid, signal.SIGSTOP)
-        # It may have released between the look and the stop: then the pause
-        # makes no stale holder. Look again while it is stopped; if it holds
-        # nothing, let it go at once and try the pause again later.
+        # It may have released between the look and the stop, or be stopped
+        # holding a row but past its section's work (writing its end, or
+        # releasing): then the pause makes no stale holder. Look again while
+        # it is stopped, at its rows and at its ledger (WAL: readable while
+        # it is stopped mid-write); unless some thread of it is inside a
+        # section, let it go at once and try the pause again later.
         keys = self._holders().get(pid, [])
-        if not keys:
+        if not keys or not self._in_section(pid):
             os.kill(pid, signal.SIGCONT)
             return None
         fault = Fault("pause", time.monotonic(), "SIGSTOP past the lease", pid, keys)
@@ -524,6 +527,20 @@ class Run:
         os.kill(pid, signal.SIGCONT)
         fault.t_end = time.monotonic()
         return fault
+
+    def _in_section(self, pid: int) -> bool:
+        """Whether some thread of worker ``pid`` has begun a section and not
+        yet written its end (its ledger, read while the worker is stopped)."""
+        path = self.run_dir / f"ledger-{pid}.sqlite3"
+        try:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)
+            try:
+                (n,) = conn.execute("SELECT count(*) FROM sections WHERE t_end IS NULL").fetchone()
+            finally:
+                conn.close()
+        except sqlite3.Error:
+            return False
+        return bool(n)
 
     def _cut(self) -> Fault:
         if self.db == "galera":  # one node cut off from its clients
