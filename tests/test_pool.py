@@ -130,6 +130,8 @@ def test_exhausted_pool_fails_within_the_request_timeout(
     small_engine: sa.Engine, key: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     with LockManager(small_engine, renew=False) as m:
+        # A borrowed engine's pool is the application's: dblock never gates it.
+        assert "_do_get" not in vars(small_engine.pool)
         with small_engine.connect():  # the application holds the pool's only connection
             started = time.monotonic()
             with (

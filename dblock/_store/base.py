@@ -345,6 +345,10 @@ class Executor:
         if not isinstance(pool, QueuePool) or getattr(pool, "_max_overflow", -1) < 0:
             return
         self._bounded = pool
+        if not self._owns:
+            # A borrowed engine's statements never use the stack (see run()),
+            # and its pool is the application's: leave it as it is.
+            return
         get = pool._do_get
 
         def gated_get() -> Any:
