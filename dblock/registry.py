@@ -115,11 +115,17 @@ class HandedOn:
     it uses the lock. Holds the task weakly: a task keeps its result, so a
     strong reference here would keep a dropped lock alive for ever."""
 
-    __slots__ = ("name", "task")
+    __slots__ = ("loop", "name", "task")
 
     def __init__(self, task: Any) -> None:
         self.task = weakref.ref(task)
         self.name = task.get_name()
+        # Whoever awaits the task runs on its loop: once that is closed,
+        # nobody can ever use (or release) the lock (see owner_alive).
+        self.loop = task.get_loop()
+
+    def get_loop(self) -> Any:
+        return self.loop
 
     def returned(self) -> bool:
         """Has the acquiring task returned the lock (so its awaiter may have it)?"""

@@ -386,3 +386,33 @@ def test_lock_handed_on_and_dropped_is_released(db_url: str) -> None:
     asyncio.run(main())
     asyncio.run(alocks.close())
     short.close()
+
+
+def test_lock_handed_on_to_a_closed_loop_is_released(
+    short: LockManager, make_manager: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lock a task of its own acquired, awaited by a task whose loop is
+    then closed before it used the lock: nobody can ever release it, so the
+    renewal pass does, as for any owner of a closed loop."""
+    k = key("handed-closed")
+    alocks = AsyncLockManager(short)
+    loop = asyncio.new_event_loop()
+    got = asyncio.Event()
+
+    async def holder() -> None:
+        held = await asyncio.create_task(alocks.acquire(k))
+        got.set()
+        await asyncio.Event().wait()  # for ever: the loop is closed under it
+        await held.release()  # never reached
+
+    task = loop.create_task(holder())
+    _run_until(loop, got)
+    _close_with_pending(loop)
+    assert not task.done()
+    other: LockManager = make_manager()  # type: ignore[operator]
+    with caplog.at_level(logging.WARNING, logger="dblock"), other.lock(k, timeout=10):
+        pass
+    assert any(
+        k in r.getMessage() and "event loop is closed" in r.getMessage() for r in caplog.records
+    )
+    asyncio.run(alocks.close())
