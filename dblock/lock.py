@@ -1079,7 +1079,7 @@ class Locker:
         running on that same thread: the thread is the holder.)"""
         me = current_owner()
         if held._adopt:
-            Locker.adopt(held._locker, held)
+            held._locker.adopt(held)
         if held._owner is not me and held._owner is not _thread_owner() and not held._released:
             raise LockNotHeld(
                 f"lock {held.key!r} is held by {owner_name(held._owner)}, not by "
