@@ -152,6 +152,10 @@ Op = Generator[tuple[Any, ...], Any, T]
 #: The row's acquire loop (``Locker._acquire_loop``, or another kind's): called
 #: with the locker, the entry and the keywords of ``_acquire_loop``.
 Level2 = Callable[..., Op["HeldLock"]]
+#: What :meth:`Locker._acquire_alone` hands on to :meth:`Locker.acquire_steps`:
+#: the claimed key, the token, the owner, when the first try was sent and
+#: what it answered or raised.
+_Claimed = tuple["Entry", str, str, float, "Grant | Holder | BaseException"]
 
 
 class _Ref(weakref.ref["HeldLock"]):
@@ -529,6 +533,8 @@ class Locker:
                 held = self.reenter(entry, me, blocking)
                 if held is not None:
                     return held
+            elif level2 is None:
+                return self._acquire_alone(key, me, blocking, timeout, ttl, opts)
         return self.run(
             self.acquire_steps(
                 key,
@@ -542,6 +548,76 @@ class Locker:
                 seen=entry,
             )
         )
+
+    def _acquire_alone(  # noqa: PLR0917 - positional, as acquire
+        self,
+        key: str,
+        me: object,
+        blocking: bool,
+        timeout: float | None,
+        ttl: float,
+        opts: LockOptions,
+    ) -> HeldLock:
+        """The common request (a key nobody of this process holds or waits
+        for, granted at the first try) without the step machinery: claim the
+        key, send the one statement, keep the grant. Anything else (the key
+        claimed meanwhile, the row held elsewhere, a failed or interrupted
+        statement) goes on in :meth:`acquire_steps`, handed what was done so
+        far: the claimed key, the token and the first try's outcome. At one
+        thread per process the machinery's own work was a tenth of a grant's
+        client CPU (most of it cache misses after each round trip)."""
+        start = _monotonic()
+        store = self.store
+        entry = None if self._closing or store.has_orphans else self.registry.claim(key, me)
+        claimed: _Claimed | None = None
+        if entry is not None:
+            held: HeldLock | None = None
+            try:
+                token = _urandom(16).hex()
+                owner = self.owner_label(me)
+                request = store.executor.request
+                request.deadline = None if timeout is None else start + timeout
+                sent_at = _monotonic()
+                try:
+                    first: Grant | Holder | BaseException = self._rows.try_acquire(
+                        key, token, owner, ttl
+                    )
+                except BaseException as exc:
+                    first = exc
+                finally:
+                    request.deadline = None
+                if not isinstance(first, Grant):
+                    # Not granted at once: on with the machinery, as if it had made the try.
+                    claimed, entry = (entry, token, owner, sent_at, first), None
+                else:
+                    held = self.held_type(self, entry, token, owner, ttl, first, sent_at, opts)
+                    self._keep(entry, held)
+                    if self._closing:
+                        raise ManagerClosed(f"the LockManager was closed while acquiring {key!r}")
+                    if self.telemetry is not None:
+                        self.telemetry.granted_at_once()
+                    return held
+            except BaseException as exc:
+                if held is not None:
+                    if self.telemetry is not None:
+                        Watch(self.telemetry, key).done(*outcome_of(exc))
+                    self.run(self._give_back(held))
+                elif entry is not None and entry.owner is me:
+                    self._leave(entry)
+                raise
+        return self.run(
+            self.acquire_steps(
+                key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts,
+                waiter_type=Waiter, start=start, claimed=claimed,
+            )
+        )  # fmt: skip
+
+    def _keep(self, entry: Entry, held: HeldLock) -> None:
+        """A granted row becomes the key's at level 1, and renewal watches it."""
+        entry.held = held._ref
+        entry.handoffs = 0
+        self.renewer.track(held)
+        held._ref.tracked = True
 
     def owns(self, key: str) -> bool:
         """Whether the calling thread or task holds ``key`` (see :meth:`HeldLock.owned`)."""
@@ -585,6 +661,8 @@ class Locker:
         waiter_type: type[Waiter],
         level2: Level2 | None = None,
         seen: Entry | Unset | None = UNSET,
+        start: float | None = None,
+        claimed: _Claimed | None = None,
     ) -> Op[HeldLock]:
         """Level 1, then level 2, written once for threads and tasks: what to
         wait for and which statement to send are yielded as :data:`Op`
@@ -593,8 +671,11 @@ class Locker:
         moment is in ``entry`` (the key at level 1), ``waiter`` (a place in
         its queue) or ``held`` (the row too); the one ``except`` below gives
         back exactly that. ``level2`` replaces the row's acquire loop (the
-        fair queue's, :func:`dblock.kinds.fair.queued_loop`)."""
-        start = _monotonic()
+        fair queue's, :func:`dblock.kinds.fair.queued_loop`). ``claimed``:
+        what :meth:`_acquire_alone` did before it handed the request on (the
+        key claimed at level 1, the token and owner, when the first try was
+        sent and what it answered or raised)."""
+        start = _monotonic() if start is None else start
         entry: Entry | None = None
         waiter: Waiter | None = None
         held: HeldLock | None = None
@@ -604,7 +685,9 @@ class Locker:
         telemetry = self.telemetry
         watch = None if telemetry is None else Watch(telemetry, key)
         try:
-            if self._local:
+            if claimed is not None:
+                entry, token, owner = claimed[0], claimed[1], claimed[2]
+            elif self._local:
                 # (``seen``: the caller's own look-up of the key, not made twice.)
                 mine = self.registry.get(key) if seen is UNSET else seen
                 if mine is not None and mine.owner is me:
@@ -658,11 +741,9 @@ class Locker:
                     token=token,
                     watch=watch,
                     seat=seat,
+                    **({} if claimed is None else {"first": claimed[3:]}),
                 )
-                entry.held = held._ref
-                entry.handoffs = 0
-                self.renewer.track(held)
-                held._ref.tracked = True
+                self._keep(entry, held)
             if self._closing:
                 raise ManagerClosed(f"the LockManager was closed while acquiring {key!r}")
             if watch is not None:
@@ -816,7 +897,7 @@ class Locker:
             self.renewer.post(_noop)  # the renewal thread cleans orphans on its pass
             raise
 
-    def _acquire_loop(  # noqa: PLR0912 - the first try inline, the rest in _attempt
+    def _acquire_loop(  # noqa: PLR0912, PLR0915 - the first try inline, the rest in _attempt
         self,
         entry: Entry,
         *,
@@ -829,13 +910,15 @@ class Locker:
         token: str | None,
         watch: Watch | None = None,
         seat: Seat | None = None,  # always None: only the fair queue's loop is handed one
+        first: tuple[float, Grant | Holder | BaseException] | None = None,
     ) -> Op[HeldLock]:
         store = self.store
         key = entry.key
         # A token handed over by a hand-off that failed mid-statement: the row
         # may carry it already. This thread was waiting, so it rides out an
         # outage too, and if it still fails the row must not outlive it.
-        handed = token
+        # (``first``: the first try, made by _acquire_alone with this token.)
+        handed = token if first is None else None
         token = token or _urandom(16).hex()
         deadline = None if timeout is None else start + timeout
         # A wait for a pooled connection ends with this request's timeout too
@@ -846,16 +929,24 @@ class Locker:
         waiting = False
         try:
             while True:
-                if self._closing:
-                    raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
-                if store.has_orphans:
-                    yield _CLEAN_OP
-                sent_at = _monotonic()
-                try:
+                if first is not None:
+                    sent_at, answer = first
+                    first = None
+                else:
+                    if self._closing:
+                        raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
+                    if store.has_orphans:
+                        yield _CLEAN_OP
+                    sent_at = _monotonic()
                     try:  # the first try here, the rest (if it fails) in _attempt
-                        result = yield (_TRY, key, token, owner, ttl)
-                    except BaseException as first:
-                        result = yield from self._attempt(key, token, owner, ttl, first)
+                        answer = yield (_TRY, key, token, owner, ttl)
+                    except BaseException as failed:
+                        answer = failed
+                try:
+                    if isinstance(answer, BaseException):
+                        result = yield from self._attempt(key, token, owner, ttl, answer)
+                    else:
+                        result = answer
                 except BackendError as exc:
                     outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
                     token = yield from self._ride_out(
@@ -966,7 +1057,63 @@ class Locker:
     # -- release -----------------------------------------------------------
 
     def release(self, held: HeldLock, *, force: bool = False) -> bool:
+        entry = held._entry
+        if (
+            held._owner is _thread_owner()
+            and entry.depth == 1
+            and not entry.queue
+            and not held._released
+            and not held._fair
+            and held._lost is None
+            and not force
+        ):
+            # The common release (this thread's lock, held once, nobody of
+            # this process waiting for the key): release_steps's own path,
+            # without the step machinery (see _acquire_alone).
+            self._let_go(held, entry)
+            try:
+                deleted = self._rows.release(held.key, held.token)
+            except BaseException as exc:
+                return self._release_failed(held, exc)
+            finally:
+                self._leave(entry)
+            if not deleted:
+                raise LockLost(held.key, "its row was gone or held by another owner at release")
+            return True
         return self.run(self.release_steps(held, force))
+
+    def _let_go(self, held: HeldLock, entry: Entry) -> None:
+        """Take ``held`` from renewal and mark it released, before its DELETE;
+        :class:`LockLost` if dblock released it meanwhile (owner gone, closed)."""
+        # self._claim(held), inlined.
+        ref = held._ref
+        if not self.renewer.untrack(held) and (ref.tracked or not ref.live):
+            raise LockLost(held.key, held._lost or "dblock released it meanwhile")
+        ref.live = False
+        held._released = True
+        entry.held = None
+        if self.telemetry is not None:
+            self.telemetry.released(_monotonic() - held._acquired_mono)
+
+    def _release_failed(self, held: HeldLock, exc: BaseException) -> bool:
+        """A release's DELETE raised ``exc``: False if the database failed
+        (the row is left to be deleted later), else ``exc`` again."""
+        if isinstance(exc, BackendError):
+            log.error(
+                "dblock: releasing %r failed; the row stays until its lease ends, this "
+                "manager reaches the database again, or the sweeper removes it: %s",
+                held.key,
+                exc,
+            )
+            # After a failover the next acquire deletes it at once, instead of
+            # the key staying blocked for the rest of the lease.
+            self.store.add_orphan(held.key, held.token, released=True)
+            return False
+        if not isinstance(exc, SchemaMissing):  # no table, no row to delete later
+            # Interrupted with the DELETE perhaps not committed.
+            self.store.add_orphan(held.key, held.token, released=True)
+            self.renewer.post(_noop)
+        raise exc
 
     def release_steps(  # noqa: PLR0912
         self, held: HeldLock, force: bool, *, keep: float = 0.0
@@ -986,15 +1133,7 @@ class Locker:
         if entry.depth > 1 and not force and entry.held is held._ref:
             entry.depth -= 1
             return True
-        # self._claim(held), inlined: dblock released it meanwhile (owner gone, closed)?
-        ref = held._ref
-        if not self.renewer.untrack(held) and (ref.tracked or not ref.live):
-            raise LockLost(held.key, held._lost or "dblock released it meanwhile")
-        ref.live = False
-        held._released = True
-        entry.held = None
-        if self.telemetry is not None:
-            self.telemetry.released(_monotonic() - held._acquired_mono)
+        self._let_go(held, entry)
         waiter = None
         if held._fair:
             if held._lost is None and fair_statements(self.store).seats_on_release:
@@ -1022,24 +1161,8 @@ class Locker:
                 )
             else:
                 deleted = yield (_RELEASE, held.key, held.token)
-        except BackendError as exc:
-            log.error(
-                "dblock: releasing %r failed; the row stays until its lease ends, this "
-                "manager reaches the database again, or the sweeper removes it: %s",
-                held.key,
-                exc,
-            )
-            # After a failover the next acquire deletes it at once, instead of
-            # the key staying blocked for the rest of the lease.
-            self.store.add_orphan(held.key, held.token, released=True)
-            return False
-        except SchemaMissing:
-            raise  # no table, no row to delete later
-        except BaseException:
-            # Interrupted with the DELETE perhaps not committed.
-            self.store.add_orphan(held.key, held.token, released=True)
-            self.renewer.post(_noop)
-            raise
+        except BaseException as exc:
+            return self._release_failed(held, exc)
         finally:
             self._leave(entry)
         if held._lost is not None:

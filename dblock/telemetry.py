@@ -180,6 +180,11 @@ class Recorder:
         self.refused_locally: Callable[[], None] = functools.partial(
             self._acquisitions.add, 1, self._outcomes[BUSY, 1]
         )
+        # A request granted at its first try, without waiting (the lock's
+        # fast path, which makes no Watch): also one pre-bound call.
+        self.granted_at_once: Callable[[], None] = functools.partial(
+            self._acquisitions.add, 1, self._outcomes[GRANTED, 2]
+        )
         self._renewal = {
             ok: {**base, "dblock.outcome": "renewed" if ok else "failed"} for ok in (True, False)
         }
