@@ -8,7 +8,7 @@ time. The ledger's verdict is tested first on hand-made ledgers, and on a
 control run with APScheduler's own executor, where it must see duplicates.
 
 Sizes: the suite's runs are short (14 s of gunicorn, ±6 s clocks for 20 s);
-``DBLOCK_JOBS_LONG=1`` runs the full ones (60 s, ±20 s clocks for 60 s).
+``DBLOCK_FULL=1`` runs the full ones (60 s, ±20 s clocks for 60 s).
 """
 
 from __future__ import annotations

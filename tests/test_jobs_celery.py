@@ -7,7 +7,7 @@ machine's RabbitMQ (never eager mode).
   both workers run once; another argument runs on its own.
 
 Sizes: 14 s of beats in the suite, on PostgreSQL; 60 s on all three databases
-with ``DBLOCK_JOBS_LONG=1``.
+with ``DBLOCK_FULL=1``.
 """
 
 from __future__ import annotations

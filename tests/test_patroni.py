@@ -32,6 +32,7 @@ import pytest
 from dblock import BackendError, LockLost, LockManager
 from tests.support.patroni import PrivatePatroni
 from tests.support.proxy import Proxy
+from tests.support.sizes import FULL
 
 pytestmark = pytest.mark.cluster
 
@@ -85,8 +86,14 @@ def _demotion_watch(cluster: PrivatePatroni, leader: Any) -> tuple[threading.Eve
     return stop, seen
 
 
-@pytest.mark.parametrize("fault", ["switchover", "etcd_cut", "pg_kill"])
-@pytest.mark.parametrize("way", WAYS)
+FAULTS = ("switchover", "etcd_cut", "pg_kill")
+# The suite's short version: each fault once, each way at least once (a
+# failover takes about 20 s here); DBLOCK_FULL=1 runs every fault by every way.
+SHORT = {("haproxy", "switchover"), ("haproxy", "etcd_cut"), ("multihost", "pg_kill")}
+CASES = [(way, fault) for fault in FAULTS for way in WAYS if FULL or (way, fault) in SHORT]
+
+
+@pytest.mark.parametrize(("way", "fault"), CASES)
 def test_failover(cluster: PrivatePatroni, way: str, fault: str) -> None:
     url = _url(cluster, way)
     prefix = f"patroni:{uuid.uuid4().hex[:8]}"

@@ -15,10 +15,13 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
+from tests.support.sizes import FULL
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
-#: The full-length runs (60 s, ±20 s clocks): DBLOCK_JOBS_LONG=1.
-LONG = os.environ.get("DBLOCK_JOBS_LONG") == "1"
+#: The full-length runs (60 s, ±20 s clocks): DBLOCK_FULL=1 (or, for these
+#: alone, DBLOCK_JOBS_LONG=1).
+LONG = FULL or os.environ.get("DBLOCK_JOBS_LONG") == "1"
 
 
 @dataclass
