@@ -286,3 +286,50 @@ def test_a_forked_child_gates_its_own_pool(db_url: str, keys: object) -> None:
         assert os.waitstatus_to_exitcode(status) == 0
         with manager.lock(k_parent, blocking=False):
             assert row_of(manager, k_parent) is not None
+
+
+_SESSION = {
+    "postgresql": ("SELECT pg_backend_pid(), pg_sleep(0.5)", "SELECT pid FROM pg_stat_activity"),
+    "mariadb": (
+        "SELECT CONNECTION_ID(), SLEEP(0.5)",
+        "SELECT id FROM information_schema.processlist",
+    ),
+}
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+def test_a_statement_running_as_the_manager_closes_leaves_no_connection(
+    db: str, db_url: str
+) -> None:
+    """A thread's statement (a deferred release on dblock's worker thread,
+    say) still running when the manager closes: its connection is closed
+    when it returns. Before, it went back to the closed executor's stack and
+    stayed open until collected, and Django's test runner could not drop
+    the test database after a TestCase that took a lock."""
+    slow, sessions = _SESSION[db]
+    m = LockManager(db_url)
+    ran: list[int] = []
+
+    def statement() -> None:
+        ran.append(int(m.store.executor.run(slow, {}, fetch=True).rows[0][0]))
+
+    thread = threading.Thread(target=statement)
+    thread.start()
+    until = time.monotonic() + 5
+    while m.store.engine.pool.checkedout() < 1 and time.monotonic() < until:
+        time.sleep(0.005)  # until the thread has its connection (its statement takes 0.5 s)
+    m.close()
+    thread.join(5)
+    assert ran, "the statement did not return"
+    probe = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+    try:
+        deadline = time.monotonic() + 5
+        while True:
+            with probe.connect() as conn:
+                alive = {row[0] for row in conn.exec_driver_sql(sessions)}
+            if ran[0] not in alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        probe.dispose()
+    assert ran[0] not in alive, "the connection of a statement that ran across close() is open"

@@ -177,6 +177,7 @@ class Executor:
 
     __slots__ = (
         "_bounded",
+        "_closed",
         "_dbapi_error",
         "_direct",
         "_engine",
@@ -215,6 +216,7 @@ class Executor:
         size = getattr(engine.pool, "size", None)
         self._max_idle = size() if callable(size) else 4
         self._mutex = threading.Lock()
+        self._closed = False
         self._pool_waiters = 0  # threads in (or about to enter) the bounded pool's wait
         self._bounded: QueuePool | None = None
         self._gate(engine.pool)
@@ -306,7 +308,7 @@ class Executor:
                 if not self._pool_waiters:
                     self._idle.append((conn, _monotonic(), kept))
                     return result
-        conn.close()
+        self._put_back(conn)
         return result
 
     def _checkout(self) -> PoolProxiedConnection:
@@ -417,7 +419,16 @@ class Executor:
                 if not self._pool_waiters:
                     self._idle.append((conn, _monotonic(), kept))
                     return
-        conn.close()
+        self._put_back(conn)
+
+    def _put_back(self, conn: PoolProxiedConnection) -> None:
+        if self._closed and self._owns:
+            # The store closed while this statement ran (a thread releasing
+            # as the manager closes): the pool it came from is disposed, and
+            # a connection checked in there would stay open until collected.
+            conn.invalidate()
+        else:
+            conn.close()
 
     def _pool_exhausted(self) -> bool:
         """Whether every connection the pool may make is checked out (those
@@ -431,6 +442,13 @@ class Executor:
         if pool.overflow() < max_overflow:  # it may still open another
             return False
         return pool.checkedout() >= pool.size() + max_overflow
+
+    def close(self) -> None:
+        """Keep no connection from now on: hand back the idle ones, and close
+        those in use when their statements return (see :meth:`_put_back`)."""
+        self._closed = True
+        self._max_idle = 0
+        self.release_idle()
 
     def release_idle(self) -> None:
         """Hand every idle connection back to the pool."""
@@ -766,7 +784,7 @@ class Store:
 
     def close(self) -> None:
         self.clean_orphans()
-        self.executor.release_idle()
+        self.executor.close()
         if self.owns_engine:
             self.engine.dispose()
 
