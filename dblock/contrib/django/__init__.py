@@ -45,6 +45,7 @@ answers 409 for a busy lock raised anywhere in a view.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 from collections.abc import Callable, Iterable
@@ -78,6 +79,7 @@ R = TypeVar("R")
 _lock = threading.Lock()
 _manager: LockManager | None = None
 _amanager: AsyncLockManager | None = None
+_closing: set[asyncio.Task[None]] = set()  # closes of async managers under way
 
 
 def get_manager() -> LockManager:
@@ -128,11 +130,16 @@ def reset_manager() -> None:
 
 def _close_async(amanager: AsyncLockManager) -> None:
     """Close the async manager's connections from sync code: on a loop of
-    our own when this thread runs none, else drop them untouched."""
-    import asyncio
+    our own when this thread runs none, else soon on the one it runs (sync
+    code inside an async test or view, ``override_settings`` say: dropping
+    them untouched left them open until collected, and the test database
+    could not be dropped)."""
 
-    if asyncio._get_running_loop() is not None:
-        amanager._astore.forget()
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        task = loop.create_task(amanager._astore.close())  # always finishes
+        _closing.add(task)  # (the loop keeps only a weak reference)
+        task.add_done_callback(_closing.discard)
         return
     try:
         asyncio.run(amanager._astore.close())

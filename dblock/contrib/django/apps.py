@@ -3,15 +3,20 @@ starts with the first request of each process (not in management commands)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from django.apps import AppConfig
 from django.core.signals import request_started, setting_changed
 
 from .. import _admin
 from . import conf
+
+if TYPE_CHECKING:
+    from django.db.backends.base.creation import BaseDatabaseCreation
 
 _sweeper_lock = threading.Lock()
 _sweeper: _admin.Sweeper | None = None
@@ -28,15 +33,77 @@ class DBLockConfig(AppConfig):
         settings = conf.read()  # a bad DBLOCK setting fails here, at start-up
         conf.check_engine(settings)  # and so does a bad URL or ENGINE_OPTIONS
         setting_changed.connect(_settings_changed, dispatch_uid="dblock-settings")
+        _follow_test_databases()
         if settings.sweeper:
             request_started.connect(_maybe_start_sweeper, dispatch_uid="dblock-sweeper")
 
 
 def _settings_changed(*, setting: str, **_: Any) -> None:
     if setting in ("DBLOCK", "DATABASES"):
-        from . import reset_manager
+        _reset()
 
-        reset_manager()
+
+def _follow_test_databases() -> None:
+    """Django's test runner swaps the database under the project's manager
+    without a signal: it creates the test database and points the
+    connection's settings at it, and at the end points them back and drops
+    it. The manager follows: made afresh once a test database exists (one
+    made earlier, say by a module the runner imported to find the tests,
+    would write its rows to the real database), and closed before a test
+    database is dropped (PostgreSQL refuses to drop a database any session
+    is connected to, and the manager's pool keeps its connections: a test
+    run whose tests took a lock ended with "database ... is being accessed
+    by other users" and exit status 1)."""
+    from django.db.backends.base.creation import BaseDatabaseCreation
+
+    if getattr(BaseDatabaseCreation.create_test_db, "_dblock_follows", False):
+        return
+    create, destroy = BaseDatabaseCreation.create_test_db, BaseDatabaseCreation.destroy_test_db
+
+    @functools.wraps(create)
+    def create_test_db(self: BaseDatabaseCreation, *args: Any, **kwargs: Any) -> Any:
+        name = create(self, *args, **kwargs)
+        _reset()
+        return name
+
+    @functools.wraps(destroy)
+    def destroy_test_db(self: BaseDatabaseCreation, *args: Any, **kwargs: Any) -> Any:
+        _reset()
+        _sessions_ended(self)
+        return destroy(self, *args, **kwargs)
+
+    create_test_db._dblock_follows = True  # type: ignore[attr-defined]
+    BaseDatabaseCreation.create_test_db = create_test_db
+    BaseDatabaseCreation.destroy_test_db = destroy_test_db
+
+
+def _sessions_ended(creation: BaseDatabaseCreation, within: float = 2.0) -> None:
+    """Wait, up to ``within`` seconds, until PostgreSQL has no session left on
+    the test database, since DROP DATABASE fails at once on any. A lock
+    released by a rolled-back transaction (every ``TestCase``'s end) is
+    released on dblock's worker thread, and its statement may still be
+    running as the manager closes (its connection is closed when it
+    returns); a closed connection's server process ends a moment later."""
+    if creation.connection.vendor != "postgresql":
+        return
+    name = creation.connection.settings_dict["NAME"]
+    deadline = time.monotonic() + within
+    with creation._nodb_cursor() as cursor:
+        while True:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = %s AND pid <> pg_backend_pid()",
+                [name],
+            )
+            if not cursor.fetchone()[0] or time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
+
+def _reset() -> None:
+    from . import reset_manager
+
+    reset_manager()
 
 
 def _maybe_start_sweeper(**_: Any) -> None:
