@@ -572,6 +572,8 @@ class Locker:
         claimed: _Claimed | None = None
         if entry is not None:
             held: HeldLock | None = None
+            first: Grant | Holder | BaseException | None = None
+            token = ""
             try:
                 token = _urandom(16).hex()
                 owner = self.owner_label(me)
@@ -579,9 +581,7 @@ class Locker:
                 request.deadline = None if timeout is None else start + timeout
                 sent_at = _monotonic()
                 try:
-                    first: Grant | Holder | BaseException = self._rows.try_acquire(
-                        key, token, owner, ttl
-                    )
+                    first = self._rows.try_acquire(key, token, owner, ttl)
                 except BaseException as exc:
                     first = exc
                 finally:
@@ -602,7 +602,13 @@ class Locker:
                     if self.telemetry is not None:
                         Watch(self.telemetry, key).done(*outcome_of(exc))
                     self.run(self._give_back(held))
-                elif entry is not None and entry.owner is me:
+                    raise
+                if isinstance(first, Grant):
+                    # Granted, and interrupted before the held lock existed:
+                    # the row is deleted at once, not left for its lease.
+                    store.add_orphan(key, token)
+                    self.renewer.post(_noop)
+                if entry is not None and entry.owner is me:
                     self._leave(entry)
                 raise
         return self.run(
@@ -955,7 +961,14 @@ class Locker:
                     continue
                 outage = None
                 if isinstance(result, Grant):
-                    return self.held_type(self, entry, token, owner, ttl, result, sent_at, opts)
+                    try:
+                        return self.held_type(self, entry, token, owner, ttl, result, sent_at, opts)
+                    except BaseException:
+                        # Interrupted before the held lock existed: delete the
+                        # row at once rather than leave it for its lease.
+                        store.add_orphan(key, token)
+                        self.renewer.post(_noop)
+                        raise
                 if result.kind is not None and result.kind != self.kind:
                     raise KindMismatch(
                         key, requested=self.kind, existing=result.kind, where="in the table"

@@ -560,6 +560,36 @@ def test_interrupted_mid_statement(manager: LockManager, make_manager: Any, key:
     make_manager().acquire(key, blocking=False).release()
 
 
+def test_interrupted_between_the_grant_and_the_held_lock(
+    manager: LockManager, make_manager: Any, key: str
+) -> None:
+    """Interrupted after the statement granted the row, while the held lock
+    that would carry it is being made: the row is deleted at once (its
+    token known only to this frame), not left to block the key for a lease."""
+
+    def making_the_held_lock(f: types.FrameType) -> bool:
+        return f.f_code.co_name == "__init__" and type(f.f_locals.get("self")) is HeldLock
+
+    with interrupt_when(making_the_held_lock) as fired, pytest.raises(Interrupt):
+        while True:  # (the timer may miss a short window: take the key again until it hits)
+            manager.acquire(key, ttl=60).release()
+    assert fired.is_set()
+    assert manager._locker.registry.get(key) is None
+    _wait_for(lambda: row_of(manager, key) is None, seconds=5)
+    # The same window after a wait (the request went on through the steps):
+    # another holder first, released while this one waits.
+    other = make_manager()
+    with interrupt_when(making_the_held_lock) as fired, pytest.raises(Interrupt):
+        while True:
+            held = other.acquire(key)
+            threading.Timer(0.05, functools.partial(held.release, force=True)).start()
+            manager.acquire(key, ttl=60, timeout=5).release()
+    assert fired.is_set()
+    assert manager._locker.registry.get(key) is None
+    _wait_for(lambda: row_of(manager, key) is None, seconds=5)
+    make_manager().acquire(key, blocking=False).release()
+
+
 @pytest.mark.databases("sqlite", "postgresql")  # MySQL/MariaDB has no hand-off statement
 def test_interrupted_while_the_key_is_handed_over(manager: LockManager, key: str) -> None:
     gate = threading.Event()
