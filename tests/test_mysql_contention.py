@@ -51,3 +51,26 @@ def test_racing_inserts_never_surface_as_backend_errors(make_manager: object, ke
     assert grants > 0
     assert busy > 0
     assert errors == []
+
+
+def test_an_auto_inc_lock_victim_is_contention(manager: LockManager) -> None:
+    """InnoDB reports a deadlock or lock-wait timeout met while taking the
+    table's AUTO-INC lock (which an INSERT … SELECT holds to its end) as
+    "Failed to read auto-increment value from storage engine" (1467); seen
+    failing a read lock's grant with two processes racing for one key. Like
+    1213, the statement was rolled back whole: it runs again (an INSERT
+    IGNORE counts as ignored, the holder is read next), never raised."""
+    import pymysql
+
+    from dblock._store.mysql import deadlocked
+
+    store = manager.store
+    failure = BackendError("statement failed: 1467")
+    failure.__cause__ = pymysql.err.OperationalError(
+        1467, "Failed to read auto-increment value from storage engine"
+    )
+    assert deadlocked(failure)
+    insert = store._insert_returning_sql if store.returning else store._insert_sql
+    assert store.retry(insert, failure, 0).rowcount == 0  # ignored: read the holder
+    assert store.retry(store._release_sql, failure, 0) > 0  # any other: again, after a pause
+    assert store.retry(store._release_sql, failure, 3) is None  # bounded

@@ -63,7 +63,13 @@ from .admin import COLUMNS, LockRow, SweepReason, lock_row
 from .base import Grant, Holder, Interrupted, Lease, Result, Steps, Store, log
 
 _NO_SUCH_TABLE = 1146
-_DEADLOCK = (1213, 1205)  # chosen as a deadlock victim, lock wait timeout
+# Chosen as a deadlock victim (1213), a lock wait timed out (1205), or either
+# while waiting for the table's AUTO-INC lock, which InnoDB reports as "Failed
+# to read auto-increment value from storage engine" (1467): an INSERT … SELECT
+# holds that lock to its end, so two racing for one key can deadlock there
+# (seen on the read-write grant, two processes at once). Rolled back whole
+# each time, like any autocommit statement that failed.
+_DEADLOCK = (1213, 1205, 1467)
 _DEADLOCK_RETRIES = 3
 _UTC = timezone.utc
 # How many times one attempt may find the key freed or expired under its feet
@@ -401,7 +407,7 @@ class MySQLStore(Store):
         statement is simply run again."""
         if attempt == _DEADLOCK_RETRIES:
             return None
-        if not _deadlocked(exc) and not self._garbled(sql, exc):
+        if not deadlocked(exc) and not self._garbled(sql, exc):
             return None
         if sql is self._insert_sql or sql is self._insert_returning_sql:
             return Result((), 0, None)
@@ -450,7 +456,9 @@ def _mariadb_returning(version: str) -> bool:
         return False
 
 
-def _deadlocked(exc: BackendError) -> bool:
+def deadlocked(exc: BackendError) -> bool:
+    """Whether MySQL/MariaDB rolled ``exc``'s statement back as a loser of
+    contention (see ``_DEADLOCK``): run it again, nothing was written."""
     cause = exc.__cause__
     args: tuple[object, ...] = getattr(getattr(cause, "orig", None) or cause, "args", ())
     return bool(args) and args[0] in _DEADLOCK

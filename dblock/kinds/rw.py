@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .._store import Backoff, Lease, Store
 from .._store.base import Interrupted, PoolerMismatch, never_sent, what_failed
+from .._store.mysql import deadlocked
 from .._store.rw import READ, WRITE, RwRow, RwStatements, rw_statements
 from ..config import Config
 from ..errors import (
@@ -63,7 +64,6 @@ _monotonic = time.monotonic
 _EXPIRY_MARGIN = 0.002
 # A waiting writer renews its intent row when this fraction of its lease has passed.
 _INTENT_RENEW = 1 / 3
-_DEADLOCK = (1213, 1205)
 # A waiting request that loses the database retries after 50 ms, doubling up to 1 s.
 _OUTAGE_INITIAL = 0.05
 _OUTAGE_MAX = 1.0
@@ -518,7 +518,7 @@ class RwLocker:
                     if row is None:
                         row = store.drive(statements.grant_steps(mode, key, token, owner, ttl))
                 except BackendError as exc:
-                    if _deadlocked(exc):
+                    if deadlocked(exc):
                         row = None  # an InnoDB deadlock victim: contention, try again
                     elif (
                         mode == READ
@@ -760,9 +760,3 @@ def _own_read_phase(head: RwRow | None, token: str) -> RwRow | None:
 
 def _noop() -> None:
     """A job that only wakes the renewal thread (which cleans orphans on its pass)."""
-
-
-def _deadlocked(exc: BackendError) -> bool:
-    cause = exc.__cause__
-    args: tuple[object, ...] = getattr(getattr(cause, "orig", None) or cause, "args", ())
-    return bool(args) and args[0] in _DEADLOCK
