@@ -569,54 +569,61 @@ class Locker:
         start = _monotonic()
         store = self.store
         entry = None if self._closing or store.has_orphans else self.registry.claim(key, me)
-        claimed: _Claimed | None = None
-        if entry is not None:
-            held: HeldLock | None = None
-            first: Grant | Holder | BaseException | None = None
-            token = ""
+        if entry is None:
+            return self.run(
+                self.acquire_steps(
+                    key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts,
+                    waiter_type=Waiter, start=start,
+                )
+            )  # fmt: skip
+        held: HeldLock | None = None
+        first: Grant | Holder | BaseException | None = None
+        token = ""
+        try:
+            token = _urandom(16).hex()
+            owner = self.owner_label(me)
+            request = store.executor.request
+            request.deadline = None if timeout is None else start + timeout
+            sent_at = _monotonic()
             try:
-                token = _urandom(16).hex()
-                owner = self.owner_label(me)
-                request = store.executor.request
-                request.deadline = None if timeout is None else start + timeout
-                sent_at = _monotonic()
-                try:
-                    first = self._rows.try_acquire(key, token, owner, ttl)
-                except BaseException as exc:
-                    first = exc
-                finally:
-                    request.deadline = None
-                if not isinstance(first, Grant):
-                    # Not granted at once: on with the machinery, as if it had made the try.
-                    claimed, entry = (entry, token, owner, sent_at, first), None
-                else:
-                    held = self.held_type(self, entry, token, owner, ttl, first, sent_at, opts)
-                    self._keep(entry, held)
-                    if self._closing:
-                        raise ManagerClosed(f"the LockManager was closed while acquiring {key!r}")
-                    if self.telemetry is not None:
-                        self.telemetry.granted_at_once()
-                    return held
+                first = self._rows.try_acquire(key, token, owner, ttl)
             except BaseException as exc:
-                if held is not None:
-                    if self.telemetry is not None:
-                        Watch(self.telemetry, key).done(*outcome_of(exc))
-                    self.run(self._give_back(held))
-                    raise
-                if isinstance(first, Grant):
-                    # Granted, and interrupted before the held lock existed:
-                    # the row is deleted at once, not left for its lease.
-                    store.add_orphan(key, token)
-                    self.renewer.post(_noop)
-                if entry is not None and entry.owner is me:
-                    self._leave(entry)
+                first = exc
+            finally:
+                request.deadline = None
+            if not isinstance(first, Grant):
+                # Not granted at once: on with the machinery, as if it had
+                # made the try. It gives the key back on any failure; this
+                # try still covers the instant before it starts (a signal
+                # there), and a second leave of one entry changes nothing.
+                claimed: _Claimed = (entry, token, owner, sent_at, first)
+                return self.run(
+                    self.acquire_steps(
+                        key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts,
+                        waiter_type=Waiter, start=start, claimed=claimed,
+                    )
+                )  # fmt: skip
+            held = self.held_type(self, entry, token, owner, ttl, first, sent_at, opts)
+            self._keep(entry, held)
+            if self._closing:
+                raise ManagerClosed(f"the LockManager was closed while acquiring {key!r}")
+            if self.telemetry is not None:
+                self.telemetry.granted_at_once()
+            return held
+        except BaseException as exc:
+            if held is not None:
+                if self.telemetry is not None:
+                    Watch(self.telemetry, key).done(*outcome_of(exc))
+                self.run(self._give_back(held))
                 raise
-        return self.run(
-            self.acquire_steps(
-                key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts,
-                waiter_type=Waiter, start=start, claimed=claimed,
-            )
-        )  # fmt: skip
+            if isinstance(first, Grant):
+                # Granted, and interrupted before the held lock existed:
+                # the row is deleted at once, not left for its lease.
+                store.add_orphan(key, token)
+                self.renewer.post(_noop)
+            if entry.owner is me:
+                self._leave(entry)
+            raise
 
     def _keep(self, entry: Entry, held: HeldLock) -> None:
         """A granted row becomes the key's at level 1, and renewal watches it."""

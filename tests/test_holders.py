@@ -10,6 +10,7 @@ it by accident, a thread given a dead holder's id is not its heir.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import logging
@@ -588,6 +589,39 @@ def test_interrupted_between_the_grant_and_the_held_lock(
     assert manager._locker.registry.get(key) is None
     _wait_for(lambda: row_of(manager, key) is None, seconds=5)
     make_manager().acquire(key, blocking=False).release()
+
+
+def test_interrupted_as_the_first_try_hands_on_to_the_steps(
+    manager: LockManager, make_manager: Any, key: str
+) -> None:
+    """A first try refused (the row held elsewhere) goes on in the step
+    machinery, which owns the claimed key once its ``try`` begins: a signal
+    in the instant before that must not leave the key claimed at level 1
+    for ever (every later request of the process refused)."""
+    import inspect
+
+    from dblock.lock import Locker
+
+    source, first_line = inspect.getsourcelines(Locker.acquire_steps)
+    guarded = first_line + next(i for i, line in enumerate(source) if line.strip() == "try:")
+
+    def before_the_steps_own_it(f: types.FrameType) -> bool:
+        return (
+            f.f_code.co_name == "acquire_steps"
+            and f.f_locals.get("claimed") is not None
+            and f.f_lineno < guarded
+        )
+
+    other = make_manager()
+    with other.lock(key):
+        deadline = time.monotonic() + 60
+        with interrupt_when(before_the_steps_own_it) as fired:
+            while not fired.is_set() and time.monotonic() < deadline:
+                with contextlib.suppress(LockBusy, Interrupt):
+                    manager.acquire(key, blocking=False)
+        assert fired.is_set(), "the interruption never hit the instant under test"
+        assert manager._locker.registry.get(key) is None
+    manager.acquire(key, blocking=False).release()
 
 
 @pytest.mark.databases("sqlite", "postgresql")  # MySQL/MariaDB has no hand-off statement
