@@ -590,3 +590,28 @@ def test_async_tasks_batch_and_a_cancelled_request_is_as_if_never_made(
     wait_until(lambda: not m.store.has_orphans, "the orphans cleaned")
     assert row_of(m, f"{key}:sent") is None
     held_elsewhere.release()
+
+
+@pytest.mark.databases("postgresql")
+def test_batch_statements_keep_one_generic_plan(batching: LockManager, key: str) -> None:
+    """A batch's statements are planned once per connection, not at every
+    run: with its arrays in plain sight PostgreSQL preferred a fresh custom
+    plan at every run (it counts an array parameter's rows exactly), which
+    cost as much as the round trip. Checked on the executor's own connection
+    (one thread: the same pooled connection every time)."""
+    store = batching.store
+    for i in range(12):
+        keys = [(f"{key}:{i}:{j}", f"t{i}.{j}", "me", 30.0) for j in range(3)]
+        store.drive(store.acquire_many_steps(keys))
+        store.renew([(k, t, ttl) for k, t, _, ttl in keys])
+        store.drive(store.release_many_steps([(k, t) for k, t, _, _ in keys]))
+    rows = store.executor.run(
+        "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements "
+        "WHERE statement LIKE '%%unnest%%'",
+        {},
+        True,
+    ).rows
+    assert len(rows) >= 3, rows  # acquire, renew, release
+    for statement, generic, custom in rows:
+        assert generic > 0, (statement, generic, custom)
+        assert custom <= 5, (statement, generic, custom)

@@ -98,6 +98,24 @@ def _waiters_class(table: str) -> int:
     return _lock_class(table + "\x00waiters")
 
 
+def unnest(*arrays: str) -> str:
+    """``unnest`` of array parameters (``"keys::text[]"``), each read through
+    a scalar subquery. PostgreSQL plans a prepared statement afresh at every
+    run (a custom plan) while that looks cheaper than its one generic plan;
+    an array parameter it can see counts its rows exactly, so a batch's
+    custom plan always looks cheaper and the statement was planned at every
+    run: half a millisecond a batch, as much as its round trip on this
+    machine. Hidden in a subquery, the arrays count as the same estimate in
+    both plans, and after five runs the generic plan is kept (a batch of 3
+    acquires: 1.04 -> 0.60 ms). The plan does not depend on the arrays'
+    lengths: each element is one key, looked up by the primary key."""
+    parts = []
+    for array in arrays:
+        name, cast = array.split("::", 1)
+        parts.append(f"(SELECT %({name})s::{cast})")
+    return f"unnest({', '.join(parts)})"
+
+
 def _acquired(rows: Sequence[tuple[Any, ...]], token: str) -> Grant | Holder:
     """What the acquire statement's answer means for the request of ``token``."""
     if not rows:
@@ -164,7 +182,7 @@ class PostgresStore(Store):
         )
         self._renew_sql = (
             f"UPDATE {t} AS t SET expires_at = now() + make_interval(secs => v.ttl) "
-            f"FROM unnest(%(keys)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) "
+            f"FROM {unnest('keys::text[]', 'tokens::text[]', 'ttls::float8[]')} "
             f"AS v(lock_key, token, ttl) "
             f"WHERE t.lock_key = v.lock_key AND t.token = v.token "
             f"RETURNING t.token, t.expires_at, now()"
@@ -177,8 +195,9 @@ class PostgresStore(Store):
         # (a row locked by a statement that is no batch) fails the batch
         # cleanly, and its requests go out again one by one.
         self._acquire_many_sql = (
-            f"WITH v AS MATERIALIZED (SELECT * FROM unnest(%(keys)s::text[], "
-            f"%(owners)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) WITH ORDINALITY "
+            f"WITH v AS MATERIALIZED (SELECT * FROM "
+            f"{unnest('keys::text[]', 'owners::text[]', 'tokens::text[]', 'ttls::float8[]')} "
+            f"WITH ORDINALITY "
             f"AS v(lock_key, owner, token, ttl, n)), "
             f"lk AS MATERIALIZED (SELECT pg_advisory_xact_lock({_lock_class(self.names.table)}, h) "
             f"FROM (SELECT DISTINCT hashtext(lock_key) AS h FROM v ORDER BY h OFFSET 0) s), "
@@ -202,8 +221,8 @@ class PostgresStore(Store):
             f"ORDER BY t.lock_key, t.kind = 'exclusive', t.slot)"
         )
         self._release_many_sql = (
-            f"WITH gone AS (DELETE FROM {t} AS t USING (SELECT * FROM unnest("
-            f"%(keys)s::text[], %(tokens)s::text[]) WITH ORDINALITY AS v(lock_key, token, n) "
+            f"WITH gone AS (DELETE FROM {t} AS t USING (SELECT * FROM "
+            f"{unnest('keys::text[]', 'tokens::text[]')} WITH ORDINALITY AS v(lock_key, token, n) "
             f"ORDER BY n OFFSET 0) AS v "
             f"WHERE t.lock_key = v.lock_key AND t.slot = '' AND t.token = v.token "
             f"RETURNING t.lock_key, t.token) "

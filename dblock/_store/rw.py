@@ -136,7 +136,7 @@ def _intent_slot(token: str) -> str:
 class PostgresRw(RwStatements):
     def __init__(self, store: Store) -> None:
         super().__init__(store)
-        from .postgresql import _lock_class, notify
+        from .postgresql import _lock_class, notify, unnest
 
         t = self.t
         names = store.names
@@ -212,7 +212,7 @@ class PostgresRw(RwStatements):
             f"UPDATE {t} AS t SET expires_at = CASE WHEN t.mode = 'read' THEN "
             f"greatest(t.expires_at, now() + make_interval(secs => v.ttl)) "
             f"ELSE now() + make_interval(secs => v.ttl) END "
-            f"FROM unnest(%(keys)s::text[], %(tokens)s::text[], %(ttls)s::float8[]) "
+            f"FROM {unnest('keys::text[]', 'tokens::text[]', 'ttls::float8[]')} "
             f"AS v(lock_key, token, ttl) "
             f"WHERE t.lock_key = v.lock_key AND t.slot = '' AND t.token = v.token "
             f"RETURNING t.token, t.expires_at, now()"
