@@ -21,6 +21,7 @@ from tests.support.counting import StatementCounter
 from tests.support.db import DEFAULT_URLS, reachable
 from tests.support.patroni import PrivatePatroni
 from tests.support.servers import PrivateGalera, PrivatePostgresPair
+from tests.support.workers import drop_own_databases, group, use_own_databases, worker
 
 DATABASES = ("sqlite", "postgresql", "mariadb")
 
@@ -36,6 +37,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "databases(*names): run this test on these databases only")
+    name = worker()
+    if name is not None:  # one of scripts/test's xdist workers: see tests/support/workers.py
+        use_own_databases(name)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    name = worker()
+    if name is not None:
+        drop_own_databases(name)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    group(items)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
