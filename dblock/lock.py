@@ -49,7 +49,6 @@ from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
 from ._store.base import Lease, PoolerMismatch, never_sent, what_failed
 from ._store.batch import Batcher, batches
 from ._store.fair import Seat
-from ._store.fair import statements as fair_statements
 from ._store.jobs import statements as job_statements
 from .config import Config, OnLost, check_lease
 from .errors import (
@@ -882,7 +881,7 @@ class Locker:
     def _leave_queue(self, key: str, token: str) -> Op[None]:
         """Best effort, as :meth:`_delete_row`: delete a fair request's rows."""
         try:
-            yield (_STEPS, fair_statements(self.store).leave_steps(key, token))
+            yield (_STEPS, self.store.fair_sql().leave_steps(key, token))
         except BackendError as exc:
             log.error("dblock: leaving the fair queue of %r failed: %s", key, exc)
             self.store.add_orphan(key, token, released=True, whole=True)
@@ -1156,7 +1155,7 @@ class Locker:
         self._let_go(held, entry)
         waiter = None
         if held._fair:
-            if held._lost is None and fair_statements(self.store).seats_on_release:
+            if held._lost is None and self.store.fair_sql().seats_on_release:
                 waiter = self.registry.pop_waiter(entry)
             if waiter is not None:
                 return (yield from self._release_seating(held, waiter))
@@ -1172,7 +1171,7 @@ class Locker:
             if held._fair:  # wakes the next waiter of the queue, and only it
                 deleted = yield (
                     _STEPS,
-                    fair_statements(self.store).release_steps(held.key, held.token),
+                    self.store.fair_sql().release_steps(held.key, held.token),
                 )
             elif keep:
                 deleted = yield (
@@ -1374,7 +1373,7 @@ class Locker:
         queue and, for a fair waiter, takes its place at the queue's tail (a
         :class:`Seat`); a plain waiter, or one this fails for, acquires by itself."""
         ticket: _Ticket = waiter.ticket
-        sql = fair_statements(self.store)
+        sql = self.store.fair_sql()
         key, token = held.key, held.token
         seat_token = _urandom(16).hex() if ticket.seats else None
         seat: Seat | None = None

@@ -19,7 +19,8 @@ import psycopg
 import pytest
 
 from dblock import LockManager
-from dblock._store.postgresql import Listener, _waiters_class
+from dblock._store.postgresql import Listener
+from dblock._store.sqlparts import waiters_class
 from tests.support.db import DEFAULT_URLS
 from tests.support.notify import Heard, bucket_of, conninfo, registered, start_waiter, until
 from tests.support.servers import PgBouncer
@@ -135,7 +136,7 @@ def test_a_release_before_the_registration_is_not_missed(
     table = holder.store.names.table
     release = psycopg.connect(conninfo(release_url), prepare_threshold=None)
     release.execute(f"DELETE FROM {table} WHERE lock_key = %s AND token = %s", (key, held.token))
-    waiters = _waiters_class(table)
+    waiters = waiters_class(table)
     (free,) = release.execute(
         "SELECT pg_try_advisory_xact_lock(%s, hashtext(%s))", (waiters, key)
     ).fetchone()  # type: ignore[misc]

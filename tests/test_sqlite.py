@@ -58,7 +58,7 @@ def test_whole_second_times_from_returning_are_accepted() -> None:
     import sqlite3
 
     from dblock._store.rw import _row
-    from dblock._store.sqlite import _grant
+    from dblock._store.sqlparts import sqlite_grant as _grant
 
     db = sqlite3.connect(":memory:")
     db.execute("CREATE TABLE t (k TEXT PRIMARY KEY, expires_at REAL, now REAL)")

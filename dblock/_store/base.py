@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, ClassVar, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import Table
@@ -46,6 +46,9 @@ from ..errors import (
 )
 from ..schema import TableNames, lock_table
 from .admin import COLUMNS, LockRow, LockStats, SweepReason, lock_row
+
+if TYPE_CHECKING:
+    from .fair import FairSQL  # the dialects offer theirs; nothing here imports it
 
 __all__ = [
     "Backoff",
@@ -665,6 +668,9 @@ class Store:
     reserves_fences: ClassVar[bool] = False
     #: The dialect can wake waiters when a key is released.
     can_notify: ClassVar[bool] = False
+    #: The fair queue's statements in this dialect (:mod:`dblock._store.fair`):
+    #: a capability each dialect's store offers.
+    fair_class: ClassVar[type[FairSQL]]
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         self.config = config
@@ -686,6 +692,14 @@ class Store:
         # goes (the queue row as well as the head).
         self._whole: set[str] = set()
         self._orphans_lock = threading.Lock()
+        self._fair_sql: FairSQL | None = None
+
+    def fair_sql(self) -> FairSQL:
+        """This store's fair-queue statements (its dialect's ``fair_class``), built once."""
+        sql = self._fair_sql
+        if sql is None:
+            sql = self._fair_sql = type(self).fair_class(self)
+        return sql
 
     # -- the contract ------------------------------------------------------
 
@@ -864,9 +878,7 @@ class Store:
                 key, token, failures, owed = self._orphans[0]
                 try:
                     if token in self._whole:
-                        from .fair import statements
-
-                        self.drive(statements(self).leave_steps(key, token))
+                        self.drive(self.fair_sql().leave_steps(key, token))
                     else:
                         self.release(key, token)
                 except (Unreachable, Interrupted):

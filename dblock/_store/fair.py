@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import KindMismatch
 from .base import Grant, Holder, Steps
+from .sqlparts import SQLITE_NOW, lock_class, notify, sqlite_grant
 
 if TYPE_CHECKING:
     from .base import Store
@@ -41,11 +42,13 @@ __all__ = [
     "DROPPED",
     "Dropped",
     "FairSQL",
+    "MySQLFair",
+    "PostgresFair",
     "Queued",
+    "SQLiteFair",
     "Seat",
     "address",
     "poll_cap",
-    "statements",
 ]
 
 _UTC = timezone.utc
@@ -121,19 +124,10 @@ class Dropped:
 DROPPED = Dropped()
 
 
-def statements(store: Store) -> FairSQL:
-    """The fair statements of ``store``'s dialect, built once per store."""
-    found: FairSQL | None = getattr(store, "_fair_sql", None)
-    if found is None:
-        dialect = store.engine.dialect.name
-        cls = _POSTGRES if dialect == "postgresql" else _SQLITE if dialect == "sqlite" else _MYSQL
-        found = cls(store)
-        store._fair_sql = found  # type: ignore[attr-defined]
-    return found
-
-
 class FairSQL:
-    """What the fair acquire loop asks the database, written as :data:`Steps`."""
+    """What the fair acquire loop asks the database, written as :data:`Steps`:
+    one subclass per dialect, which its store offers as its ``fair_class``
+    (built once per store by :meth:`Store.fair_sql`)."""
 
     #: A release can queue the next local thread in the same statement.
     seats_on_release = False
@@ -178,19 +172,18 @@ class FairSQL:
         raise NotImplementedError
 
 
-class _PostgresFair(FairSQL):
+class PostgresFair(FairSQL):
     seats_on_release = True
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)
-        from .postgresql import _lock_class, notify
 
         t = self.t
         seq = store.quoted(store.names.sequence).replace("'", "''")
         lease = "now() + make_interval(secs => %(ttl)s)"
         lk = (
             f"lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
-            f"{_lock_class(store.names.table)}, hashtext(%(key)s)))"
+            f"{lock_class(store.names.table)}, hashtext(%(key)s)))"
         )
         # The exclusive lock's upsert of the head, from a one-row source.
         head = (
@@ -386,18 +379,18 @@ class _PostgresFair(FairSQL):
         return bool(rows) and bool(rows[0][0])
 
 
-class _SQLiteFair(FairSQL):
+class SQLiteFair(FairSQL):
     def __init__(self, store: Store) -> None:
         super().__init__(store)
-        from .sqlite import NOW
+        now = SQLITE_NOW
 
         t = self.t
         fence = f"(SELECT value + 1 FROM {store.quoted(store.names.fence_table)} WHERE id = 1)"
-        live_q = f"lock_key = :key AND {_Q} AND expires_at > {NOW}"
+        live_q = f"lock_key = :key AND {_Q} AND expires_at > {now}"
         me = f"lock_key = :key AND {_Q} AND token = :token"
         head = (
             f"INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
-            f"SELECT :key, '', :owner, :token, {fence}, {NOW}, {NOW} + :ttl WHERE {{cond}} "
+            f"SELECT :key, '', :owner, :token, {fence}, {now}, {now} + :ttl WHERE {{cond}} "
             f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
@@ -406,41 +399,40 @@ class _SQLiteFair(FairSQL):
         )
         self._head_if_empty_sql = head.format(cond=f"NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q})")
         self._head_if_first_sql = head.format(
-            cond=f"EXISTS (SELECT 1 FROM {t} WHERE {me} AND expires_at > {NOW}) "
+            cond=f"EXISTS (SELECT 1 FROM {t} WHERE {me} AND expires_at > {now}) "
             f"AND NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q} AND fence < :ticket)"
         )
         self._enqueue_sql = (
             f"INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, expires_at, mode) "
-            f"SELECT :key, 'q' || printf('%020d', n), :owner, :token, n, {NOW}, {NOW} + :ttl, "
+            f"SELECT :key, 'q' || printf('%020d', n), :owner, :token, n, {now}, {now} + :ttl, "
             f"'queued' FROM (SELECT {fence} AS n) RETURNING fence"
         )
         self._renew_sql = (
-            f"UPDATE {t} SET expires_at = {NOW} + :ttl WHERE {me} AND expires_at > {NOW}"
+            f"UPDATE {t} SET expires_at = {now} + :ttl WHERE {me} AND expires_at > {now}"
         )
         self._drop_queued_sql = f"DELETE FROM {t} WHERE {me}"
         # The last live waiter before ticket (or, without one, the holder).
         self._blocker_sql = (
-            f"SELECT owner, expires_at - {NOW}, kind, slot FROM {t} WHERE lock_key = :key AND "
-            f"(slot = '' OR ({_Q} AND expires_at > {NOW} AND fence < :ticket)) "
+            f"SELECT owner, expires_at - {now}, kind, slot FROM {t} WHERE lock_key = :key AND "
+            f"(slot = '' OR ({_Q} AND expires_at > {now} AND fence < :ticket)) "
             f"ORDER BY slot DESC LIMIT 1"
         )
         self._leave_sql = f"DELETE FROM {t} WHERE lock_key = :key AND token = :token RETURNING slot"
         # The head, the live waiters before us, and our own row.
         self._look_sql = (
-            f"SELECT slot, owner, expires_at - {NOW}, kind, token, fence, {NOW} - acquired_at "
+            f"SELECT slot, owner, expires_at - {now}, kind, token, fence, {now} - acquired_at "
             f"FROM {t} WHERE lock_key = :key AND (slot = '' OR ({_Q} AND fence <= :ticket "
-            f"AND (expires_at > {NOW} OR token = :token)))"
+            f"AND (expires_at > {now} OR token = :token)))"
         )
 
     def enter_steps(
         self, key: str, token: str, owner: str, ttl: float, *, enqueue: bool
     ) -> Steps[Grant | Holder | Queued]:
-        from .sqlite import _grant
 
         params: dict[str, Any] = {"key": key, "owner": owner, "token": token, "ttl": ttl}
         rows = (yield self._head_if_empty_sql, params, True, False).rows
         if rows:
-            return _grant(rows[0])
+            return sqlite_grant(rows[0])
         if not enqueue:
             params["ticket"] = 2**63 - 1
             found = (yield self._blocker_sql, params, True, False).rows
@@ -457,7 +449,6 @@ class _SQLiteFair(FairSQL):
     def turn_steps(
         self, key: str, token: str, ticket: int, owner: str, ttl: float
     ) -> Steps[Grant | Queued | Dropped]:
-        from .sqlite import _grant
 
         params = {"key": key, "owner": owner, "token": token, "ttl": ttl, "ticket": ticket}
         # Look first (a read: WAL readers never wait for the one writer), and
@@ -470,7 +461,7 @@ class _SQLiteFair(FairSQL):
             got = (yield self._head_if_first_sql, params, True, False).rows
             if got:
                 yield self._drop_queued_sql, params, False, False
-                return _grant(got[0])
+                return sqlite_grant(got[0])
         renew = look.mine < ttl * 2 / 3
         if renew and not (yield self._renew_sql, params, False, False).rowcount:
             return DROPPED
@@ -481,7 +472,7 @@ class _SQLiteFair(FairSQL):
         return any(slot == "" for (slot,) in rows)
 
 
-class _MySQLFair(FairSQL):
+class MySQLFair(FairSQL):
     """InnoDB's ``AUTO_INCREMENT`` is only known after the INSERT, so a queue
     row's slot is ``'q~' + token`` (not ``'q' + ticket``: renaming it would
     cost a second write per request); the order is the ``fence`` column. The
@@ -712,8 +703,3 @@ def _check_kind(key: str, kind: str | None) -> None:
     """A fair request waits for an exclusive head; one of another kind never frees for it."""
     if kind is not None and kind != "exclusive":
         raise KindMismatch(key, requested="exclusive (fair)", existing=kind, where="in the table")
-
-
-_POSTGRES = _PostgresFair
-_SQLITE = _SQLiteFair
-_MYSQL = _MySQLFair

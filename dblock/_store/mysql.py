@@ -61,6 +61,7 @@ from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
 from .base import Grant, Holder, Interrupted, Lease, Result, Steps, Store, log
+from .fair import MySQLFair
 
 _NO_SUCH_TABLE = 1146
 # Chosen as a deadlock victim (1213), a lock wait timed out (1205), or either
@@ -82,6 +83,7 @@ _GALERA_READ = "SET STATEMENT wsrep_sync_wait=1 FOR "
 
 @register("mysql", "mariadb")
 class MySQLStore(Store):
+    fair_class: ClassVar[type[MySQLFair]] = MySQLFair
     can_transfer: ClassVar[bool] = False
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:

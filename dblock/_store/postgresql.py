@@ -51,7 +51,6 @@ import os
 import select
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Protocol
@@ -63,6 +62,8 @@ from ..config import Config
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
 from .base import Backoff, Grant, Holder, Lease, Steps, Store, Wait
+from .fair import PostgresFair
+from .sqlparts import BUCKETS, lock_class, notify, unnest, waiters_class
 
 log = logging.getLogger("dblock")
 
@@ -70,50 +71,6 @@ _UNDEFINED_TABLE = "42P01"
 # A notification payload starting with this addresses one fair-queue waiter
 # (see dblock._store.fair); a space and a fence follow when it is handed the head.
 HANDED_MARK = "\x1f"
-
-
-#: Releases are announced on one channel per key bucket, ``<prefix><n>``
-#: with ``n = hashtext(key) & (BUCKETS - 1)`` computed by the notifying
-#: statement itself, and a listener LISTENs only to the buckets of the keys
-#: its process waits for: it hears its own keys' releases and, of the rest of
-#: the cluster, only those of the keys that share their buckets.
-BUCKETS = 1024
-
-
-def notify(key: str, payload: str | None = None) -> str:
-    """The SQL that announces ``payload`` (default: the key) on the channel
-    of ``key``'s bucket; both are SQL expressions, the channel's prefix is the
-    ``channel`` parameter."""
-    return f"pg_notify(%(channel)s || (hashtext({key}) & {BUCKETS - 1}), {payload or key})"
-
-
-def _lock_class(table: str) -> int:
-    """The advisory lock class of a lock table: its name's CRC-32 as a signed int4."""
-    return (zlib.crc32(table.encode()) ^ 0x80000000) - 0x80000000
-
-
-def _waiters_class(table: str) -> int:
-    """The advisory lock class in which listeners register the keys their
-    process waits for (see the module's docstring)."""
-    return _lock_class(table + "\x00waiters")
-
-
-def unnest(*arrays: str) -> str:
-    """``unnest`` of array parameters (``"keys::text[]"``), each read through
-    a scalar subquery. PostgreSQL plans a prepared statement afresh at every
-    run (a custom plan) while that looks cheaper than its one generic plan;
-    an array parameter it can see counts its rows exactly, so a batch's
-    custom plan always looks cheaper and the statement was planned at every
-    run: half a millisecond a batch, as much as its round trip on this
-    machine. Hidden in a subquery, the arrays count as the same estimate in
-    both plans, and after five runs the generic plan is kept (a batch of 3
-    acquires: 1.04 -> 0.60 ms). The plan does not depend on the arrays'
-    lengths: each element is one key, looked up by the primary key."""
-    parts = []
-    for array in arrays:
-        name, cast = array.split("::", 1)
-        parts.append(f"(SELECT %({name})s::{cast})")
-    return f"unnest({', '.join(parts)})"
 
 
 def _acquired(rows: Sequence[tuple[Any, ...]], token: str) -> Grant | Holder:
@@ -133,6 +90,7 @@ class PostgresStore(Store):
     can_transfer: ClassVar[bool] = True
     reserves_fences: ClassVar[bool] = True
     can_notify: ClassVar[bool] = True
+    fair_class: ClassVar[type[PostgresFair]] = PostgresFair
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         super().__init__(engine, config=config, owns_engine=owns_engine)
@@ -142,7 +100,7 @@ class PostgresStore(Store):
         # Materialised, and the INSERT reads its row: the lock is taken before nextval.
         self._acquire_sql = (
             f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
-            f"{_lock_class(self.names.table)}, hashtext(%(key)s))), "
+            f"{lock_class(self.names.table)}, hashtext(%(key)s))), "
             f"ins AS ("
             f"INSERT INTO {t} AS t (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
             f"SELECT %(key)s, '', %(owner)s, %(token)s, nextval('{seq}'), now(), {lease} FROM lk "
@@ -160,7 +118,7 @@ class PostgresStore(Store):
         )
         # Notify only if a listener registered the key (the try fails),
         # the try made after the DELETE (it reads gone); see the module's docstring.
-        self._waiters = _waiters_class(self.names.table)
+        self._waiters = waiters_class(self.names.table)
         notify_if_waited = (
             f"CASE WHEN NOT pg_try_advisory_xact_lock({self._waiters}, hashtext(lock_key)) "
             f"THEN {notify('lock_key')} END"
@@ -199,7 +157,7 @@ class PostgresStore(Store):
             f"{unnest('keys::text[]', 'owners::text[]', 'tokens::text[]', 'ttls::float8[]')} "
             f"WITH ORDINALITY "
             f"AS v(lock_key, owner, token, ttl, n)), "
-            f"lk AS MATERIALIZED (SELECT pg_advisory_xact_lock({_lock_class(self.names.table)}, h) "
+            f"lk AS MATERIALIZED (SELECT pg_advisory_xact_lock({lock_class(self.names.table)}, h) "
             f"FROM (SELECT DISTINCT hashtext(lock_key) AS h FROM v ORDER BY h OFFSET 0) s), "
             f"ins AS ("
             f"INSERT INTO {t} AS t (lock_key, slot, owner, token, fence, acquired_at, expires_at) "

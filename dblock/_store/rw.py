@@ -44,6 +44,7 @@ from typing import Any
 
 from ..errors import DBLockError
 from .base import Lease, Result, Steps, Store
+from .sqlparts import SQLITE_NOW, lock_class, notify, unnest
 
 __all__ = ["RwRow", "RwStatements", "rw_statements"]
 
@@ -136,7 +137,6 @@ def _intent_slot(token: str) -> str:
 class PostgresRw(RwStatements):
     def __init__(self, store: Store) -> None:
         super().__init__(store)
-        from .postgresql import _lock_class, notify, unnest
 
         t = self.t
         names = store.names
@@ -144,7 +144,7 @@ class PostgresRw(RwStatements):
         lease = "now() + make_interval(secs => %(ttl)s)"
         lk = (
             f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
-            f"{_lock_class(names.table)}, hashtext(%(key)s))), "
+            f"{lock_class(names.table)}, hashtext(%(key)s))), "
         )
         cols = "kind, mode, token, owner, fence, expires_at, holders, now()"
         tail = (
@@ -300,23 +300,22 @@ class SQLiteRw(RwStatements):
 
     def __init__(self, store: Store) -> None:
         super().__init__(store)
-        from .sqlite import NOW
 
-        self.now_sql = NOW
+        self.now_sql = SQLITE_NOW
         t = self.t
         names = store.names
         fence = f"(SELECT value + 1 FROM {store.quoted(names.fence_table)} WHERE id = 1)"
-        cols = f"kind, mode, token, owner, fence, expires_at, holders, {NOW}"
+        cols = f"kind, mode, token, owner, fence, expires_at, holders, {SQLITE_NOW}"
         insert = (
             f"INSERT INTO {t} (lock_key, slot, kind, mode, holders, owner, token, fence, "
             f"acquired_at, expires_at) SELECT :key, '', 'rw', :mode, 1, :owner, :token, "
-            f"{fence}, {NOW}, {NOW} + :ttl "
+            f"{fence}, {SQLITE_NOW}, {SQLITE_NOW} + :ttl "
         )
-        expired = f"{t}.expires_at <= {NOW}"
+        expired = f"{t}.expires_at <= {SQLITE_NOW}"
         reset = f"({expired} OR {t}.mode <> 'read' OR {t}.holders <= 0)"
         self._read_sql = (
             insert + f"WHERE NOT EXISTS (SELECT 1 FROM {t} AS w WHERE w.lock_key = :key "
-            f"AND w.slot > '' AND w.mode = 'waiting' AND w.expires_at > {NOW}) "
+            f"AND w.slot > '' AND w.mode = 'waiting' AND w.expires_at > {SQLITE_NOW}) "
             f"ON CONFLICT (lock_key, slot) DO UPDATE SET mode = 'read', fence = excluded.fence, "
             f"holders = CASE WHEN {reset} THEN 1 ELSE {t}.holders + 1 END, "
             f"token = CASE WHEN {reset} THEN excluded.token ELSE {t}.token END, "
@@ -340,7 +339,7 @@ class SQLiteRw(RwStatements):
         self._delete_last_sql = f"DELETE FROM {t} WHERE {head} AND mode = 'read' AND holders <= 1"
         self._decrement_sql = (
             f"UPDATE {t} SET holders = holders - 1, expires_at = CASE WHEN holders <= 1 "
-            f"THEN {NOW} ELSE expires_at END WHERE {head} AND mode = 'read' AND holders > 0"
+            f"THEN {SQLITE_NOW} ELSE expires_at END WHERE {head} AND mode = 'read' AND holders > 0"
         )
         self._release_write_sql = f"DELETE FROM {t} WHERE {head} AND mode = 'write'"
         self._downgrade_sql = (
@@ -349,12 +348,12 @@ class SQLiteRw(RwStatements):
         self._intent_sql = (
             f"INSERT INTO {t} (lock_key, slot, kind, mode, holders, owner, token, fence, "
             f"acquired_at, expires_at) VALUES (:key, :slot, 'rw', 'waiting', 0, :owner, "
-            f":token, 0, {NOW}, {NOW} + :ttl) "
+            f":token, 0, {SQLITE_NOW}, {SQLITE_NOW} + :ttl) "
             f"ON CONFLICT (lock_key, slot) DO UPDATE SET expires_at = excluded.expires_at"
         )
         self._drop_intent_sql = f"DELETE FROM {t} WHERE lock_key = :key AND slot = :slot"
         self._holder_sql = f"SELECT false, {cols} FROM {t} WHERE lock_key = :key AND slot = ''"
-        self._now = NOW
+        self._now = SQLITE_NOW
 
     def grant_steps(
         self, mode: str, key: str, token: str, owner: str, ttl: float

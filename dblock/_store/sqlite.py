@@ -22,18 +22,17 @@ from ..config import Config
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
 from .base import Grant, Holder, Lease, Steps, Store
+from .fair import SQLiteFair
+from .sqlparts import SQLITE_CLOCK_STEP, sqlite_grant
+from .sqlparts import SQLITE_NOW as NOW
 
 _UTC = timezone.utc
-NOW = "((julianday('now') - 2440587.5) * 86400.0)"
-# SQLite's 'now' is truncated to the millisecond, so a lease may start (and
-# end) up to this much before the client sent its statement; the holder's
-# view of the lease is shortened by as much, so it never outlasts the row's.
-_CLOCK_STEP = 0.001
 
 
 @register("sqlite")
 class SQLiteStore(Store):
     can_transfer: ClassVar[bool] = True
+    fair_class: ClassVar[type[SQLiteFair]] = SQLiteFair
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         super().__init__(engine, config=config, owns_engine=owns_engine)
@@ -69,12 +68,12 @@ class SQLiteStore(Store):
         for _ in range(2):
             rows = (yield self._acquire_sql, params, True, False).rows
             if rows:
-                return _grant(rows[0])
+                return sqlite_grant(rows[0])
             rows = (yield self._holder_sql, {"key": key}, True, False).rows
             if rows:
                 row_token, row_owner, fence, expires_at, now, kind = rows[0]
                 if row_token == token and kind == "exclusive":
-                    return _grant((fence, expires_at, now))
+                    return sqlite_grant((fence, expires_at, now))
                 return Holder(row_owner, row_token, expires_at - now, kind)
             # released between the two statements: try once more
         return Holder(None, None, None)
@@ -125,7 +124,7 @@ class SQLiteStore(Store):
             if row is None:  # held (or of another kind): the single attempt says by whom
                 answers.append((yield from self.acquire_steps(key, token, owner, ttl)))
             else:
-                answers.append(_grant(row))
+                answers.append(sqlite_grant(row))
         return answers
 
     def release_many_steps(self, requests: Sequence[tuple[str, str]]) -> Steps[list[bool]]:
@@ -148,7 +147,7 @@ class SQLiteStore(Store):
     ) -> Steps[Grant | None]:
         params = {"key": key, "token": token, "new_token": new_token, "owner": owner, "ttl": ttl}
         rows = (yield self._transfer_sql, params, True, False).rows
-        return _grant(rows[0]) if rows else None
+        return sqlite_grant(rows[0]) if rows else None
 
     def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
         params: dict[str, object] = {}
@@ -164,7 +163,9 @@ class SQLiteStore(Store):
         )
         rows = (yield sql, params, True, False).rows
         return {
-            token: Lease(datetime.fromtimestamp(expires_at, _UTC), expires_at - now - _CLOCK_STEP)
+            token: Lease(
+                datetime.fromtimestamp(expires_at, _UTC), expires_at - now - SQLITE_CLOCK_STEP
+            )
             for token, expires_at, now in rows
         }
 
@@ -188,15 +189,3 @@ class SQLiteStore(Store):
         )
         rows = self.run(sql, {"older_than": older_than, "limit": limit}, fetch=True).rows
         return [lock_row(r) for r in rows]
-
-
-def _grant(row: tuple[object, ...]) -> Grant:
-    fence, expires_at, now = row
-    assert isinstance(fence, int)
-    # RETURNING hands back a REAL column's whole-number value as an int (SQLite
-    # stores those as integers): a lease that ends on a whole second, about
-    # one grant in a thousand (its clock counts milliseconds).
-    assert isinstance(expires_at, (int, float))
-    assert isinstance(now, (int, float))
-    expires_at, now = float(expires_at), float(now)
-    return Grant(fence, datetime.fromtimestamp(expires_at, _UTC), expires_at - now - _CLOCK_STEP)

@@ -64,7 +64,7 @@ from .._store.base import (
     never_sent,
     what_failed,
 )
-from .._store.fair import DROPPED, Queued, Seat, address, poll_cap, statements
+from .._store.fair import DROPPED, Queued, Seat, address, poll_cap
 from ..errors import BackendError, LockBusy, LockTimeout, ManagerClosed
 from ..lock import (
     _CLEAN_OP,
@@ -109,7 +109,7 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
     """Level 2 of a fair request (``Locker.acquire_steps`` calls it in place
     of the exclusive lock's loop, inside its own clean-up)."""
     store = locker.store
-    sql = statements(store)
+    sql = store.fair_sql()
     key = entry.key
     handed = token  # a token a failed local hand-off may have written
     token = token or os.urandom(16).hex()
@@ -256,7 +256,7 @@ def _withdraw(locker: Locker, key: str, token: str) -> Op[None]:
     """Leave the queue as if we had never joined it (best effort, like a
     release): delete our rows and wake the next waiter if we were the first."""
     try:
-        yield (_STEPS, statements(locker.store).leave_steps(key, token))
+        yield (_STEPS, locker.store.fair_sql().leave_steps(key, token))
     except BackendError as exc:
         log.error(
             "dblock: leaving the fair queue of %r failed; our queue row stays until its "

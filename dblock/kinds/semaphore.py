@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._store.base import Grant, Holder, Lease, Result, Steps, Store, Wait
+from .._store.sqlparts import SQLITE_NOW, lock_class, notify, sqlite_grant
 from ..errors import (
     BackendError,
     KindMismatch,
@@ -145,8 +146,6 @@ class PermitStore(Store):
         t = self.quoted(self.names.table)
         cols = "lock_key, slot, kind, mode, holders, permits, owner, token"
         if dialect == "postgresql":
-            from .._store.postgresql import _lock_class, notify
-
             seq = self.quoted(self.names.sequence).replace("'", "''")
             mismatch = (
                 f"SELECT FROM {t} AS b WHERE b.lock_key = %(key)s "
@@ -154,7 +153,7 @@ class PermitStore(Store):
             )
             self._acquire_sql = (
                 f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
-                f"{_lock_class(self.names.table)}, hashtext(%(key)s))), "
+                f"{lock_class(self.names.table)}, hashtext(%(key)s))), "
                 f"ins AS (INSERT INTO {t} AS t ({cols}, fence, acquired_at, expires_at) "
                 f"SELECT %(key)s, %(slot)s, 'semaphore', 'permit', 1, %(n)s, %(owner)s, "
                 f"%(token)s, nextval('{seq}'), now(), "
@@ -178,8 +177,7 @@ class PermitStore(Store):
             )
             self._takeover_sql = None
         elif dialect == "sqlite":
-            from .._store.sqlite import NOW
-
+            NOW = SQLITE_NOW
             fence = f"(SELECT value + 1 FROM {self.quoted(self.names.fence_table)} WHERE id = 1)"
             self._acquire_sql = (
                 f"INSERT INTO {t} ({cols}, fence, acquired_at, expires_at) "
@@ -256,9 +254,7 @@ class PermitStore(Store):
             return None
         fence, expires_at, now = rows[0]
         if self.dialect == "sqlite":
-            from .._store.sqlite import _grant
-
-            grant = _grant(rows[0])
+            grant = sqlite_grant(rows[0])
             grant.slot = slot
             return grant
         return Grant(fence, expires_at, (expires_at - now).total_seconds(), slot)

@@ -12,7 +12,7 @@ import psycopg
 import sqlalchemy as sa
 
 from dblock import LockManager
-from dblock._store.postgresql import BUCKETS
+from dblock._store.sqlparts import BUCKETS
 
 __all__ = ["Heard", "bucket_of", "conninfo", "registered", "start_waiter", "until"]
 
