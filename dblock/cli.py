@@ -36,7 +36,7 @@ from ._store.jobs import RunRow
 from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
 from .errors import DBLockError, JobSkipped, LockArgumentError, SchemaMissing
-from .keys import MAX_KEY_LENGTH, check_key
+from .keys import MAX_KEY_LENGTH, check_filter, check_key
 from .manager import LockManager
 from .schema import RUNNING, TableNames
 from .sweeper import Sweeper, SweeperConfig
@@ -484,7 +484,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    prefix = None if args.prefix is None else _checked("--prefix", args.prefix)
+    prefix = None if args.prefix is None else check_filter("--prefix", args.prefix)
     with _manager(args) as manager:
         rows = manager.store.rows(prefix=prefix, limit=args.limit + 1)
         shown = rows[: args.limit]
@@ -574,8 +574,8 @@ def cmd_release(args: argparse.Namespace) -> int:
     if args.key is None and args.prefix is None and args.owner is None:
         raise LockArgumentError("name what to release: KEY, --prefix PREFIX or --owner OWNER")
     key = None if args.key is None else check_key(args.key)
-    prefix = None if args.prefix is None else _checked("--prefix", args.prefix)
-    owner = None if args.owner is None else _checked("--owner", args.owner)
+    prefix = None if args.prefix is None else check_filter("--prefix", args.prefix)
+    owner = None if args.owner is None else check_filter("--owner", args.owner)
     if not args.force:
         raise LockArgumentError(
             "dblock release takes a lock away from whoever holds it (the holder gets "
@@ -653,15 +653,6 @@ def _release_many(args: argparse.Namespace, *, prefix: str | None, owner: str | 
     moved = f" ({kept} changed hands meanwhile; kept)" if kept else ""
     print(f"released {gone} row{'s' if gone != 1 else ''} with {which}{moved}")
     return 0 if gone else 1
-
-
-def _checked(option: str, value: str) -> str:
-    """A --prefix or --owner value, checked as a key is (the same rules and
-    messages): not empty, at most 255 characters, storable text."""
-    try:
-        return check_key(value)
-    except LockArgumentError as exc:
-        raise LockArgumentError(str(exc).replace("lock key", option, 1)) from None
 
 
 #: Keys and values longer than this are shortened when echoed: a valid key
@@ -882,7 +873,7 @@ def cmd_top(args: argparse.Namespace) -> int:
         raise LockArgumentError(f"--interval must be positive, got {args.interval:g}")
     state = top.TopState(
         sort=top.Sort.named(args.sort),
-        prefix=_checked("--prefix", args.prefix) if args.prefix else "",
+        prefix=check_filter("--prefix", args.prefix) if args.prefix else "",
         expired_only=args.expired,
         limit=args.limit,
     )

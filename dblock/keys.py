@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import LockArgumentError
 
-__all__ = ["MAX_KEY_LENGTH", "KeyTemplate", "check_key", "check_text", "db_text"]
+__all__ = ["MAX_KEY_LENGTH", "KeyTemplate", "check_filter", "check_key", "check_text", "db_text"]
 
 MAX_KEY_LENGTH = 255
 
@@ -44,6 +44,16 @@ def check_key(key: object) -> str:
     if "\x00" in key:
         raise LockArgumentError(f"lock key must not contain NUL characters: {key!r}")
     return key
+
+
+def check_filter(option: str, value: object) -> str:
+    """A ``--prefix`` or ``--owner`` value of the admin commands, checked as a
+    key is (the same rules and messages, naming ``option``): not empty, at
+    most :data:`MAX_KEY_LENGTH` characters, storable text."""
+    try:
+        return check_key(value)
+    except LockArgumentError as exc:
+        raise LockArgumentError(str(exc).replace("lock key", option, 1)) from None
 
 
 def check_text(text: str, what: str) -> None:

@@ -503,6 +503,28 @@ def test_management_commands(capsys: pytest.CaptureFixture[str]) -> None:
             held.release()
 
 
+def test_release_command_by_prefix_and_owner(capsys: pytest.CaptureFixture[str]) -> None:
+    """`manage.py dblock_release --prefix/--owner`, as `dblock release`."""
+    url = conf.url_for("default")
+    with LockManager(url, client_id="gone-host:1") as gone, other_manager() as alive:
+        a = gone.acquire("cmdp:1:a", ttl=60)
+        kept = alive.acquire("cmdp:1:b", ttl=60)
+        with pytest.raises(CommandError, match="not both"):
+            call_command("dblock_release", "cmdp:1:a", "--prefix", "cmdp:", "--force")
+        with pytest.raises(CommandError, match="name what to release"):
+            call_command("dblock_release", "--force")
+        with pytest.raises(CommandError, match="pass --force"):
+            call_command("dblock_release", "--owner", "gone-host")
+        call_command("dblock_release", "--prefix", "cmdp:1:", "--owner", "gone-host:1", "--force")
+        assert capsys.readouterr().out.strip() == (
+            "released 1 row with keys starting with 'cmdp:1:' and held by 'gone-host:1'"
+        )
+        assert [row.key for row in alive.store.rows(prefix="cmdp:")] == ["cmdp:1:b"]
+        with pytest.raises(Exception, match="lost"):
+            a.release()
+        kept.release()
+
+
 def test_release_command_wakes_a_waiter_at_once() -> None:
     """On PostgreSQL a force-release announces the key like a release, so a
     waiter in another process gets it without waiting for a re-check."""

@@ -588,6 +588,49 @@ def test_cli_list_sweep_release(app: Flask) -> None:
             held.release()
 
 
+def test_cli_release_by_prefix_and_owner(app: Flask) -> None:
+    """`flask dblock release --prefix/--owner`, as `dblock release`: every
+    matching row, checked before anything runs, --force required."""
+    runner = app.test_cli_runner()
+    url = app.extensions["dblock"].manager.engine.url
+    with LockManager(url, client_id="gone-host:1") as gone, LockManager(url) as alive:
+        a = gone.acquire("tenant:1:a", ttl=60)
+        b = gone.acquire("tenant:1:b", ttl=60)
+        kept = alive.acquire("tenant:1:c", ttl=60)
+        other = gone.acquire("tenant:2:a", ttl=60)
+
+        both = runner.invoke(args=["dblock", "release", "tenant:1:a", "--prefix", "t", "--force"])
+        assert both.exit_code == 2
+        assert "not both" in both.output
+        nothing = runner.invoke(args=["dblock", "release", "--force"])
+        assert nothing.exit_code == 2
+        assert "name what to release" in nothing.output
+        empty = runner.invoke(args=["dblock", "release", "--prefix", "", "--force"])
+        assert empty.exit_code == 2
+        assert "--prefix" in empty.output
+        refused = runner.invoke(args=["dblock", "release", "--prefix", "tenant:1:"])
+        assert refused.exit_code == 2
+        assert "pass --force" in refused.output
+
+        released = runner.invoke(
+            args=["dblock", "release", "--prefix", "tenant:1:", "--owner", "gone-host", "--force"]
+        )
+        assert released.exit_code == 0, released.output
+        assert released.output.strip() == (
+            "released 2 rows with keys starting with 'tenant:1:' and held by 'gone-host'"
+        )
+        left = {row.key for row in alive.store.rows(prefix="tenant:")}
+        assert left == {"tenant:1:c", "tenant:2:a"}
+        again = runner.invoke(args=["dblock", "release", "--owner", "nobody", "--force"])
+        assert again.exit_code == 1
+        assert "no lock rows with held by 'nobody'" in again.output
+        for lost in (a, b):
+            with pytest.raises(Exception, match="lost"):
+                lost.release()
+        kept.release()
+        other.release()
+
+
 def test_cli_migrate_sql_and_up_to_date(app: Flask) -> None:
     runner = app.test_cli_runner()
     again = runner.invoke(args=["dblock", "migrate"])

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from .._store.admin import LockRow, SweepReason, rows_json
 from ..config import check_ttl
 from ..errors import DBLockError, LockArgumentError
-from ..keys import check_key
+from ..keys import check_filter, check_key
 from ..sweeper import Sweeper as _CoreSweeper
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ __all__ = [
     "force_release",
     "list_locks",
     "list_report",
+    "release_matching",
     "release_report",
     "render_table",
     "sweep",
@@ -90,6 +91,24 @@ def force_release(manager: LockManager, key: str) -> bool:
         if manager.store.release_key(key):
             return True
     return False
+
+
+def release_matching(
+    manager: LockManager, *, prefix: str | None = None, owner: str | None = None
+) -> tuple[int, int]:
+    """Delete every row whose key starts with ``prefix`` (taken literally,
+    case-sensitive) and that is held by ``owner`` (exactly, or every thread
+    under ``host:pid``, or every process under ``host``), whoever holds them:
+    ``(released, changed hands meanwhile)``. Each row goes by the token read,
+    so one taken by someone new between the look and the delete is kept.
+    The holders are not told (see :func:`force_release`)."""
+    if prefix is None and owner is None:
+        raise LockArgumentError("name what to release: --prefix, --owner or both")
+    prefix = None if prefix is None else check_filter("--prefix", prefix)
+    owner = None if owner is None else check_filter("--owner", owner)
+    found = manager.store.rows(prefix=prefix, owner=owner)
+    gone = sum(manager.store.release_row(r.key, r.slot, r.token) for r in found)
+    return gone, len(found) - gone
 
 
 def render_table(locks: list[LockInfo]) -> str:
@@ -188,13 +207,48 @@ def sweep_report(manager: LockManager, *, max_age: float | None) -> str:
     return f"swept {count} row(s) from {manager.names.table}"
 
 
-def release_report(manager: LockManager, key: str, *, force: bool) -> str:
-    key = check_key(key)  # as the API and `dblock release` check it, before anything else
+def release_report(
+    manager: LockManager,
+    key: str | None = None,
+    *,
+    force: bool,
+    prefix: str | None = None,
+    owner: str | None = None,
+) -> str:
+    """The release commands of Flask and Django: one key, or every row
+    matching ``prefix`` and/or ``owner`` (as ``dblock release``), checked
+    before any statement runs."""
+    if key is not None and (prefix is not None or owner is not None):
+        raise LockArgumentError("give KEY, or --prefix and/or --owner, not both")
+    if key is None and prefix is None and owner is None:
+        raise LockArgumentError("name what to release: KEY, --prefix PREFIX or --owner OWNER")
+    if key is not None:
+        key = check_key(key)  # as the API and `dblock release` check it, before anything else
+    what = repr(key)
+    if key is None:
+        prefix = None if prefix is None else check_filter("--prefix", prefix)
+        owner = None if owner is None else check_filter("--owner", owner)
+        what = " and ".join(
+            part
+            for part in (
+                None if prefix is None else f"keys starting with {prefix!r}",
+                None if owner is None else f"held by {owner!r}",
+            )
+            if part
+        )
     if not force:
         raise LockArgumentError(
-            f"releasing {key!r} takes it from its holder, which goes on without mutual "
+            f"releasing {what} takes it from its holder, which goes on without mutual "
             "exclusion; pass --force if that holder is gone"
         )
-    if not force_release(manager, key):
-        raise DBLockError(f"no lock {key!r} is held")
-    return f"released {key}"
+    if key is not None:
+        if not force_release(manager, key):
+            raise DBLockError(f"no lock {key!r} is held")
+        log.warning("dblock: force-released %r in %s", key, manager.names.table)
+        return f"released {key}"
+    gone, kept = release_matching(manager, prefix=prefix, owner=owner)
+    if not gone and not kept:
+        raise DBLockError(f"no lock rows with {what} in {manager.names.table}")
+    log.warning("dblock: force-released %d row(s) with %s in %s", gone, what, manager.names.table)
+    moved = f" ({kept} changed hands meanwhile; kept)" if kept else ""
+    return f"released {gone} row{'s' if gone != 1 else ''} with {what}{moved}"

@@ -458,15 +458,23 @@ def list_command(prefix: str | None, as_json: bool) -> None:
 
 
 @cli.command("release")
-@click.argument("key")
-@click.option("--force", is_flag=True, help="Required: delete the row whoever holds it.")
-def release_command(key: str, force: bool) -> None:
-    """Force-release KEY: delete its row whoever holds it.
+@click.argument("key", required=False)
+@click.option("--prefix", default=None, help="Every row whose key starts with this.")
+@click.option(
+    "--owner",
+    default=None,
+    help="Every row held by this owner: exactly, or every thread under HOST:PID, "
+    "or every process under HOST.",
+)
+@click.option("--force", is_flag=True, help="Required: delete the rows whoever holds them.")
+def release_command(key: str | None, prefix: str | None, owner: str | None, force: bool) -> None:
+    """Force-release KEY (or every row matching --prefix and/or --owner):
+    delete the rows whoever holds them.
 
-    The holder is not told and goes on without mutual exclusion; use this only
-    for a lock whose holder is known to be gone.
+    The holders are not told and go on without mutual exclusion; use this
+    only for locks whose holders are known to be gone.
     """
-    _run(lambda: _admin.release_report(_manager(), key, force=force))
+    _run(lambda: _admin.release_report(_manager(), key, force=force, prefix=prefix, owner=owner))
 
 
 def _durations(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
