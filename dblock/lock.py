@@ -703,7 +703,7 @@ class Locker:
                 # (``seen``: the caller's own look-up of the key, not made twice.)
                 mine = self.registry.get(key) if seen is UNSET else seen
                 if mine is not None and mine.owner is me:
-                    entry = yield from self._take_back(mine, me)
+                    entry = yield from self._take_back(mine, me, blocking, timeout, start)
             if entry is not None:
                 pass  # ours at level 1 already: on to level 2
             elif not self._local:
@@ -1263,12 +1263,18 @@ class Locker:
                 entry.held = None
                 self._leave(entry)
 
-    def _take_back(self, entry: Entry, me: object) -> Op[Entry | None]:
+    def _take_back(
+        self, entry: Entry, me: object, blocking: bool, timeout: float | None, start: float
+    ) -> Op[Entry | None]:
         """The owner asks again for a key whose lock it dropped without
         release (collected; its release is posted to the renewal thread).
         Release it here and keep the key at level 1 (returned: level 2
         follows), or, if the renewal thread is releasing it already, wait
-        until it has passed the key on (None: ask for it as anyone would)."""
+        until it has passed the key on (None: ask for it as anyone would).
+        A waiting request gives up at its timeout there: that DELETE may
+        wait for a row lock or an unreachable server. A fail-fast one waits
+        for it as for a statement of its own (the key is nobody else's; its
+        own INSERT would wait for the same row lock)."""
         key = entry.key
         ref: _Ref | None = entry.held
         if ref is not None and ref() is None and self._claim_collected(ref):
@@ -1277,12 +1283,17 @@ class Locker:
             entry.handoffs = 0
             yield from self._delete_row(key, ref.token)
             return entry
-        # The renewal thread (or close()) is releasing it: a DELETE away.
+        # The renewal thread (or close()) is releasing it: a DELETE away, or
+        # longer (a row lock, a server away): look again, less often.
+        pause = 0.001
         while self.registry.get(key) is entry and entry.owner is me:
             ref = entry.held
             if ref is not None and ref() is not None:
                 break  # (never: only we could have taken it again)
-            yield (_SLEEP, 0.001)
+            if blocking and timeout is not None and _monotonic() - start >= timeout:
+                raise LockTimeout(key, timeout=timeout, level=1)
+            yield (_SLEEP, pause)
+            pause = min(pause * 2, 0.02)
         return None
 
     def _reap(self) -> None:

@@ -36,6 +36,7 @@ from dblock import (
     LockLost,
     LockManager,
     LockNotHeld,
+    LockTimeout,
     ManagerClosed,
 )
 from tests.conftest import row_of
@@ -695,6 +696,51 @@ def test_a_thread_waiting_for_a_dropped_lock_gets_it(manager: LockManager, key: 
         _drop(box)
     t.join(30)
     assert out == {"result": True}
+    assert _free(manager, key)
+
+
+@contextmanager
+def _row_write_locked(manager: LockManager, key: str) -> Iterator[None]:
+    """A transaction of the test's own that keeps ``key``'s row from being
+    deleted until the block ends (SQLite: the whole file's write lock)."""
+    engine = sa.create_engine(manager.engine.url, poolclass=sa.pool.NullPool)
+    table = manager.store.table
+    try:
+        with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            else:
+                conn.begin()
+                conn.execute(sa.select(table).where(table.c.lock_key == key).with_for_update())
+            try:
+                yield
+            finally:
+                conn.rollback()
+    finally:
+        engine.dispose()
+
+
+def test_asking_again_while_the_dropped_lock_is_being_released_keeps_the_timeout(
+    manager: LockManager, key: str
+) -> None:
+    """The owner asks again for a key whose dropped lock the renewal thread
+    is deleting (its DELETE held up by a row lock): a waiting request gives
+    up at its timeout instead of waiting for that DELETE however long it
+    takes. (A fail-fast one waits for it, as for a statement of its own:
+    test_owners_gone.py.)"""
+    box = [manager.acquire(key)]
+    with _row_write_locked(manager, key):
+        with pytest.warns(ResourceWarning):
+            _drop(box)
+        entry = manager._locker.registry.get(key)
+        assert entry is not None
+        # The renewal thread has taken the job (its DELETE now waits for us).
+        _wait_for(lambda: entry.held is not None and not entry.held.live)
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeout):
+            manager.acquire(key, timeout=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 1.5
+    manager.acquire(key, timeout=10).release()
     assert _free(manager, key)
 
 
