@@ -31,7 +31,7 @@ from typing import NoReturn
 
 from . import __version__, migrations
 from ._engine import ENV_URL, check_url, mask, mask_text, resolve_url
-from ._store.admin import LockRow, LockStats, rows_json
+from ._store.admin import LockRow, LockStats, filter_phrase, rows_json
 from ._store.jobs import RunRow
 from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
@@ -597,7 +597,7 @@ def cmd_release(args: argparse.Namespace) -> int:
         # Only the rows we showed (every row of the key: the exclusive holder,
         # each semaphore permit, read-write rows), each by its token: a row
         # that changed hands meanwhile is not what the operator agreed to take away.
-        gone = [r for r in found if manager.store.release_row(r.key, r.slot, r.token)]
+        gone = manager.store.release_rows(found)
         if not gone:
             print(f"dblock: {quoted(key)} changed hands meanwhile; nothing released")
             return 1
@@ -622,14 +622,7 @@ _SHOWN_SAMPLE = 10
 def _release_many(args: argparse.Namespace, *, prefix: str | None, owner: str | None) -> int:
     """``dblock release --prefix P`` / ``--owner O`` (both: rows matching
     both): every matching row, each by the token read, after one confirmation."""
-    which = " and ".join(
-        part
-        for part in (
-            None if prefix is None else f"keys starting with {quoted(prefix)}",
-            None if owner is None else f"held by {quoted(owner)}",
-        )
-        if part
-    )
+    which = filter_phrase(prefix, owner, quoted)
     with _manager(args) as manager:
         where = f"{manager.config.table} on {manager.url}"
         found = manager.store.rows(prefix=prefix, owner=owner)
@@ -647,7 +640,7 @@ def _release_many(args: argparse.Namespace, *, prefix: str | None, owner: str | 
                 return 1
         # Each row by the token read: one that changed hands meanwhile is
         # not what the operator agreed to take away.
-        gone = sum(manager.store.release_row(r.key, r.slot, r.token) for r in found)
+        gone = len(manager.store.release_rows(found))
         kept = len(found) - gone
         log.warning("dblock: %s force-released %d row(s) with %s in %s", _who(), gone, which, where)
     moved = f" ({kept} changed hands meanwhile; kept)" if kept else ""

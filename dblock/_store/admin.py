@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
 from ..schema import to_utc
 
-__all__ = ["LockRow", "LockStats", "SweepReason", "lock_row", "rows_json"]
+__all__ = ["LockRow", "LockStats", "SweepReason", "filter_phrase", "lock_row", "rows_json"]
 
 # The columns every admin statement selects (or returns), in this order,
 # followed by the database's current time.
@@ -133,6 +133,17 @@ def rows_json(rows: Sequence[LockRow]) -> str:
     list``, ``manage.py dblock_list``): one JSON array of
     :meth:`LockRow.as_json` objects, in the order given."""
     return json.dumps([row.as_json() for row in rows], indent=2)
+
+
+def filter_phrase(prefix: str | None, owner: str | None, quote: Callable[[str], str] = repr) -> str:
+    """How every release by ``--prefix``/``--owner`` names what it matched
+    (``keys starting with 'a:' and held by 'host'``), each value through ``quote``."""
+    parts = []
+    if prefix is not None:
+        parts.append(f"keys starting with {quote(prefix)}")
+    if owner is not None:
+        parts.append(f"held by {quote(owner)}")
+    return " and ".join(parts)
 
 
 def lock_row(row: Sequence[Any]) -> LockRow:

@@ -1017,10 +1017,15 @@ class Store:
         )
         return self.run(sql, {"key": key, "slot": slot, "token": token}).rowcount > 0
 
+    def release_rows(self, rows: Sequence[LockRow]) -> list[LockRow]:
+        """Delete ``rows`` as read (each by its slot and token, so a row that
+        changed hands since stays) and return those deleted."""
+        return [r for r in rows if self.release_row(r.key, r.slot, r.token)]
+
     def release_key(self, key: str) -> list[LockRow]:
         """Delete every row of ``key`` (each by the token read, so a row that
         changes hands meanwhile stays) and return those deleted."""
-        return [r for r in self.rows(key=key) if self.release_row(r.key, r.slot, r.token)]
+        return self.release_rows(self.rows(key=key))
 
     def stats(self) -> LockStats:
         """How many rows, how many of them expired, and the oldest."""

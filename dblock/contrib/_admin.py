@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .._store.admin import LockRow, SweepReason, rows_json
+from .._store.admin import LockRow, SweepReason, filter_phrase, rows_json
 from ..config import check_ttl
 from ..errors import DBLockError, LockArgumentError
 from ..keys import check_filter, check_key
@@ -33,7 +33,6 @@ __all__ = [
     "force_release",
     "list_locks",
     "list_report",
-    "release_matching",
     "release_report",
     "render_table",
     "sweep",
@@ -91,24 +90,6 @@ def force_release(manager: LockManager, key: str) -> bool:
         if manager.store.release_key(key):
             return True
     return False
-
-
-def release_matching(
-    manager: LockManager, *, prefix: str | None = None, owner: str | None = None
-) -> tuple[int, int]:
-    """Delete every row whose key starts with ``prefix`` (taken literally,
-    case-sensitive) and that is held by ``owner`` (exactly, or every thread
-    under ``host:pid``, or every process under ``host``), whoever holds them:
-    ``(released, changed hands meanwhile)``. Each row goes by the token read,
-    so one taken by someone new between the look and the delete is kept.
-    The holders are not told (see :func:`force_release`)."""
-    if prefix is None and owner is None:
-        raise LockArgumentError("name what to release: --prefix, --owner or both")
-    prefix = None if prefix is None else check_filter("--prefix", prefix)
-    owner = None if owner is None else check_filter("--owner", owner)
-    found = manager.store.rows(prefix=prefix, owner=owner)
-    gone = sum(manager.store.release_row(r.key, r.slot, r.token) for r in found)
-    return gone, len(found) - gone
 
 
 def render_table(locks: list[LockInfo]) -> str:
@@ -224,18 +205,11 @@ def release_report(
         raise LockArgumentError("name what to release: KEY, --prefix PREFIX or --owner OWNER")
     if key is not None:
         key = check_key(key)  # as the API and `dblock release` check it, before anything else
-    what = repr(key)
-    if key is None:
+        what = repr(key)
+    else:
         prefix = None if prefix is None else check_filter("--prefix", prefix)
         owner = None if owner is None else check_filter("--owner", owner)
-        what = " and ".join(
-            part
-            for part in (
-                None if prefix is None else f"keys starting with {prefix!r}",
-                None if owner is None else f"held by {owner!r}",
-            )
-            if part
-        )
+        what = filter_phrase(prefix, owner)
     if not force:
         raise LockArgumentError(
             f"releasing {what} takes it from its holder, which goes on without mutual "
@@ -246,9 +220,12 @@ def release_report(
             raise DBLockError(f"no lock {key!r} is held")
         log.warning("dblock: force-released %r in %s", key, manager.names.table)
         return f"released {key}"
-    gone, kept = release_matching(manager, prefix=prefix, owner=owner)
-    if not gone and not kept:
+    found = manager.store.rows(prefix=prefix, owner=owner)
+    if not found:
         raise DBLockError(f"no lock rows with {what} in {manager.names.table}")
+    # Each row by the token read: one that changed hands meanwhile stays.
+    gone = len(manager.store.release_rows(found))
+    kept = len(found) - gone
     log.warning("dblock: force-released %d row(s) with %s in %s", gone, what, manager.names.table)
     moved = f" ({kept} changed hands meanwhile; kept)" if kept else ""
     return f"released {gone} row{'s' if gone != 1 else ''} with {what}{moved}"
