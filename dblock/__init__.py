@@ -2,7 +2,8 @@
 
 Two filters: a per-process registry lets one thread per key through, and that
 thread inserts a unique lock row (key, owner token, lease, fence) in
-PostgreSQL, MySQL/MariaDB or SQLite. See ``DESIGN.md`` and the README.
+PostgreSQL, MySQL/MariaDB or SQLite. See the README, and docs/internals.md for
+the design (the two levels, the lock row, failure semantics).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from sqlalchemy import URL, create_engine, event, make_url
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError
 
-from .errors import LockArgumentError
+from .errors import LockArgumentError, install_hint
 
 __all__ = [
     "DEFAULT_URL",
@@ -43,10 +43,13 @@ ENV_URL = "DBLOCK_URL"
 _DRIVERS = {"postgresql": "psycopg", "mysql": "pymysql", "mariadb": "pymysql"}
 
 #: The databases dblock speaks, and the DBAPI drivers it speaks them through.
+#: psycopg2 so that an application on it can share its engine (or its URL):
+#: everything but the asyncio face, which runs on psycopg 3 (psycopg2 has no
+#: asyncio connection).
 SUPPORTED: dict[str, tuple[str, ...]] = {
-    "postgresql": ("psycopg",),
-    "mysql": ("pymysql",),
-    "mariadb": ("pymysql",),
+    "postgresql": ("psycopg", "psycopg2"),
+    "mysql": ("pymysql", "mysqldb"),
+    "mariadb": ("pymysql", "mysqldb"),
     "sqlite": ("pysqlite",),
 }
 _EXTRAS = {"postgresql": "postgresql", "mysql": "mysql", "mariadb": "mysql"}
@@ -219,15 +222,21 @@ def make_engine(
     try:
         engine = create_engine(url, **kwargs)
     except ImportError as exc:
-        extra = _EXTRAS.get(backend, backend)
+        if url.get_driver_name() == "psycopg2":
+            # No extra of dblock's installs it: an application on psycopg2
+            # brings its own (psycopg2 or psycopg2-binary).
+            hint = "pip install psycopg2-binary, or use postgresql+psycopg://"
+        else:
+            hint = install_hint(_EXTRAS.get(backend, backend))
         raise LockArgumentError(
-            f"the driver for {mask(url)} is not installed: pip install 'dblock[{extra}]' ({exc})"
+            f"the driver for {mask(url)} is not installed: {hint} ({exc})"
         ) from exc
     except (ArgumentError, TypeError) as exc:
         raise LockArgumentError(f"cannot make an engine for {mask(url)}: {exc}") from exc
     if backend == "sqlite":
-        event.listen(engine, "connect", _sqlite_pragmas)
-    if pooler and backend == "postgresql":
+        event.listen(engine, "connect", sqlite_pragmas)
+    if pooler and backend == "postgresql" and url.get_driver_name() == "psycopg":
+        # psycopg2 never prepares a statement: nothing to turn off.
         event.listen(engine, "connect", _never_prepare)
     return engine
 
@@ -240,7 +249,7 @@ def _never_prepare(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.prepare_threshold = None
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+def sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     # WAL lets readers (dblock list, stats) run beside the writer; NORMAL
     # sync is durable against a crash of the process, which is what a
     # single-machine lock file needs.

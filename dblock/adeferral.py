@@ -20,22 +20,61 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
-from .deferral import DeferHook, Deferred, _release_quietly
+from . import _threads
+from .deferral import DeferHook, Deferred, release_quietly
 from .errors import LockLost
 
 if TYPE_CHECKING:
-    from .aio import AsyncHeldLock, AsyncHeldLocks
     from .lock import HeldLock
     from .multi import HeldLocks
 
-__all__ = ["AsyncDeferred", "acall_deferring", "aexit_deferring"]
+__all__ = [
+    "AsyncDeferred",
+    "AsyncHeld",
+    "AsyncHeldMany",
+    "acall_deferring",
+    "aexit_deferring",
+    "release_on_exit",
+]
 
 log = logging.getLogger("dblock")
 
 R = TypeVar("R")
+
+
+class AsyncHeld(Protocol):
+    """What a deferred release needs of the async face's lock (``AsyncHeldLock``
+    in :mod:`dblock.aio`, a floor above: named here so no import runs up)."""
+
+    @property
+    def held(self) -> HeldLock: ...
+
+    async def release(self, *, force: bool = False) -> bool: ...
+
+
+class AsyncHeldMany(Protocol):
+    """The same for a ``lock_many`` set (``AsyncHeldLocks``): a mapping by key."""
+
+    def values(self) -> Any: ...
+
+    async def release(self, *, force: bool = False) -> bool: ...
+
+
+async def release_on_exit(
+    release: Callable[[], Awaitable[object]], exc_type: type[BaseException] | None, what: object
+) -> None:
+    """Release as an ``async with`` exit does: a lost lock is raised, unless
+    the body is already failing (then it is logged, not put in its place)."""
+    try:
+        await release()
+    except LockLost:
+        if exc_type is None:
+            raise
+        log.exception("dblock: %r was lost while its holder failed", what)
+
 
 # Release tasks in flight: the loop keeps only weak references to its tasks.
 _releasing: set[asyncio.Task[None]] = set()
@@ -46,22 +85,19 @@ class AsyncDeferred(Deferred):
 
     __slots__ = ("_aheld", "_loop")
 
-    def __init__(self, aheld: AsyncHeldLock | AsyncHeldLocks) -> None:
-        from .aio import AsyncHeldLock
-
-        # The hooks see the blocking face (``deferred.held``), as on that side.
-        sync: Any = aheld.held if isinstance(aheld, AsyncHeldLock) else aheld
+    def __init__(self, aheld: AsyncHeld | AsyncHeldMany) -> None:
+        # The hooks see the blocking face (``deferred.held``), as on that side;
+        # a set (a mapping by key) is passed as it is.
+        sync: Any = aheld if isinstance(aheld, Mapping) else cast("AsyncHeld", aheld).held
         super().__init__(cast("HeldLock | HeldLocks", sync))
         self._aheld = aheld
         self._loop = asyncio.get_running_loop()
 
     def _locks(self) -> list[HeldLock]:
-        from .aio import AsyncHeldLock
-
         aheld = self._aheld
-        if isinstance(aheld, AsyncHeldLock):
-            return [aheld.held]
-        return [a.held for a in aheld.values()]
+        if isinstance(aheld, Mapping):
+            return [a.held for a in aheld.values()]
+        return [cast("AsyncHeld", aheld).held]
 
     def finish(self, exc_type: type[BaseException] | None) -> None:
         raise TypeError("an AsyncDeferred finishes with `await finish_async()`")
@@ -70,9 +106,7 @@ class AsyncDeferred(Deferred):
         """The exit path is done installing triggers; with none, release now
         (as ``async with`` would)."""
         if self._count_down():
-            from .aio import _release_on_exit
-
-            await _release_on_exit(self._aheld.release, exc_type, self._what)
+            await release_on_exit(self._aheld.release, exc_type, self._what)
 
     def _fired(self) -> None:  # any thread
         if self._count_down():
@@ -92,12 +126,14 @@ class AsyncDeferred(Deferred):
             loop.call_soon_threadsafe(_spawn, release)
         except RuntimeError:  # the loop is closed: nobody awaits there any more
             release.close()
-            threading.Thread(
-                target=_release_quietly,
-                args=(self.held, self._what),
-                name="dblock-deferred-release",
-                daemon=True,
-            ).start()
+            _threads.start(
+                threading.Thread(
+                    target=release_quietly,
+                    args=(self.held, self._what),
+                    name="dblock-deferred-release",
+                    daemon=True,
+                )
+            )
 
     async def _release(self) -> None:
         try:
@@ -116,7 +152,7 @@ def _spawn(release: Awaitable[None]) -> None:
 
 
 async def aexit_deferring(
-    aheld: AsyncHeldLock | AsyncHeldLocks,
+    aheld: AsyncHeld | AsyncHeldMany,
     hook: DeferHook,
     result: Any,
     exc_type: type[BaseException] | None,
@@ -132,7 +168,7 @@ async def aexit_deferring(
 
 
 async def acall_deferring(
-    aheld: AsyncHeldLock | AsyncHeldLocks,
+    aheld: AsyncHeld | AsyncHeldMany,
     hook: DeferHook,
     func: Callable[..., Awaitable[R]],
     args: tuple[Any, ...],

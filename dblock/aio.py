@@ -45,7 +45,7 @@ from ._store import Store
 from ._store.aio import AsyncStore
 from ._store.base import Backoff
 from ._store.batch import AsyncBatcher
-from .adeferral import aexit_deferring
+from .adeferral import aexit_deferring, release_on_exit
 from .config import Config, check_lease
 from .decorators import KeySpec, OnBusy
 from .deferral import DeferHook
@@ -58,27 +58,26 @@ from .errors import (
     LockTimeout,
     ManagerClosed,
 )
-from .lock import (
-    _CLEAN,
-    _RELEASE,
-    _SETTLE,
-    _SLEEP,
-    _STEPS,
-    _TRANSFER,
-    _TRY,
-    _TURN,
-    _WAIT,
-    HeldLock,
-    Level2,
-    Locker,
-    Op,
-    _noop,
-)
-from .manager import LockManager, _fire_times, _level2, _until_hook
-from .multi import _TAKE, ManySteps, acquire_many_steps, order_keys
+from .lock import HeldLock, Level2, Locker
+from .manager import LockManager, level2_loop, until_hook
+from .multi import ManySteps, acquire_many_steps, order_keys, release_later
 from .options import LockArgs
 from .registry import Entry, Waiter, current_owner
-from .schema import FAILED, SUCCESS
+from .steps import (
+    CALL,
+    CLEAN,
+    RELEASE,
+    SETTLE,
+    SLEEP,
+    STEPS,
+    TAKE,
+    TRANSFER,
+    TRY,
+    TURN,
+    WAIT,
+    Op,
+    noop,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self, Unpack
@@ -270,14 +269,16 @@ class _Alone:
         self._astore = astore
         self._store = store
 
-    async def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> object:
+    async def try_acquire(
+        self, key: str, token: str, owner: str, ttl: float, until: float | None = None
+    ) -> object:
         return await self._astore.drive(self._store.acquire_steps(key, token, owner, ttl))
 
     async def release(self, key: str, token: str) -> bool:
         return await self._astore.drive(self._store.release_steps(key, token))
 
 
-async def _drive(  # noqa: PLR0912 - one branch per op
+async def _drive(  # noqa: PLR0912, PLR0915 - one branch per op
     manager: AsyncLockManager, steps: Op[T], locker: Locker | None = None
 ) -> T:
     """Carry out a lock operation's ops with asyncio (the blocking side's
@@ -300,35 +301,40 @@ async def _drive(  # noqa: PLR0912 - one branch per op
             try:
                 tag = op[0]
                 answer: object = None
-                if tag is _TRY:
+                if tag is TRY:
                     if wait is not None:
                         wait.prepare()
-                    answer = await rows.try_acquire(op[1], op[2], op[3], op[4])
-                elif tag is _RELEASE:
+                    answer = await rows.try_acquire(op[1], op[2], op[3], op[4], op[5])
+                elif tag is RELEASE:
                     answer = await rows.release(op[1], op[2])
-                elif tag is _TRANSFER:
+                elif tag is TRANSFER:
                     answer = await store.drive(
                         sync.transfer_steps(op[1], op[2], op[3], op[4], op[5], extra=op[6])
                     )
-                elif tag is _STEPS:
+                elif tag is STEPS:
                     if wait is not None:
                         wait.prepare()
                     answer = await store.drive(op[1])
-                elif tag is _TURN:
+                elif tag is TURN:
                     answer = await op[1].turn(locker, op[2])
-                elif tag is _WAIT:
+                elif tag is WAIT:
                     if wait is None or op[4:] != waiting_for:
                         if wait is not None:
                             wait.close()
                         wait = _waiter(sync, op[1], op[3], *op[4:5])
                         waiting_for = op[4:]
                     await wait.sleep(op[2])
-                elif tag is _SETTLE:
+                elif tag is SETTLE:
                     await op[1].settle_async()
-                elif tag is _SLEEP:
+                elif tag is SLEEP:
                     await asyncio.sleep(op[1])
-                elif tag is _CLEAN:
-                    locker.renewer.post(_noop)  # the renewal thread deletes orphans
+                elif tag is CALL:
+                    if wait is not None:  # (nothing to wait for while it runs)
+                        wait.close()
+                        wait = None
+                    answer = await op[1]()
+                elif tag is CLEAN:
+                    locker.renewer.post(noop)  # the renewal thread deletes orphans
                     await asyncio.sleep(0)
             except BaseException as exc:
                 op = steps.throw(exc)
@@ -388,21 +394,10 @@ class AsyncHeldLock:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await _release_on_exit(self.release, exc_type, self.key)
+        await release_on_exit(self.release, exc_type, self.key)
 
     def __repr__(self) -> str:
         return f"<AsyncHeldLock {self.held!r}>"
-
-
-async def _release_on_exit(
-    release: Callable[[], Awaitable[object]], exc_type: type[BaseException] | None, what: object
-) -> None:
-    try:
-        await release()
-    except LockLost:
-        if exc_type is None:
-            raise
-        log.exception("dblock: %r was lost while its holder failed", what)
 
 
 class AsyncHeldLocks(Mapping[str, AsyncHeldLock]):
@@ -434,18 +429,23 @@ class AsyncHeldLocks(Mapping[str, AsyncHeldLock]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await _release_on_exit(self.release, exc_type, tuple(self._held))
+        await release_on_exit(self.release, exc_type, tuple(self._held))
 
 
 async def _release_all(held: list[AsyncHeldLock], *, force: bool = False) -> bool:
-    """Release ``held`` newest first, all of them even if some fail."""
+    """Release ``held`` newest first, all of them even if some fail; if
+    cancelled, the ones not yet released go on the renewal thread."""
     ok = True
     lost: LockLost | None = None
-    for lock in reversed(held):
+    for i in range(len(held) - 1, -1, -1):
         try:
-            ok = await lock.release(force=force) and ok
+            ok = await held[i].release(force=force) and ok
         except LockLost as exc:
             lost = lost or exc
+        except BaseException:
+            if held[i].held._released:  # cancelled in its release, not refused (not ours, ...)
+                release_later(lock.held for lock in held[:i])
+            raise
     if lost is not None:
         raise lost
     return ok
@@ -565,9 +565,9 @@ class AsyncLockManager:
         before any SQL. ``until=session`` (a SQLAlchemy ``AsyncSession``,
         ``async_scoped_session`` or ``Session``) holds the lock past the block
         until that session's open transaction ends (see :mod:`dblock.sessions`)."""
-        defer = _until_hook(until)
+        defer = until_hook(until)
         checked = self.sync._check(key, options)
-        level2 = _level2(fair)
+        level2 = level2_loop(fair)
         return AsyncLockRequest(lambda: self._acquire(*checked, level2=level2), defer)
 
     async def acquire(
@@ -579,7 +579,7 @@ class AsyncLockManager:
     ) -> AsyncHeldLock:
         """Like :meth:`lock` without ``async with``: ``await held.release()`` when done."""
         checked = self.sync._check(key, options)
-        got = await self._acquire(*checked, level2=_level2(fair))
+        got = await self._acquire(*checked, level2=level2_loop(fair))
         if _own_task(_ACQUIRE):
             got.held._locker.handed_on(got.held)
         return got
@@ -677,7 +677,7 @@ class AsyncLockManager:
         """``async with alocks.lock_many(keys) as held:`` — every key, taken
         in one order (see :meth:`dblock.LockManager.lock_many`); ``until`` as
         for :meth:`lock`."""
-        defer = _until_hook(until)
+        defer = until_hook(until)
         _, blocking, wait, lease, opts = self.sync._check("-", options)
         ordered = order_keys(keys)
         return AsyncLockRequest(
@@ -711,7 +711,7 @@ class AsyncLockManager:
             op = next(steps)
             while True:
                 try:
-                    if op[0] is _TAKE:
+                    if op[0] is TAKE:
                         answer: object = await self._acquire(op[1], blocking, op[2], ttl, options)
                     else:
                         answer = await _release_all(op[1])
@@ -739,7 +739,7 @@ class AsyncLockManager:
             lambda: self,
             template,
             on_busy=on_busy,
-            defer=_until_hook(until),
+            defer=until_hook(until),
             fair=fair,
             **options,
         )
@@ -769,7 +769,7 @@ class AsyncLockManager:
 
             @functools.wraps(func)
             async def run_once(*args: Any, **kwargs: Any) -> R | Skipped:
-                fire_time, next_fire = _fire_times(per, passes_fire, kwargs)
+                fire_time, next_fire = jobs.fire_times(per, passes_fire, kwargs)
                 return await self._run_job(name, key, job, func, args, kwargs, fire_time, next_fire)
 
             return run_once
@@ -787,7 +787,7 @@ class AsyncLockManager:
         at_least: float | timedelta = 0,
         retry_failed: bool = False,
         on_skip: str = "return",
-        wait: float | timedelta = 0,
+        wait: float | timedelta | None = None,
         record: bool = True,
         next_fire_time: datetime | None = None,
         **kwargs: Any,
@@ -818,45 +818,28 @@ class AsyncLockManager:
         fire_time: datetime | None,
         next_fire: datetime | None,
     ) -> R | Skipped:
-        """The asyncio driver of :func:`dblock.jobs.begin_steps` and
-        ``finish_steps`` (the blocking one is :func:`dblock.jobs.run_job`)."""
+        """The asyncio driver of :func:`dblock.jobs.run_steps` (the blocking
+        one is :func:`dblock.jobs.run_job`)."""
         locker = self._locker
-        telemetry = locker.telemetry
         if self.sync._closed:
             raise ManagerClosed("this LockManager is closed")
         got = await _drive(
             self,
-            jobs.begin_steps(
+            jobs.run_steps(
                 locker,
                 name,
                 key,
                 options,
+                lambda: func(*args, **kwargs),
                 fire_time=fire_time,
                 next_fire=next_fire,
                 me=current_owner(),
                 waiter_type=AsyncWaiter,
             ),
         )
-        if not isinstance(got, jobs.JobRun):
-            return jobs.skipped(telemetry, name, key, got, options.on_skip)
-        token = jobs._current.set(got)
-        try:
-            result = await func(*args, **kwargs)
-        except BaseException as exc:
-            jobs._current.reset(token)
-            jobs.ended(telemetry, got, FAILED)
-            try:
-                await _drive(
-                    self,
-                    jobs.finish_steps(locker, got, FAILED, jobs.describe(exc), options.at_least),
-                )
-            except LockLost:
-                log.exception("dblock: job %r lost its key while it ran and failed", name)
-            raise
-        jobs._current.reset(token)
-        jobs.ended(telemetry, got, SUCCESS)
-        await _drive(self, jobs.finish_steps(locker, got, SUCCESS, None, options.at_least))
-        return result
+        if isinstance(got, jobs._Skip):
+            return jobs.skipped(locker.telemetry, name, key, got, options.on_skip)
+        return got  # type: ignore[no-any-return]
 
     # -- schema and shutdown -----------------------------------------------
 

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from . import _threads
+
 __all__ = ["Callbacks"]
 
 log = logging.getLogger("dblock")
@@ -39,6 +41,10 @@ class Callbacks:
                     self._thread = threading.Thread(
                         target=self._run, name="dblock-callbacks", daemon=True
                     )
+                    # Its signals unblocked (see _run): this thread runs the
+                    # application's callbacks, and a process one of them
+                    # starts would inherit blocked signals (SIGTERM, SIGINT)
+                    # and ignore them.
                     self._thread.start()
 
     def close(self, timeout: float) -> None:
@@ -56,6 +62,7 @@ class Callbacks:
         self._start = threading.Lock()
 
     def _run(self) -> None:
+        _threads.unblock()  # (started from a dblock thread, it inherited their mask)
         while True:
             job = self._queue.get()
             if job is None:

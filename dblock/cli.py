@@ -25,17 +25,16 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import NoReturn
 
 from . import __version__, migrations
 from ._engine import ENV_URL, check_url, mask, mask_text, resolve_url
-from ._store.admin import LockRow, LockStats, filter_phrase, rows_json
+from ._store.admin import LockRow, LockStats, TableHealth, filter_phrase, rows_json
 from ._store.jobs import RunRow
-from .bench.options import add_arguments as add_bench_arguments
 from .config import Config
-from .errors import DBLockError, JobSkipped, LockArgumentError, SchemaMissing
+from .errors import DBLockError, JobSkipped, LockArgumentError, SchemaMissing, install_hint
 from .keys import MAX_KEY_LENGTH, check_filter, check_key
 from .manager import LockManager
 from .schema import RUNNING, TableNames
@@ -123,7 +122,11 @@ def _add_common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
         "--table", default=default("dblock_locks"), help="lock table name (default: dblock_locks)"
     )
     parser.add_argument(
-        "-v", "--verbose", action="store_true", default=default(False), help="log debug messages"
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=default(False),
+        help="log debug messages; list and stats: also acquired and expiry times; release: who",
     )
 
 
@@ -136,6 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(parser, defaults=True)
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
+    _add_tables(sub, common)
+    _add_release(sub, common)
+    _add_sweep(sub, common)
+    _add_top(sub, common)
+    _add_jobs(sub, common)
+    _add_demo(sub, common)
+    return parser
+
+
+def _add_tables(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    """``migrate``, ``list`` and ``stats``: the table and what it holds."""
     migrate = sub.add_parser(
         "migrate", parents=[common], help="create or upgrade the lock table (alembic)"
     )
@@ -166,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="a JSON object, for scripts")
     stats.set_defaults(command=cmd_stats)
 
+
+def _add_release(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
     release = sub.add_parser(
         "release", parents=[common], help="delete a lock row, whoever holds it (--force)"
     )
@@ -179,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
     release.set_defaults(command=cmd_release)
 
+
+def _add_sweep(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
     sweep = sub.add_parser(
         "sweep", parents=[common], help="delete rows whose lease expired (once, or every N)"
     )
@@ -186,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     when.add_argument("--once", action="store_true", help="one run, then exit")
     when.add_argument(
         "--every",
-        type=parse_duration,
+        type=_positive_duration,
         metavar="DURATION",
         help="run every DURATION (30s, 5m, ...) until SIGTERM or Ctrl-C",
     )
@@ -207,32 +225,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_duration,
         help="delete job runs (dblock jobs) started longer ago than this (30d)",
     )
+    sweep.add_argument(
+        "--vacuum-dead",
+        type=_vacuum_dead,
+        help="PostgreSQL: VACUUM the table after a run once it has this many dead rows "
+        "(1000; 'off': leave it to autovacuum)",
+    )
     sweep.set_defaults(command=cmd_sweep)
-
-    _add_top(sub, common)
-    _add_jobs(sub, common)
-
-    _add_demo(sub, common)
-
-    bench = sub.add_parser(
-        "bench",
-        help="the benchmark suite: dblock vs raw drivers, advisory locks and Redis",
-        description="Every benchmark side by side in one run; prints Markdown tables and "
-        "writes bench.md, bench.json and bench.png (needs: pip install 'dblock[bench]').",
-    )
-    bench.add_argument(
-        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log debug messages"
-    )
-    add_bench_arguments(bench)
-    bench.set_defaults(command=cmd_bench)
-    return parser
 
 
 def _add_top(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
     top = sub.add_parser(
         "top",
         parents=[common],
-        help="the lock rows, refreshing in the terminal (needs dblock[top])",
+        help="the lock rows, refreshing in the terminal (needs the top extra: rich)",
         description="A live view of the lock table. Keys: a/l/k/f sort by age, lease, key, "
         "fence; x expired only; / key prefix; r refresh; q quit.",
     )
@@ -290,7 +296,8 @@ def _add_release_many(release: _Parser) -> None:
     )
 
 
-def _add_jobs(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+def _add_run(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    """``run``: a command as one run of a job (dblock.runner)."""
     from .runner import EX_TEMPFAIL
 
     run = sub.add_parser(
@@ -313,7 +320,8 @@ def _add_jobs(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None
         type=_signed_duration,
         metavar="DURATION",
         help="lease of the job's lock, renewed while the command runs: how long a host "
-        "that dies mid-run keeps the job from running elsewhere (default: the lock ttl, 30s)",
+        "that dies mid-run keeps the job from running elsewhere (default: the lock ttl, 30s, "
+        "or --at-least if that is longer)",
     )
     run.add_argument(
         "--at-least",
@@ -326,9 +334,10 @@ def _add_jobs(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None
     run.add_argument(
         "--wait",
         type=_signed_duration,
-        default=0.0,
+        default=None,
         metavar="DURATION",
-        help="wait this long for the key before skipping (default: skip at once)",
+        help="wait this long for the key before skipping (default: skip at once; with "
+        "--fire-time or --per, wait up to --at-most for a run of another fire time)",
     )
     run.add_argument(
         "--fire-time",
@@ -338,9 +347,16 @@ def _add_jobs(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None
         "already ran anywhere is skipped",
     )
     run.add_argument(
+        "--per",
+        type=_period,
+        metavar="DURATION",
+        help="run once per period of this long: the fire time is this host's clock rounded "
+        "down to a multiple of it (for a cron line: its period, e.g. 1d; see docs/jobs.md)",
+    )
+    run.add_argument(
         "--retry-failed",
         action="store_true",
-        help="with --fire-time: run a fire time again whose run failed or died",
+        help="with --fire-time or --per: run a fire time again whose run failed or died",
     )
     run.add_argument(
         "--skip-status",
@@ -355,6 +371,9 @@ def _add_jobs(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None
     run.add_argument("argv", nargs="*", metavar="-- COMMAND", help="what to run, after --")
     run.set_defaults(command=cmd_run)
 
+
+def _add_jobs(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    _add_run(sub, common)
     jobs = sub.add_parser(
         "jobs",
         parents=[common],
@@ -384,10 +403,27 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2) or "s"]
 
 
+def _positive_duration(text: str) -> float:
+    """A duration more than zero: refused by argparse, as a malformed one is,
+    so ``--every 0`` and ``--every 5x`` are named the same way."""
+    seconds = parse_duration(text)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0: {text!r}")
+    return seconds
+
+
 def _signed_duration(text: str) -> float:
     """A duration that may be written negative, so the job's own check names it."""
     text = text.strip()
     return -parse_duration(text[1:]) if text.startswith("-") else parse_duration(text)
+
+
+def _period(text: str) -> float:
+    """``--per``: a period of at least a second (see dblock.runner.period_fire_time)."""
+    seconds = parse_duration(text)
+    if seconds < 1:
+        raise argparse.ArgumentTypeError(f"a period must be at least 1s, got {text!r}")
+    return seconds
 
 
 def _fire_time(text: str) -> datetime:
@@ -495,7 +531,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{manager.config.table} on {manager.url}: {_rows_summary(shown, stats)}")
     if shown:
         print()
-        print(_table(shown))
+        print(_table(shown, verbose=args.verbose))
     if stats is not None:
         print(f"\n... {stats.rows - len(shown)} more, not shown (--limit)")
     return 0
@@ -507,10 +543,15 @@ def _rows_summary(rows: list[LockRow], stats: LockStats | None) -> str:
     return f"{total} row{'s' if total != 1 else ''}, {expired} expired"
 
 
-def _table(rows: list[LockRow]) -> str:
-    lines = [("KEY", "KIND", "OWNER", "AGE", "LEASE LEFT", "FENCE")]
-    lines += [
-        (
+def _table(rows: list[LockRow], *, verbose: bool = False) -> str:
+    """The rows as columns; ``verbose`` (``-v``) adds what ``--json`` has
+    beside: when each was acquired and expires (database time). Never the
+    token: it is the holder's, as ``--json`` says."""
+    lines: list[tuple[str, ...]] = [("KEY", "KIND", "OWNER", "AGE", "LEASE LEFT", "FENCE")]
+    if verbose:
+        lines[0] += ("ACQUIRED (UTC)", "EXPIRES (UTC)")
+    for row in rows:
+        line: tuple[str, ...] = (
             row.key,
             row.kind_label,
             row.owner,
@@ -518,15 +559,21 @@ def _table(rows: list[LockRow]) -> str:
             _lease(row.lease_left),
             str(row.fence),
         )
-        for row in rows
-    ]
-    widths = [max(len(line[i]) for line in lines) for i in range(5)]
+        if verbose:
+            line += (_utc(row.acquired_at), _utc(row.expires_at))
+        lines.append(line)
+    last = len(lines[0]) - 1
+    widths = [max(len(line[i]) for line in lines) for i in range(last)]
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(line[:5], widths, strict=True))
+        "  ".join(cell.ljust(width) for cell, width in zip(line[:last], widths, strict=True))
         + "  "
-        + line[5]
+        + line[last]
         for line in lines
     )
+
+
+def _utc(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
 
 
 def _lease(left: float) -> str:
@@ -549,7 +596,7 @@ def span(seconds: float) -> str:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     with _manager(args) as manager:
-        stats = manager.store.stats()
+        stats = manager.store.stats(storage=True)
         where = {"table": manager.config.table, "url": manager.url}
     if args.json:
         print(json.dumps({**where, **stats.as_json()}, indent=2))
@@ -561,10 +608,41 @@ def cmd_stats(args: argparse.Namespace) -> int:
     print(f"  expired  {stats.expired:>8}")
     if oldest is not None:
         print(
-            f"  oldest   {oldest.key!r}, held by {oldest.owner} for {span(oldest.age)} "
+            f"  oldest   {quoted(oldest.key)}, held by {oldest.owner} for {span(oldest.age)} "
             f"(lease: {_lease(oldest.lease_left)})"
         )
+        if args.verbose:  # what --json has beside
+            print(
+                f"           acquired {_utc(oldest.acquired_at)} UTC, expires "
+                f"{_utc(oldest.expires_at)} UTC (database time), fence {oldest.fence}"
+            )
+    if stats.table is not None:
+        _print_storage(stats.table)
     return 0
+
+
+def _print_storage(table: TableHealth) -> None:
+    """The storage lines of ``dblock stats``: what vacuum (PostgreSQL) or purge
+    (MariaDB/MySQL) has to keep up with; see docs/operations.md, Vacuum and bloat."""
+    if table.size_bytes is not None:
+        size = table.size_bytes
+        amount = f"{size / 2**20:>8.1f} MB" if size >= 2**20 else f"{size / 1024:>8.0f} kB"
+        print(f"  size     {amount} (table and indexes)")
+    if table.dead_rows is not None:
+        print(f"  dead     {table.dead_rows:>8} (rows deleted, not yet vacuumed)")
+    if table.autovacuum is not None:
+
+        def when(at: datetime | None, count: int | None) -> str:
+            runs = f"{count} run{'' if count == 1 else 's'}"
+            return "never" if at is None else f"{at:%Y-%m-%d %H:%M:%S} UTC ({runs})"
+
+        state = "on" if table.autovacuum else "OFF"
+        print(f"  autovacuum {state}; last {when(table.last_autovacuum, table.autovacuum_count)}")
+        print(f"  vacuum   last {when(table.last_vacuum, table.vacuum_count)}")
+    if table.purge_lag is not None:
+        print(f"  purge lag {table.purge_lag:>7} undo records (history list length, server-wide)")
+    for warning in table.warnings:
+        print(f"warning: {warning}")
 
 
 def cmd_release(args: argparse.Namespace) -> int:
@@ -605,14 +683,15 @@ def cmd_release(args: argparse.Namespace) -> int:
             kept = ", ".join(r.slot for r in found if r not in gone)
             print(f"dblock: rows {kept} of {quoted(key)} changed hands meanwhile; kept")
             what = "; ".join(_describe(row) for row in gone)
-        log.warning(
+        # Once on stdout (below) is enough; who did it is said with -v.
+        log.debug(
             "dblock: %s force-released %s in %s on %s",
             _who(),
             what,
             manager.config.table,
             manager.url,
         )
-    print(f"released {what}")
+    print(f"released {what}; by {_who()}")
     return 0
 
 
@@ -622,19 +701,21 @@ _SHOWN_SAMPLE = 10
 def _release_many(args: argparse.Namespace, *, prefix: str | None, owner: str | None) -> int:
     """``dblock release --prefix P`` / ``--owner O`` (both: rows matching
     both): every matching row, each by the token read, after one confirmation."""
+    # "with keys starting with 'a:' (and held by ...)" or "held by 'web-1'".
     which = filter_phrase(prefix, owner, quoted)
+    which = which if prefix is None else f"with {which}"
     with _manager(args) as manager:
         where = f"{manager.config.table} on {manager.url}"
         found = manager.store.rows(prefix=prefix, owner=owner)
         if not found:
-            print(f"dblock: no lock rows with {which} in {where}")
+            print(f"dblock: no lock rows {which} in {where}")
             return 1
         count = f"{len(found)} row{'s' if len(found) != 1 else ''}"
         sample = [f"  {_describe(row)}" for row in found[:_SHOWN_SAMPLE]]
         if len(found) > _SHOWN_SAMPLE:
             sample.append(f"  ... and {len(found) - _SHOWN_SAMPLE} more")
         if not args.yes:
-            print(f"{count} with {which} in {where}:", *sample, sep="\n")
+            print(f"{count} {which} in {where}:", *sample, sep="\n")
             if not _confirm(f"force-release these {count}? [y/N] "):
                 print("dblock: not released")
                 return 1
@@ -642,9 +723,10 @@ def _release_many(args: argparse.Namespace, *, prefix: str | None, owner: str | 
         # not what the operator agreed to take away.
         gone = len(manager.store.release_rows(found))
         kept = len(found) - gone
-        log.warning("dblock: %s force-released %d row(s) with %s in %s", _who(), gone, which, where)
+        # Who did it, for -v (the line on stdout says what was released).
+        log.debug("dblock: %s force-released %d row(s) %s in %s", _who(), gone, which, where)
     moved = f" ({kept} changed hands meanwhile; kept)" if kept else ""
-    print(f"released {gone} row{'s' if gone != 1 else ''} with {which}{moved}")
+    print(f"released {gone} row{'s' if gone != 1 else ''} {which}{moved}; by {_who()}")
     return 0 if gone else 1
 
 
@@ -692,12 +774,26 @@ def _who() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
+def _vacuum_dead(text: str) -> int | str:
+    if text == "off":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of rows or 'off', not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a number of rows or 'off', not {text!r}")
+    return value
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     options = {
         name: getattr(args, name)
         for name in ("grace", "max_hold", "batch_size", "lock_ttl", "runs_retention")
         if getattr(args, name) is not None
     }
+    if args.vacuum_dead is not None:
+        options["vacuum_dead"] = None if args.vacuum_dead == "off" else args.vacuum_dead
     if args.every is not None:
         options["interval"] = args.every
     SweeperConfig.from_options(None, options)  # bad options fail before any database
@@ -733,7 +829,7 @@ def _sweep_until_signalled(sweeper: Sweeper) -> None:
             signal.signal(sig, handler)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per exit status
     """``dblock run``: see :mod:`dblock.runner` for what it does and its exit statuses."""
     from . import jobs, runner
 
@@ -742,15 +838,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         argv = argv[1:]
     # Everything is checked before the database is touched.
     jobs.job_key(args.key)
+    at_most = args.at_most
     options = jobs.JobOptions(
-        at_most=Config().ttl if args.at_most is None else args.at_most,
+        at_most=jobs.default_at_most(Config().ttl, args.at_least) if at_most is None else at_most,
         at_least=args.at_least,
         wait=args.wait,
         retry_failed=args.retry_failed,
         on_skip="raise",
     )
-    if args.retry_failed and args.fire_time is None:
-        raise LockArgumentError("--retry-failed needs --fire-time (a fire time to run again)")
+    if args.fire_time is not None and args.per is not None:
+        raise LockArgumentError("give --fire-time or --per, not both")
+    if args.retry_failed and args.fire_time is None and args.per is None:
+        raise LockArgumentError(
+            "--retry-failed needs --fire-time or --per (a fire time to run again)"
+        )
     try:
         command = runner.resolve_command(argv)
     except runner.CommandError as exc:
@@ -761,11 +862,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         logging.getLogger("dblock.jobs").setLevel(logging.WARNING)
     try:
         with runner.interruptible(), _manager(args) as manager:
+            fire_time = args.fire_time if args.per is None else runner.period_fire_time(args.per)
             status = manager.run_job(
                 args.key,
                 runner.supervise,
                 command,
-                fire_time=args.fire_time,
+                fire_time=fire_time,
                 at_most=options.at_most,
                 at_least=options.at_least,
                 wait=options.wait,
@@ -778,6 +880,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"dblock run: {exc}", file=sys.stderr)
         return int(args.skip_status)
+    except runner.CommandNotStarted as exc:
+        print(f"dblock run: error: {exc}; nothing ran", file=sys.stderr)
+        return exc.status
+    except runner.CommandLost as exc:
+        print(f"dblock run: {exc.job_detail}", file=sys.stderr)
+        return exc.status
     except runner.CommandFailed as exc:
         return exc.status
     except runner.Interrupted as exc:
@@ -859,7 +967,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     import importlib.util
 
     if importlib.util.find_spec("rich") is None:  # an optional extra
-        raise DBLockError("dblock top needs rich: pip install 'dblock[top]'")
+        raise DBLockError(f"dblock top needs rich, dblock's top extra: {install_hint('top')}")
     from . import top
 
     if args.interval <= 0:
@@ -887,12 +995,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     print(report.render())
     return 0 if report.ok else 1
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import main as bench_main
-
-    return bench_main(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

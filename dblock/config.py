@@ -7,10 +7,11 @@ lease fails at start-up with a message naming the option, not at the first lock.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from .errors import LockArgumentError
 from .keys import check_text
@@ -18,13 +19,14 @@ from .keys import check_text
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-    from .lock import HeldLock
     from .telemetry import Telemetry
 
 __all__ = [
     "MAX_SECONDS",
     "MIN_TTL",
+    "UNSET",
     "Config",
+    "Unset",
     "apply_options",
     "check_lease",
     "check_max_hold",
@@ -34,7 +36,22 @@ __all__ = [
     "check_wait",
 ]
 
-OnLost = Callable[["HeldLock"], object]
+
+class Unset(enum.Enum):
+    """Marks an option the caller did not give (``None`` means "no timeout")."""
+
+    UNSET = enum.auto()
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Final = Unset.UNSET
+
+
+# Called with the :class:`~dblock.HeldLock` that was lost. Typed loosely here:
+# the lock lives a floor above the configuration, which must not import it.
+OnLost = Callable[[Any], object]
 C = TypeVar("C", bound="DataclassInstance")
 
 # Identifiers we splice into SQL must be plain names: they are quoted anyway,
@@ -149,17 +166,23 @@ class Config:
     timeout
         Default wait of a blocking request; ``None`` waits until granted.
     handoff_limit
-        How many times in a row a process may hand a held row straight to its
-        next local waiter (one UPDATE instead of DELETE + INSERT) before it
-        releases the row and lets other processes compete. 0 turns hand-off off.
+        How many local grants in a row a key may have in one process while
+        others wait (the row's own, then hand-offs straight to the next local
+        waiter: one UPDATE, or none, instead of DELETE + INSERT) before the
+        process releases the row and lets other processes take their turn.
+        0 turns hand-off off (and 1 leaves it nothing to do).
     poll_initial, poll_max
-        Capped exponential backoff (with jitter) between attempts when the
-        database cannot notify waiters (MySQL/MariaDB, SQLite, or ``notify=False``).
+        Capped exponential backoff (with jitter) between attempts when
+        waiters are not woken (``notify=False``, the other kinds of lock on
+        MySQL/MariaDB and SQLite, Galera, an in-memory SQLite database).
     notify
-        On PostgreSQL, wake waiters with LISTEN/NOTIFY instead of polling.
+        Wake waiters of other processes when the key is released instead of
+        polling: LISTEN/NOTIFY on PostgreSQL, named locks (``GET_LOCK``) on
+        MySQL/MariaDB (not on Galera, nor with ``pooler``), a byte lock and
+        a datagram socket beside the database file on SQLite (Linux).
     notify_recheck
-        On PostgreSQL, a waiter re-checks at least this often even without a
-        notification: a safety net for a listener connection that died silently.
+        A waiter re-checks at least this often even without a wake-up: a
+        safety net for a listener connection that died silently.
     local_filter
         Level 1. Turning it off sends every request to the database and drops
         re-entrancy; it exists to measure what level 1 buys.
@@ -269,6 +292,24 @@ class Config:
         return apply_options(cls, base, options)
 
 
+def did_you_mean(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """`` (did you mean 'ttl'?)`` for a misspelt option name (`` (did you
+    mean 'ttl' for 'tll', ...?)`` for several), or ``""``."""
+    import difflib
+
+    unknown, names = list(unknown), sorted(known)
+    close = {
+        name: found[0]
+        for name in unknown
+        if (found := difflib.get_close_matches(name, names, n=1, cutoff=0.6))
+    }
+    if not close:
+        return ""
+    if len(unknown) == 1:
+        return f" (did you mean {next(iter(close.values()))!r}?)"
+    return " (did you mean " + ", ".join(f"{v!r} for {k!r}" for k, v in close.items()) + "?)"
+
+
 def apply_options(cls: type[C], base: C | None, options: Mapping[str, Any], what: str = "") -> C:
     """The frozen dataclass ``cls``: ``base`` with ``options`` applied, or
     built from them; names that are not fields of ``cls`` are refused."""
@@ -277,7 +318,8 @@ def apply_options(cls: type[C], base: C | None, options: Mapping[str, Any], what
     if unknown:
         raise LockArgumentError(
             f"unknown {what}option{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(map(repr, unknown))}; known options: {', '.join(sorted(known))}"
+            f"{', '.join(map(repr, unknown))}{did_you_mean(unknown, known)}; "
+            f"known options: {', '.join(sorted(known))}"
         )
     if base is None:
         return cls(**options)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
+from .adeferral import acall_deferring
 from .config import (
     check_lease,
     check_max_hold,
@@ -36,10 +37,16 @@ from .options import LockArgs, lock_args
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .aio import AsyncLockManager
-    from .manager import LockManager
-
-__all__ = ["BusyHandler", "KeySpec", "OnBusy", "alocked", "locked", "returns"]
+__all__ = [
+    "Acquirer",
+    "AsyncAcquirer",
+    "BusyHandler",
+    "KeySpec",
+    "OnBusy",
+    "alocked",
+    "locked",
+    "returns",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -53,6 +60,27 @@ OnBusy = Literal["raise"] | BusyHandler
 KeySpec = str | Sequence[str] | Callable[..., str | Iterable[str]]
 
 
+class Acquirer(Protocol):
+    """What a decorated call needs of its manager (``LockManager``, a floor
+    above this module: named here so no import runs up)."""
+
+    @property
+    def acquire(self) -> Callable[..., HeldLock]: ...
+
+    @property
+    def acquire_many(self) -> Callable[..., HeldLocks]: ...
+
+
+class AsyncAcquirer(Protocol):
+    """The same for a coroutine function's manager (``AsyncLockManager``)."""
+
+    @property
+    def acquire(self) -> Callable[..., Awaitable[Any]]: ...
+
+    @property
+    def acquire_many(self) -> Callable[..., Awaitable[Any]]: ...
+
+
 def returns(value: Any) -> BusyHandler:
     """An ``on_busy`` handler that returns ``value`` when the lock is busy."""
 
@@ -64,7 +92,7 @@ def returns(value: Any) -> BusyHandler:
 
 
 def locked(
-    resolve: Callable[[], LockManager],
+    resolve: Callable[[], Acquirer],
     spec: KeySpec,
     *,
     on_busy: OnBusy = "raise",
@@ -169,7 +197,7 @@ def _checked_options(given: Mapping[str, Any], on_busy: object) -> dict[str, Any
 
 
 def alocked(
-    resolve: Callable[[], AsyncLockManager],
+    resolve: Callable[[], AsyncAcquirer],
     spec: KeySpec,
     *,
     on_busy: OnBusy = "raise",
@@ -216,8 +244,6 @@ def alocked(
                     result = await result
                 return result  # type: ignore[no-any-return]
             if defer is not None:
-                from .adeferral import acall_deferring
-
                 return await acall_deferring(held, defer, func, args, kwargs)
             async with held:
                 return await func(*args, **kwargs)

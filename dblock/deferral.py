@@ -41,6 +41,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import _threads
 from .errors import LockLost
 from .lock import HeldLock, release_on_exit
 
@@ -108,7 +109,7 @@ class Deferred:
 
     def _fired(self) -> None:
         if self._count_down():
-            _release_quietly(self._held, self._what)
+            release_quietly(self._held, self._what)
 
     def _count_down(self) -> bool:
         with self._mutex:
@@ -146,7 +147,7 @@ def _dropped(deferred: Deferred, warning: str | None) -> None:
     _worker.submit(deferred, warning)
 
 
-def _release_quietly(held: HeldLock | HeldLocks, what: object) -> None:
+def release_quietly(held: HeldLock | HeldLocks, what: object) -> None:
     """Release from a trigger: whatever happens is logged, nothing raised
     into the code that reached the end (a commit, a server closing a response)."""
     try:
@@ -177,7 +178,7 @@ class _Worker:
                     self._thread = threading.Thread(
                         target=self._run, name="dblock-deferred-release", daemon=True
                     )
-                    self._thread.start()
+                    _threads.start(self._thread)
 
     def _run(self) -> None:
         while True:

@@ -87,8 +87,9 @@ class DemoReport:
         width = max(len(r[0]) for r in rows)
         lines = [
             f"dblock demo on {self.url}",
-            f"{self.processes} processes x {self.threads} threads, {self.users} users, "
-            f"{self.requests} requests in {self.seconds:.1f} s",
+            f"{_count(self.processes, 'process', 'processes')} x "
+            f"{_count(self.threads, 'thread', 'threads')}, {_count(self.users, 'user', 'users')}, "
+            f"{_count(self.requests, 'request', 'requests')} in {self.seconds:.1f} s",
             "",
         ]
         lines += [f"  {name:<{width}}  {value:>7}  {note}".rstrip() for name, value, note in rows]
@@ -135,7 +136,10 @@ def run_demo(
         )
         for i in range(processes)
     ]
-    say(f"starting {processes} processes x {threads} threads")
+    say(
+        f"starting {_count(processes, 'process', 'processes')} x "
+        f"{_count(threads, 'thread', 'threads')}"
+    )
     for w in workers:
         w.start()
     started = time.monotonic()
@@ -242,3 +246,7 @@ def _critical_section(ledger: sa.Engine, user: int, hold: float) -> int:
         if freed != 1:
             violations += 1
     return violations
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"

@@ -278,3 +278,14 @@ class ManagerClosed(DBLockError):
     raised in every thread still waiting for a lock of that manager."""
 
     __module__ = "dblock"
+
+
+def install_hint(extra: str) -> str:
+    """How to install dblock's ``extra``, said the same way in every message
+    and page: dblock is installed from its clone (or a wheel built from it),
+    not from a package index, so the form naming the package would look for
+    it there."""
+    return (
+        f"pip install '.[{extra}]' in dblock's clone "
+        f"(or pip install 'dblock-<version>-py3-none-any.whl[{extra}]')"
+    )

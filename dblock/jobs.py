@@ -25,9 +25,10 @@ way). The job holds the exclusive lock ``job:<name>`` while it runs:
   run failed (or whose runner died: its row still says ``running`` and the
   lock is free) is skipped too unless ``retry_failed=True``.
 
-The decision is written once, without I/O (:func:`begin_steps`,
-:func:`finish_steps`), and driven by the blocking locker
-(:func:`run_job`) or the asyncio one (``AsyncLockManager.run_job``).
+A run is written once, without I/O (:func:`run_steps`: the key, the
+record, the call, the finish, under one ``try``), and driven by the
+blocking locker (:func:`run_job`) or the asyncio one
+(``AsyncLockManager.run_job``).
 """
 
 from __future__ import annotations
@@ -39,30 +40,42 @@ import inspect
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, Final, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypedDict, TypeVar
 
 from ._store.base import Steps
-from ._store.jobs import KEPT, JobSQL, statements
+from ._store.jobs import KEPT, JobSQL, RunRow, statements
 from .config import MAX_SECONDS, MIN_TTL
 from .errors import (
     BackendError,
+    ConnectionLost,
+    DatabaseUnreachable,
     JobSkipped,
     LockArgumentError,
     LockBusy,
     LockLost,
     LockTimeout,
-    ManagerClosed,
     SchemaMissing,
 )
 from .keys import check_key, db_text
-from .lock import _STEPS, HeldLock, Locker, LockOptions, Op
+from .lock import HeldLock, Locker, LockOptions
 from .registry import Waiter, current_owner
-from .schema import FAILED, SUCCESS
+from .schema import FAILED, RUNNING, SUCCESS
+from .steps import CALL, SLEEP, STEPS, Op
 
 if TYPE_CHECKING:
-    from .manager import LockManager
+    from .config import Config
+
+
+class Configured(Protocol):
+    """What a job's options read of their manager: its configuration (the
+    manager is a floor above jobs; both faces pass themselves)."""
+
+    @property
+    def config(self) -> Config: ...
+
 
 __all__ = [
     "JOB_PREFIX",
@@ -70,11 +83,11 @@ __all__ = [
     "JobOptions",
     "JobRun",
     "Skipped",
-    "begin_steps",
     "current_run",
     "finish_steps",
     "job_key",
     "run_job",
+    "run_steps",
 ]
 
 log = logging.getLogger("dblock.jobs")
@@ -171,6 +184,9 @@ class JobOptions:
         ``"return"`` (:data:`SKIPPED`) or ``"raise"`` (:class:`~dblock.JobSkipped`).
     wait
         Seconds to wait for the job's key before skipping (0: skip at once).
+        None (the default): skip at once without a fire time; with one, wait
+        up to ``at_most`` for the run in progress (of another fire time) to
+        end, so that no fire time is lost because another was running.
     record
         Record unkeyed runs in the runs table too (``dblock jobs`` shows
         them); runs with a fire time are always recorded.
@@ -180,7 +196,7 @@ class JobOptions:
     at_least: float = 0.0
     retry_failed: bool = False
     on_skip: str = "return"
-    wait: float = 0.0
+    wait: float | None = None
     record: bool = True
 
     def __post_init__(self) -> None:
@@ -198,7 +214,8 @@ class JobOptions:
             )
         object.__setattr__(self, "at_most", at_most)
         object.__setattr__(self, "at_least", at_least)
-        object.__setattr__(self, "wait", check_duration(self.wait, "wait", zero=True))
+        if self.wait is not None:
+            object.__setattr__(self, "wait", check_duration(self.wait, "wait", zero=True))
         for name in ("retry_failed", "record"):
             if not isinstance(getattr(self, name), bool):
                 value = getattr(self, name)
@@ -207,9 +224,10 @@ class JobOptions:
             raise LockArgumentError(f"on_skip must be 'return' or 'raise', got {self.on_skip!r}")
 
     @classmethod
-    def make(cls, manager: LockManager, given: Mapping[str, Any]) -> JobOptions:
+    def make(cls, manager: Configured, given: Mapping[str, Any]) -> JobOptions:
         """The options of one job (:class:`JobArgs`, names checked);
-        ``at_most`` not given, or ``None``, is the manager's ``ttl``."""
+        ``at_most`` not given, or ``None``, is the manager's ``ttl``, or
+        ``at_least`` if that is longer (see :func:`default_at_most`)."""
         unknown = sorted(set(given) - JOB_ARGS)
         if unknown:
             raise LockArgumentError(
@@ -217,18 +235,31 @@ class JobOptions:
                 f"{', '.join(map(repr, unknown))}; the options are: {', '.join(sorted(JOB_ARGS))}"
             )
         at_most = given.get("at_most")
+        at_least = given.get("at_least", 0.0)
         return cls(
-            at_most=manager.config.ttl if at_most is None else at_most,
-            at_least=given.get("at_least", 0.0),
+            at_most=default_at_most(manager.config.ttl, at_least) if at_most is None else at_most,
+            at_least=at_least,
             retry_failed=given.get("retry_failed", False),
             on_skip=given.get("on_skip", "return"),
-            wait=given.get("wait", 0.0),
+            wait=given.get("wait"),
             record=given.get("record", True),
         )
 
 
+def default_at_most(ttl: float, at_least: object) -> float:
+    """``at_most`` when only ``at_least`` is given: the lock's ``ttl``, or
+    ``at_least`` if that is longer. ``--at-least 5m`` alone means "keep the
+    key 5 minutes"; a lease shorter than that would refuse it, and a cron
+    line that fails every night is no default."""
+    try:
+        keep = check_duration(at_least, "at_least", zero=True)
+    except LockArgumentError:
+        return ttl  # (JobOptions names the mistake)
+    return max(ttl, keep)
+
+
 def prepare_run(
-    manager: LockManager,
+    manager: Configured,
     name: str,
     func: object,
     given: Mapping[str, Any],
@@ -255,7 +286,7 @@ class JobArgs(TypedDict, total=False):
     at_least: float | timedelta
     retry_failed: bool
     on_skip: str
-    wait: float | timedelta
+    wait: float | timedelta | None
     record: bool
 
 
@@ -263,7 +294,7 @@ class JobArgs(TypedDict, total=False):
 JOB_ARGS: frozenset[str] = JobArgs.__optional_keys__ | JobArgs.__required_keys__
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True)  # (no slots: weakly referenced, see current_run)
 class JobRun:
     """The run in progress, as :func:`current_run` gives it to the job."""
 
@@ -286,34 +317,175 @@ class _Skip:
     holder: str | None = None
 
 
-_current: contextvars.ContextVar[JobRun | None] = contextvars.ContextVar(
+_current: contextvars.ContextVar[weakref.ref[JobRun] | None] = contextvars.ContextVar(
     "dblock_job_run", default=None
 )
 
 
 def current_run() -> JobRun | None:
     """The job run this code runs in (thread or task), or None."""
-    return _current.get()
+    ref = _current.get()
+    return None if ref is None else ref()
 
 
 # Tables whose missing record of runs was reported already (once per process).
 _warned_missing: set[str] = set()
 
 
-def begin_steps(
+def run_steps(  # noqa: PLR0912 - one frame owns the run from key to finish (see below)
     locker: Locker,
     name: str,
     key: str,
     options: JobOptions,
+    call: Callable[[], Any],
     *,
     fire_time: datetime | None,
     next_fire: datetime | None,
     me: object,
     waiter_type: type[Waiter],
-) -> Op[JobRun | _Skip]:
-    """Take the job's key, then (with a fire time, or ``record``) its row in
-    the record of runs; a :class:`_Skip` when it must not run. On any
-    exception the key is given back."""
+) -> Op[Any]:
+    """One run, written once for both faces: take the job's key, then (with
+    a fire time, or ``record``) its row in the record of runs; run ``call``
+    (the driver's ``CALL``: called, or awaited, on the caller's thread or
+    task); record how it ended and release the key. Returns what ``call``
+    returned, or a :class:`_Skip` when the job must not run.
+
+    From the moment the key is ours, one ``try`` owns it: whatever is raised
+    wherever (the job's exception, a signal handler's, a cancellation), the
+    record is settled and the key given back before it propagates, by this
+    generator, not by whoever drives it."""
+    if fire_time is not None:
+        # A fire time that ran already is skipped without taking the job's
+        # key: a look that held it would turn away, at that very instant,
+        # another host firing a fire time that never ran (clocks a multiple
+        # of the period apart fire different fire times at once), and that
+        # one would be lost.
+        done = yield from _ran_already(locker, name, options, fire_time)
+        if done is not None:
+            return done
+    held = yield from _take_steps(locker, key, options, me, waiter_type, fire_time)
+    if isinstance(held, _Skip):
+        return held
+    run: JobRun | _Skip | None = None
+    detail: str | None = None  # how the run failed (None: it did not, or not yet)
+    closing = False
+    began = True  # False: the call says it never started what it runs
+    try:
+        if fire_time is None and not options.record:
+            run = JobRun(name, key, None, None, held)
+        else:
+            run = yield from _record_steps(locker, held, name, options, fire_time, next_fire, me)
+            if isinstance(run, _Skip):
+                return run  # (its key given back already)
+        # Weakly: a reset missed (an interruption in the instant between
+        # set() and the assignment) must not keep the run, and its lock,
+        # alive in the thread's context for as long as the thread lives.
+        published = _current.set(weakref.ref(run))
+        try:
+            return (yield (CALL, call))
+        finally:
+            _current.reset(published)
+    except GeneratorExit:
+        # Being closed, it cannot yield: the lock, dropped with it, is
+        # released when collected.
+        closing = True
+        raise
+    except BaseException as exc:
+        # (The text, not the exception: a local holding it would make a
+        # cycle through its traceback and this frame, keeping the run alive.)
+        detail = describe(exc)
+        began = not getattr(exc, "job_not_run", False)
+        raise
+    finally:
+        if not closing:
+            try:
+                if isinstance(run, JobRun) and not began:
+                    yield from _unrun(locker, run)
+                elif isinstance(run, JobRun):
+                    yield from _finish_run(locker, run, detail, options.at_least)
+                elif run is None and detail is not None:  # it never began: give the key back
+                    yield from _let_go(locker, held)
+            except LockLost:
+                raise  # (the finish's own outcome: lost during a run that succeeded)
+            except BaseException:
+                # Cut short between the finish's statements (a signal
+                # handler's exception lands after any call): what it had not
+                # done yet goes on the renewal thread.
+                _finish_later(locker, run if isinstance(run, JobRun) else None, held, detail)
+                raise
+
+
+def _ran_already(
+    locker: Locker, name: str, options: JobOptions, fire_time: datetime
+) -> Op[_Skip | None]:
+    """The skip of a fire time whose run is settled (it succeeded, or failed
+    and is not to be retried), read without the job's key; None if it must
+    be decided under the key (never recorded, still ``running``: alive or
+    died, only the key tells; or to be retried)."""
+    sql = statements(locker.store)
+    try:
+        found = yield (STEPS, sql.read_steps(name, fire_time))
+    except SchemaMissing:
+        names = locker.store.names
+        raise SchemaMissing(
+            names.table,
+            locker.store.executor._url,
+            missing=f"the record of job runs {names.runs_table!r} (schema revision 0003)",
+        ) from None
+    if found is None or found.outcome == RUNNING:
+        return None
+    if found.outcome == SUCCESS or not options.retry_failed:
+        return _settled(found, fire_time)
+    return None
+
+
+def _settled(found: RunRow, fire_time: datetime) -> _Skip:
+    """The skip of a fire time whose run ``found`` succeeded, failed or died."""
+    when = fire_time.isoformat()
+    if found.outcome == SUCCESS:
+        return _Skip(
+            "done", f"its run for {when} succeeded on {found.runner} (attempt {found.attempt})", 0
+        )
+    how = "failed" if found.outcome == FAILED else "died (its runner lost the key)"
+    return _Skip(
+        "failed",
+        f"its run for {when} on {found.runner} {how}; retry_failed=True runs it again",
+        0,
+    )
+
+
+def _unrun(locker: Locker, run: JobRun) -> Op[None]:
+    """Undo a run whose call raised an exception marked ``job_not_run``
+    (``dblock run``'s command could not be executed): nothing ran, so its
+    record goes (its fire time is not done, nor failed) and its key is
+    given back at once, ``at_least`` or not."""
+    if run.run_id is not None:
+        try:
+            yield (STEPS, statements(locker.store).forget_steps(run.run_id))
+        except BackendError as exc:
+            log.error("dblock: job %r did not start, but its record stays: %s", run.name, exc)
+        except BaseException:
+            yield from _let_go(locker, run.held)
+            raise
+    yield from _let_go(locker, run.held)
+
+
+def _take_steps(  # noqa: PLR0917 - internal, one caller
+    locker: Locker,
+    key: str,
+    options: JobOptions,
+    me: object,
+    waiter_type: type[Waiter],
+    fire_time: datetime | None,
+) -> Op[HeldLock | _Skip]:
+    """The job's key, or the skip that says who has it. Without a ``wait``
+    of its own, a run of a fire time (one that has not run: see
+    :func:`_ran_already`) waits up to ``at_most`` for the run that holds
+    the key: the job runs one fire time at a time, and skipping this one
+    would lose it, as nobody fires it again."""
+    wait = options.wait
+    if wait is None:
+        wait = options.at_most if fire_time is not None else 0.0
     if locker.kind_guard is not None:
         locker.kind_guard(key)  # as Locker.acquire: a key is used with one kind of lock
     if locker._local:
@@ -321,41 +493,85 @@ def begin_steps(
         if entry is not None and entry.owner is me:
             # Waiting for our own key would wait for ourselves.
             return _Skip("running", "this thread (or task) is running it already", 1)
-    blocking = options.wait > 0
+    blocking = wait > 0
     defaults = locker.defaults
     lock_options = LockOptions(renew=True, max_hold=defaults.max_hold, on_lost=defaults.on_lost)
     try:
-        held = yield from locker.acquire_steps(
-            key,
-            me,
-            blocking=blocking,
-            timeout=options.wait if blocking else 0.0,
-            ttl=options.at_most,
-            opts=lock_options,
-            waiter_type=waiter_type,
+        return (
+            yield from locker.acquire_steps(
+                key,
+                me,
+                blocking=blocking,
+                timeout=wait if blocking else 0.0,
+                ttl=options.at_most,
+                opts=lock_options,
+                waiter_type=waiter_type,
+            )
         )
     except (LockBusy, LockTimeout) as exc:
-        holder = exc.holder
-        if holder is not None and holder.endswith(KEPT):
-            return _Skip(
-                "kept",
-                f"its last run, on {holder[: -len(KEPT)]}, ended less than at_least "
-                f"after it began: its key {key!r} is kept until then",
-                exc.level,
-                holder,
+        return _busy(key, exc)
+
+
+def _finish_later(locker: Locker, run: JobRun | None, held: HeldLock, detail: str | None) -> None:
+    """On the renewal thread, what an interrupted finish had not done: the
+    record (its statement changes only a run still recorded as running), then
+    the key (as soon as it can: ``at_least`` is not kept then). Either is a
+    no-op if the finish had done it already."""
+    if run is not None and run.run_id is not None:
+        _record_later(locker, run, run.run_id, SUCCESS if detail is None else FAILED, detail)
+    locker.release_later(held)
+
+
+def _record_later(
+    locker: Locker, run: JobRun, run_id: str, outcome: str, detail: str | None
+) -> None:
+    """Write the run's outcome on the renewal thread (its statement changes
+    only a run still recorded as running: a no-op if it was written)."""
+
+    def record() -> None:
+        try:
+            locker.store.drive(statements(locker.store).finish_steps(run_id, outcome, detail))
+        except Exception as exc:  # (the renewal thread must go on)
+            log.error(
+                "dblock: job %r ended (%s) but its record could not be written: %s",
+                run.name,
+                outcome,
+                exc,
             )
-        who = holder or ("another thread of this process" if exc.level == 1 else None)
-        where = f"held by {who}" if who else "held"
-        return _Skip(
-            "running", f"its key {key!r} is {where}: a run is in progress", exc.level, holder
-        )
-    if fire_time is None and not options.record:
-        return JobRun(name, key, None, None, held)
+
+    locker.renewer.post(record)
+
+
+def _finish_run(locker: Locker, run: JobRun, detail: str | None, keep: float) -> Op[None]:
+    """Record how ``run`` ended (``detail``: how it failed, None if it did
+    not) and release its key (:func:`finish_steps`). A key lost during a run
+    that succeeded raises :class:`~dblock.LockLost`, as a lock's release
+    does; during one that failed it is logged, and the job's own exception
+    goes on."""
+    outcome = SUCCESS if detail is None else FAILED
+    ended(locker.telemetry, run, outcome)
     try:
-        return (yield from _record_steps(locker, held, name, options, fire_time, next_fire, me))
-    except BaseException:
-        yield from _let_go(locker, held)
-        raise
+        yield from finish_steps(locker, run, outcome, detail, keep)
+    except LockLost as exc:
+        if detail is None:
+            raise
+        log.error("dblock: job %r lost its key while it ran and failed: %s", run.name, exc)
+
+
+def _busy(key: str, exc: LockBusy | LockTimeout) -> _Skip:
+    """The skip for a key another runner holds (or keeps, ``at_least``)."""
+    holder = exc.holder
+    if holder is not None and holder.endswith(KEPT):
+        return _Skip(
+            "kept",
+            f"its last run, on {holder[: -len(KEPT)]}, ended less than at_least "
+            f"after it began: its key {key!r} is kept until then",
+            exc.level,
+            holder,
+        )
+    who = holder or ("another thread of this process" if exc.level == 1 else None)
+    where = f"held by {who}" if who else "held"
+    return _Skip("running", f"its key {key!r} is {where}: a run is in progress", exc.level, holder)
 
 
 def _record_steps(  # noqa: PLR0917 - internal, one caller
@@ -391,7 +607,7 @@ def _record_steps(  # noqa: PLR0917 - internal, one caller
         # Interrupted (a signal, a cancellation) or failed after our row may
         # have been written: a fire time must not look like a run that died.
         with contextlib.suppress(Exception):
-            yield (_STEPS, sql.forget_steps(run_id))
+            yield (STEPS, sql.forget_steps(run_id))
         raise
 
 
@@ -408,7 +624,7 @@ def _decide_steps(  # noqa: PLR0917 - internal, one caller
     runner: str,
 ) -> Op[JobRun | _Skip]:
     try:
-        inserted = yield (_STEPS, insert())
+        inserted = yield (STEPS, insert())
     except SchemaMissing:
         if fire_time is not None:
             names = locker.store.names
@@ -429,26 +645,17 @@ def _decide_steps(  # noqa: PLR0917 - internal, one caller
         return JobRun(name, held.key, fire_time, run_id, held)
     assert fire_time is not None  # an unkeyed run never collides
     when = fire_time.isoformat()
-    found = yield (_STEPS, sql.read_steps(name, fire_time))
+    found = yield (STEPS, sql.read_steps(name, fire_time))
     if found is None:  # pruned between the two statements: one more try
-        inserted = yield (_STEPS, insert())
+        inserted = yield (STEPS, insert())
         if inserted:
             return JobRun(name, held.key, fire_time, run_id, held)
         skip = _Skip("done", f"its run for {when} was recorded by another runner", 0)
-    elif found.outcome == SUCCESS:
-        skip = _Skip(
-            "done", f"its run for {when} succeeded on {found.runner} (attempt {found.attempt})", 0
-        )
-    elif not options.retry_failed:
-        how = "failed" if found.outcome == FAILED else "died (its runner lost the key)"
-        skip = _Skip(
-            "failed",
-            f"its run for {when} on {found.runner} {how}; retry_failed=True runs it again",
-            0,
-        )
+    elif found.outcome == SUCCESS or not options.retry_failed:
+        skip = _settled(found, fire_time)
     else:
         retaken = yield (
-            _STEPS,
+            STEPS,
             sql.retake_steps(
                 old=found.run_id,
                 run_id=run_id,
@@ -474,10 +681,11 @@ def _decide_steps(  # noqa: PLR0917 - internal, one caller
     return skip
 
 
-def _let_go(locker: Locker, held: HeldLock) -> Op[None]:
-    """Release a key the job will not run under (a lost key needs no release)."""
+def _let_go(locker: Locker, held: HeldLock, keep: float = 0.0) -> Op[None]:
+    """Release a key the job will not run under, or whose run is being cut
+    short (a lost key needs no release)."""
     with contextlib.suppress(LockLost):
-        yield from locker.release_steps(held, False)
+        yield from locker.release_steps(held, False, keep=keep)
 
 
 def finish_steps(
@@ -489,7 +697,58 @@ def finish_steps(
     lock's release does when the key was lost during the run."""
     if run.run_id is not None:
         try:
-            yield (_STEPS, statements(locker.store).finish_steps(run.run_id, outcome, detail))
+            yield from _record_steps_outcome(locker, run, run.run_id, outcome, detail)
+        except BaseException:
+            # Interrupted while writing it: the key goes all the same.
+            yield from _let_go(locker, run.held, keep)
+            raise
+    return (yield from locker.release_steps(run.held, False, keep=keep))
+
+
+#: How often a run's outcome is tried again while the database does not
+#: answer (doubling from the first, up to the second), in seconds.
+_RECORD_PAUSES = (0.05, 1.0)
+
+
+def _record_steps_outcome(
+    locker: Locker, run: JobRun, run_id: str, outcome: str, detail: str | None
+) -> Op[None]:
+    """Write how the run ended. While the database does not answer (a
+    restart, a failover), try again for as long as the run's key is ours:
+    renewal keeps it meanwhile, and the key is given back (or kept for
+    ``at_least``) only once the outcome is written, so that whoever takes it
+    next finds the fire time done, not a run that died and, with
+    ``retry_failed``, runs it a second time. Once the lease is over the key
+    may be another runner's: the record is left to the renewal thread."""
+    sql = statements(locker.store)
+    pause, most = _RECORD_PAUSES
+    said = False
+    while True:
+        try:
+            yield (STEPS, sql.finish_steps(run_id, outcome, detail))
+        except (DatabaseUnreachable, ConnectionLost) as exc:
+            held = run.held
+            if held.lost or held.remaining <= pause:
+                log.error(
+                    "dblock: job %r ended (%s) but its record could not be written before "
+                    "its key's lease ran out; the record is tried once more later: %s",
+                    run.name,
+                    outcome,
+                    exc,
+                )
+                _record_later(locker, run, run_id, outcome, detail)
+                return
+            if not said:
+                said = True
+                log.warning(
+                    "dblock: job %r ended (%s); the database does not answer, its outcome is "
+                    "written when it does (the key is held meanwhile): %s",
+                    run.name,
+                    outcome,
+                    exc,
+                )
+            yield (SLEEP, pause)
+            pause = min(pause * 2, most)
         except BackendError as exc:
             log.error(
                 "dblock: job %r ended (%s) but its record could not be written: %s",
@@ -497,7 +756,11 @@ def finish_steps(
                 outcome,
                 exc,
             )
-    return (yield from locker.release_steps(run.held, False, keep=keep))
+            return
+        else:
+            if said:
+                log.warning("dblock: job %r: its outcome (%s) is recorded", run.name, outcome)
+            return
 
 
 def describe(exc: BaseException) -> str:
@@ -552,7 +815,7 @@ def check_per(per: object) -> str | None:
 
 
 def run_job(  # noqa: PLR0917 - internal: the manager's run_job and once call it
-    manager: LockManager,
+    locker: Locker,
     name: str,
     key: str,
     options: JobOptions,
@@ -562,17 +825,16 @@ def run_job(  # noqa: PLR0917 - internal: the manager's run_job and once call it
     fire_time: datetime | None,
     next_fire: datetime | None,
 ) -> R | Skipped:
-    """Run ``func(*args, **kwargs)`` as a run of the job, on this thread."""
-    locker = manager._locker
+    """Run ``func(*args, **kwargs)`` as a run of the job, on this thread
+    (the manager has checked that it is open)."""
     telemetry = locker.telemetry
-    if manager._closed:
-        raise ManagerClosed("this LockManager is closed")
     got = locker.run(
-        begin_steps(
+        run_steps(
             locker,
             name,
             key,
             options,
+            lambda: func(*args, **kwargs),
             fire_time=fire_time,
             next_fire=next_fire,
             me=current_owner(),
@@ -581,18 +843,22 @@ def run_job(  # noqa: PLR0917 - internal: the manager's run_job and once call it
     )
     if isinstance(got, _Skip):
         return skipped(telemetry, name, key, got, options.on_skip)
-    token = _current.set(got)
-    try:
-        result = func(*args, **kwargs)
-    except BaseException as exc:
-        _current.reset(token)
-        ended(telemetry, got, FAILED)
-        try:
-            locker.run(finish_steps(locker, got, FAILED, describe(exc), options.at_least))
-        except LockLost:
-            log.exception("dblock: job %r lost its key while it ran and failed", name)
-        raise
-    _current.reset(token)
-    ended(telemetry, got, SUCCESS)
-    locker.run(finish_steps(locker, got, SUCCESS, None, options.at_least))
-    return result
+    return got  # type: ignore[no-any-return]
+
+
+def fire_times(
+    per: str | None, passes_fire: bool, kwargs: dict[str, Any]
+) -> tuple[datetime | None, datetime | None]:
+    """The fire time (and next fire time) of a call of a ``once`` job, taken
+    from its keywords: ``fire_time`` stays for a function that takes it,
+    ``next_fire_time`` is dblock's alone."""
+    given = kwargs.get("fire_time") if passes_fire else kwargs.pop("fire_time", None)
+    nxt = kwargs.pop("next_fire_time", None)
+    if per is None:
+        return None, None if nxt is None else check_fire_time(nxt)
+    if given is None:
+        raise LockArgumentError(
+            "this job runs once per fire time (per='fire_time'): call it with fire_time=<the "
+            "scheduled time, an aware datetime>"
+        )
+    return check_fire_time(given), None if nxt is None else check_fire_time(nxt)

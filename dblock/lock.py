@@ -25,38 +25,40 @@ DELETE, a wake-up and an INSERT that other processes could race), and where
 the store can (PostgreSQL) draws, under the row's lock, fences for the next
 hand-offs of the run, which then send no SQL. After ``handoff_limit``
 hand-offs in a row the row is released for real, so other processes get
-their turn (lock cohorting, bounded for fairness).
+their turn (lock cohorting, bounded for fairness); the next local thread
+gives way to them for a few round trips before it tries the row (_GiveWay).
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
+import functools
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from functools import partial
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+from . import _threads
 from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
 from ._store.base import Lease, PoolerMismatch, never_sent, what_failed
-from ._store.batch import Batcher, batches
-from ._store.fair import Seat
+from ._store.batch import Batcher, GaveUp, batches, until_for
+from ._store.fair import Seat, fair_sql
 from ._store.jobs import statements as job_statements
-from .config import Config, OnLost, check_lease
+from .config import UNSET, Config, OnLost, Unset, check_lease
 from .errors import (
     BackendError,
     KindMismatch,
-    LockArgumentError,
     LockBusy,
     LockLost,
+    LockNotAcquired,
     LockNotHeld,
     LockTimeout,
     ManagerClosed,
@@ -77,12 +79,38 @@ from .registry import (
     thread_owner,
 )
 from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
+from .steps import (
+    CALL,
+    CLEAN_OP,
+    EXPIRY_MARGIN,
+    OUTAGE_INITIAL,
+    OUTAGE_MAX,
+    RELEASE,
+    SETTLE,
+    SLEEP,
+    STEPS,
+    TRANSFER,
+    TRY,
+    TURN,
+    WAIT,
+    Op,
+    noop,
+    refuse_on_event_loop,
+)
 from .telemetry import GRANTED, Recorder, Watch, outcome_of, recorder_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["UNSET", "HeldLock", "LockOptions", "Locker", "Unset", "release_on_exit"]
+__all__ = [
+    "UNSET",
+    "HeldLock",
+    "LockOptions",
+    "Locker",
+    "Unset",
+    "live_lockers",
+    "release_on_exit",
+]
 
 log = logging.getLogger("dblock")
 
@@ -90,18 +118,6 @@ _monotonic = time.monotonic
 _urandom = os.urandom
 _current_thread = threading.current_thread
 _thread_owner = thread_owner
-
-
-class Unset(enum.Enum):
-    """Marks an option the caller did not give (``None`` means "no timeout")."""
-
-    UNSET = enum.auto()
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Final = Unset.UNSET
 
 
 class LockOptions:
@@ -120,41 +136,62 @@ class LockOptions:
 # this many times (waiting 50, 100, 200 ms) before giving up on learning the
 # outcome and leaving the row to be deleted as soon as the database answers.
 _AMBIGUITY_RETRIES = 3
-# A waiting acquire that loses the database retries after 50 ms, doubling up
-# to 1 s, until its own deadline (a failover takes seconds).
-_OUTAGE_INITIAL = 0.05
-_OUTAGE_MAX = 1.0
-# Wake this long after the holder's lease ends, so the takeover finds it expired.
-_EXPIRY_MARGIN = 0.002
 # A hand-off without SQL keeps the row's lease as it is: only while at least
 # this share of it is left (renewal, at RENEW_AT, is not far behind).
 _RESERVE_LEASE = 0.5
+# A grant whose statement came back with less than this share of its lease
+# left (by this process's clock, counted from when it was sent) is not handed
+# back: its row is deleted and the request goes on as if refused. The caller
+# would start work under a lease that has run out, or would before renewal
+# could reach the database (an overloaded machine, a statement held up).
+_LIVE_LEASE = 0.1
+# When a run of hand-offs ends (``handoff_limit``) the row is deleted and the
+# next local thread gives way before it tries the row: for this many times
+# the DELETE's own round trip, at least _GIVE_WAY_MIN and at most
+# _GIVE_WAY_MAX seconds. A waiter of another process, woken by the release
+# (NOTIFY, or dblock._store.wake), needs about a round trip to be told and one
+# to take the row; without the pause the local thread, woken by a mutex and
+# one round trip from the row, won that race nearly every time, and the
+# other processes never had their turn.
+_GIVE_WAY_RTTS = 4
+_GIVE_WAY_MIN = 0.005
+_GIVE_WAY_MAX = 0.05
 
 
-# What acquire_steps and release_steps ask their driver to do (the first item
-# of each yielded tuple; the rest are its arguments), and what it answers:
-_TRY: Final = "try"  # (key, token, owner, ttl): the store's attempt -> Grant | Holder
-_RELEASE: Final = "release"  # (key, token): delete our row -> bool
-_TRANSFER: Final = "transfer"  # (key, token, new_token, owner, ttl, extra) -> Grant | None
-_TURN: Final = "turn"  # (waiter, timeout): wait in the local queue -> the grant
-_SETTLE: Final = "settle"  # (waiter,): wait until its grant is filled in, whatever happens
-_WAIT: Final = "wait"  # (key, limit, since[, address, blocker]): wait for a release (a new
-# address or blocker: a fresh wait, so polling restarts at poll_initial), at most limit seconds
-_SLEEP: Final = "sleep"  # (seconds,)
-_CLEAN: Final = "clean"  # (): delete the rows of unconfirmed acquisitions
-_STEPS: Final = "steps"  # (steps,): run a store operation (Steps) -> its answer
-_CLEAN_OP: Final = (_CLEAN,)
-T = TypeVar("T")
-#: A lock operation without I/O: yields ops, receives their answers (or has
-#: their exceptions thrown in), returns its result.
-Op = Generator[tuple[Any, ...], Any, T]
+class _GiveWay:
+    """What a local waiter is handed with the key when the run of hand-offs
+    it would have continued ended: try the row only after ``grace`` seconds."""
+
+    __slots__ = ("grace",)
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+
+
 #: The row's acquire loop (``Locker._acquire_loop``, or another kind's): called
 #: with the locker, the entry and the keywords of ``_acquire_loop``.
 Level2 = Callable[..., Op["HeldLock"]]
-#: What :meth:`Locker._acquire_alone` hands on to :meth:`Locker.acquire_steps`:
-#: the claimed key, the token, the owner, when the first try was sent and
-#: what it answered or raised.
-_Claimed = tuple["Entry", str, str, float, "Grant | Holder | BaseException"]
+T = TypeVar("T")
+
+
+class FirstTry(NamedTuple):
+    """A try at the row already made: when it was sent and what it answered
+    or raised. The acquire loop starts from it instead of sending its own."""
+
+    sent_at: float
+    answer: Grant | Holder | BaseException
+
+
+class Claimed(NamedTuple):
+    """What :meth:`Locker._acquire_alone` hands on to
+    :meth:`Locker.acquire_steps` when its one statement did not grant a live
+    lease: the key it claimed at level 1, with the token and owner that try
+    used, and the try itself."""
+
+    entry: Entry
+    token: str
+    owner: str
+    first: FirstTry
 
 
 class _Ref(weakref.ref["HeldLock"]):
@@ -168,18 +205,6 @@ class _Ref(weakref.ref["HeldLock"]):
     token: str
     live: bool  # not released yet
     tracked: bool  # the renewer watches it
-
-
-def _refuse_on_event_loop(key: str) -> None:
-    """A blocking wait on a thread that runs an event loop would freeze the
-    loop (and every task on it) silently: refuse it instead."""
-    aio = sys.modules.get("asyncio")
-    if aio is not None and aio._get_running_loop() is not None:
-        raise LockArgumentError(
-            f"a blocking wait for lock {key!r} on a thread that runs an asyncio event loop "
-            "would freeze the loop; use dblock's asyncio API (`async with`), or "
-            "blocking=False / timeout=0"
-        )
 
 
 class HeldLock:
@@ -292,12 +317,26 @@ class HeldLock:
 
     @property
     def lost(self) -> bool:
-        """True once the lock is known or must be assumed lost (see ``check()``)."""
+        """True once the lock is known or must be assumed lost (see ``check()``):
+        also once its lease has ended by this process's clock, whether or not
+        the renewal thread has looked (it may be waiting for a server that
+        stopped answering)."""
+        if self._lost is None and not self._released and self._expires_mono <= _monotonic():
+            self._lose_expired()
+            return True
         return self._lost is not None
 
     @property
     def lost_reason(self) -> str | None:
+        if self.lost and self._lost is None:  # expired, but its renewer no longer watches it
+            return Renewer._expired_reason(self)
         return self._lost
+
+    def _lose_expired(self) -> None:
+        # Whichever thread notices the lease's end first (the renewal pass,
+        # its lease watch, or the holder reading ``lost`` or calling
+        # ``check()``) gives the same reason: why the lease was not renewed.
+        self._locker.renewer.lose(self, Renewer._expired_reason(self))
 
     def owned(self) -> bool:
         """Whether the calling thread (or asyncio task) holds this lock now:
@@ -319,8 +358,8 @@ class HeldLock:
             raise LockLost(self.key, self._lost)
         if not self._released and self._expires_mono <= _monotonic():
             # The renewal thread may not have looked yet: the lease is over.
-            self._locker.renewer.lose(self, "its lease ran out")
-            raise LockLost(self.key, self._lost or "its lease ran out")
+            self._lose_expired()
+            raise LockLost(self.key, self._lost or Renewer._expired_reason(self))
 
     # -- for the renewal thread ----------------------------------------------
 
@@ -417,6 +456,17 @@ class _Ticket:
         self.seats = seats
 
 
+#: Every locker of this process (held weakly): interpreter exit releases
+#: what their holders left (see :meth:`Locker.release_at_exit`), also for a
+#: manager that was itself dropped while its renewal thread still had
+#: collected locks to release.
+_lockers: weakref.WeakSet[Locker] = weakref.WeakSet()
+
+
+def live_lockers() -> list[Locker]:
+    return list(_lockers)
+
+
 class Locker:
     """Acquire and release, over one registry and one store."""
 
@@ -426,12 +476,16 @@ class Locker:
         self.registry = Registry()
         self._local = config.local_filter
         self._handoff_limit = config.handoff_limit if store.can_transfer else 0
+        # Without hand-off (MySQL) every local grant is a row of its own, and
+        # a run of them is counted in grants (see _keep and release).
+        self._run_limit = 0 if store.can_transfer else config.handoff_limit
         self.defaults = LockOptions(
             renew=config.renew, max_hold=config.max_hold, on_lost=config.on_lost
         )
-        self.renewer = Renewer(
+        self.renewer: Renewer[HeldLock] = Renewer(
             store, idle_tick=config.ttl * RENEW_AT, abandon=self._abandon, reap=self._reap
         )
+        store.wake_cleaner = self._post_noop
         #: What sends the row statements of this process's threads: the
         #: batcher (group commit, dblock._store.batch) where the dialect can
         #: answer many requests in one statement, else the store itself.
@@ -448,18 +502,23 @@ class Locker:
         self.kind_guard: Callable[[str], None] | None = None
         self._client_id = ""
         self._set_client_id()
+        #: The process whose locks these are: a forked child holds none of
+        #: them, and must never release its parent's rows at its own exit.
+        self.pid = os.getpid()
         self.telemetry: Recorder | None = recorder_for(config.telemetry, config.table)
         self.renewer.telemetry = self.telemetry
         # The weak-reference callback of every held lock, bound once (not per lock).
-        self._collect = self._collected
+        self._collect: Callable[[_Ref], None] = self._collected
+        _lockers.add(self)
 
     def _post_noop(self) -> None:
-        self.renewer.post(_noop)  # the renewal thread cleans orphans on its pass
+        self.renewer.post(noop)  # the renewal thread cleans orphans on its pass
 
     def _set_client_id(self) -> None:
         self._client_id = self.config.client_id or f"{socket.gethostname()}:{os.getpid()}"
 
     def after_fork(self) -> None:
+        self.pid = os.getpid()
         self.registry.clear()
         self.renewer.after_fork()
         if self.batcher is not None:
@@ -478,23 +537,97 @@ class Locker:
             while self.renewer.tracked and _monotonic() < deadline:
                 # Holders release on their own threads; close() is rare: poll.
                 time.sleep(min(0.02, max(deadline - _monotonic(), 0.0)))
-            for held in self.renewer.held_locks():
-                # Whatever the database says (unreachable, the table dropped),
-                # the next lock is released and the thread stopped: a failure
-                # is reported here, once per lock, never raised past the clean-up.
-                try:
-                    self._abandon(
-                        held, "the LockManager was closed while it was held", closing=True
-                    )
-                except Exception as exc:
-                    log.warning(
-                        "dblock: lock %r could not be released at close; its row stays "
-                        "until its lease ends or the sweeper removes it: %s",
-                        held.key,
-                        exc,
-                    )
+            # Every lock still held is lost from here on, before any SQL: a
+            # release that waits for the database must not leave the ones
+            # after it believed held.
+            reason = "the LockManager was closed while it was held"
+            revoked = [h for h in self.renewer.held_locks() if self._revoke(h, reason, True)]
+            if revoked:
+                release_at_close(revoked, self._let_revoked_go, self.CLOSE_RELEASES)
         finally:
             self.renewer.close()
+
+    #: Seconds close() waits for the database to answer its releases (see
+    #: :func:`release_at_close`).
+    CLOSE_RELEASES = 10.0
+
+    #: Seconds interpreter exit waits for the database to answer its
+    #: releases (see :meth:`release_at_exit`); then the rows are left to their leases.
+    EXIT_RELEASES = 3.0
+
+    def release_at_exit(self, seconds: float) -> threading.Event | None:
+        """At interpreter exit (``dblock.manager``'s atexit hook): take every
+        lock whose holder can never run again (the main thread, whose code
+        is done; a thread or task that ended; a task whose loop no longer
+        runs) and delete its row on the renewal thread, which still runs
+        (a daemon). Returns the event set once they are deleted (None: none
+        to delete); the caller waits for it at most ``seconds``. A lock held
+        by a thread that still runs (a daemon thread, which runs until the
+        interpreter stops it) is left to its lease: releasing it could let
+        another process in while its holder still works under it.
+
+        Nothing here for a forked child (its registry was cleared; a child
+        forked by other means must not release its parent's rows), nor for
+        a row released already: a job's row kept for ``at_least`` stays."""
+        if self.pid != os.getpid() or self._closing:
+            return None  # (closed: close() released what it held)
+        me = _current_thread()
+        taken: list[HeldLock] = []
+        for held in self.renewer.held_locks():
+            if _runs_at_exit(held._owner, me) or not self._claim(held):
+                continue
+            held._released = True
+            held._revoked = True
+            held._lost = "released at interpreter exit"
+            entry = held._entry
+            if entry.held is held._ref:
+                entry.leaving = True  # (before held: see _let_go)
+                entry.held = None
+            taken.append(held)
+        if not taken and not self.renewer.running:
+            return None
+        # Posted after whatever the renewal thread has in hand (a collected
+        # lock's release, as when a script's last reference to it went at
+        # its end): done once that is sent too.
+        done = threading.Event()
+
+        def release_all() -> None:
+            try:
+                for held in taken:
+                    entry = held._entry
+                    try:
+                        deleted = self.run(_release_op(held.key, held.token))
+                    except Exception as exc:  # logged; the lease ends the row
+                        log.warning(
+                            "dblock: lock %r could not be released at interpreter exit; its "
+                            "row stays until its lease ends or the sweeper removes it: %s",
+                            held.key,
+                            exc,
+                        )
+                    else:
+                        log.info(
+                            "dblock: lock %r %s at interpreter exit (%s had not released it)",
+                            held.key,
+                            "released" if deleted else "found gone (not ours any more)",
+                            owner_name(held._owner),
+                        )
+                    finally:
+                        self._leave(entry)
+            finally:
+                done.set()
+
+        try:
+            self.renewer.post(release_all)
+        except RuntimeError:  # no renewal thread, and none can start now
+            done.set()
+            log.warning(
+                "dblock: %d lock(s) still held at interpreter exit (%s) are left to their "
+                "leases (at most %g s): no thread could release them",
+                len(taken),
+                ", ".join(repr(h.key) for h in taken),
+                max(h.ttl for h in taken),
+            )
+        return done
 
     def owner_label(self, me: object = None) -> str:
         """Who holds a row, for people reading ``dblock list``: host, pid and
@@ -548,7 +681,7 @@ class Locker:
             )
         )
 
-    def _acquire_alone(  # noqa: PLR0917 - positional, as acquire
+    def _acquire_alone(  # noqa: PLR0917 - the hot path, inlined
         self,
         key: str,
         me: object,
@@ -567,7 +700,11 @@ class Locker:
         client CPU (most of it cache misses after each round trip)."""
         start = _monotonic()
         store = self.store
-        entry = None if self._closing or store.has_orphans else self.registry.claim(key, me)
+        try:
+            entry = None if self._closing or store.has_orphans else self.registry.claim(key, me)
+        except BaseException:
+            self.run(self._forget_left_behind(key, me))
+            raise
         if entry is None:
             return self.run(
                 self.acquire_steps(
@@ -582,20 +719,31 @@ class Locker:
             token = _urandom(16).hex()
             owner = self.owner_label(me)
             request = store.executor.request
-            request.deadline = None if timeout is None else start + timeout
+            deadline = None if timeout is None else start + timeout
+            request.deadline = deadline
+            batcher = self.batcher
             sent_at = _monotonic()
             try:
-                first = self._rows.try_acquire(key, token, owner, ttl)
+                if batcher is None:
+                    first = store.try_acquire(key, token, owner, ttl)
+                else:
+                    until = until_for(deadline, sent_at)
+                    first = batcher.try_acquire(key, token, owner, ttl, until)
             except BaseException as exc:
                 first = exc
             finally:
                 request.deadline = None
-            if not isinstance(first, Grant):
-                # Not granted at once: on with the machinery, as if it had
-                # made the try. It gives the key back on any failure; this
-                # try still covers the instant before it starts (a signal
-                # there), and a second leave of one entry changes nothing.
-                claimed: _Claimed = (entry, token, owner, sent_at, first)
+            if isinstance(first, Grant) and first.sent_at is not None:
+                sent_at = first.sent_at  # a grouped statement's, sent after we queued
+            if not isinstance(first, Grant) or (
+                sent_at + first.expires_in - _monotonic() < ttl * _LIVE_LEASE
+            ):
+                # Not granted at once (or granted a lease that ran out on
+                # the way): on with the machinery, as if it had made the
+                # try. It gives the key back on any failure; this try still
+                # covers the instant before it starts (a signal there), and a
+                # second leave of one entry changes nothing.
+                claimed = Claimed(entry, token, owner, FirstTry(sent_at, first))
                 return self.run(
                     self.acquire_steps(
                         key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts,
@@ -610,24 +758,45 @@ class Locker:
                 self.telemetry.granted_at_once()
             return held
         except BaseException as exc:
-            if held is not None:
-                if self.telemetry is not None:
-                    Watch(self.telemetry, key).done(*outcome_of(exc))
-                self.run(self._give_back(held))
-                raise
-            if isinstance(first, Grant):
-                # Granted, and interrupted before the held lock existed:
-                # the row is deleted at once, not left for its lease.
-                store.add_orphan(key, token)
-                self.renewer.post(_noop)
-            if entry.owner is me:
-                self._leave(entry)
+            self._alone_failed(exc, entry, me, token=token, held=held, first=first)
             raise
+
+    def _alone_failed(
+        self,
+        exc: BaseException,
+        entry: Entry,
+        me: object,
+        *,
+        token: str,
+        held: HeldLock | None,
+        first: Grant | Holder | BaseException | None,
+    ) -> None:
+        """:meth:`_acquire_alone` ends in ``exc``: give back what it had."""
+        if held is not None:
+            if self.telemetry is not None:
+                Watch(self.telemetry, entry.key).done(*outcome_of(exc))
+            self.run(self._give_back(held))
+            return
+        if isinstance(first, Grant):
+            # Granted, and interrupted before the held lock existed: the row
+            # is deleted at once, not left for its lease.
+            self.store.add_orphan(entry.key, token)
+            self.renewer.post(noop)
+        # Not if the machinery returned a held lock and we were interrupted
+        # before returning it: level 1 goes with that lock's release (when it
+        # is collected), not before its row is gone.
+        if entry.owner is me and entry.held is None:
+            self._leave(entry)
 
     def _keep(self, entry: Entry, held: HeldLock) -> None:
         """A granted row becomes the key's at level 1, and renewal watches it."""
         entry.held = held._ref
-        entry.handoffs = 0
+        if self._run_limit:
+            # No hand-off: the entry (alive while local threads queue) counts
+            # its row grants in a row instead, so a run of them ends too.
+            entry.handoffs += 1
+        else:
+            entry.handoffs = 0
         self.renewer.track(held)
         held._ref.tracked = True
 
@@ -674,7 +843,7 @@ class Locker:
         level2: Level2 | None = None,
         seen: Entry | Unset | None = UNSET,
         start: float | None = None,
-        claimed: _Claimed | None = None,
+        claimed: Claimed | None = None,
     ) -> Op[HeldLock]:
         """Level 1, then level 2, written once for threads and tasks: what to
         wait for and which statement to send are yielded as :data:`Op`
@@ -698,7 +867,7 @@ class Locker:
         watch = None if telemetry is None else Watch(telemetry, key)
         try:
             if claimed is not None:
-                entry, token, owner = claimed[0], claimed[1], claimed[2]
+                entry, token, owner = claimed.entry, claimed.token, claimed.owner
             elif self._local:
                 # (``seen``: the caller's own look-up of the key, not made twice.)
                 mine = self.registry.get(key) if seen is UNSET else seen
@@ -729,7 +898,7 @@ class Locker:
                     self.renewer.ensure_running()
                     if watch is not None:
                         watch.waiting(1)
-                    grant = yield (_TURN, waiter, timeout)
+                    grant = yield (TURN, waiter, timeout)
                     if grant is CLOSED:
                         waiter = None
                         raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
@@ -739,6 +908,14 @@ class Locker:
                         entry, waiter = waiter.entry, None
                         token = grant if isinstance(grant, str) else None
                         seat = grant if isinstance(grant, Seat) else None
+                        if isinstance(grant, _GiveWay):
+                            # The run of hand-offs ended: another process's
+                            # waiter gets the chance to take the row first.
+                            pause = grant.grace
+                            if timeout is not None:
+                                pause = min(pause, start + timeout - _monotonic())
+                            if pause > 0:
+                                yield (SLEEP, pause)
             if held is None:
                 assert entry is not None
                 held = yield from (level2 or Locker._acquire_loop)(
@@ -753,7 +930,7 @@ class Locker:
                     token=token,
                     watch=watch,
                     seat=seat,
-                    **({} if claimed is None else {"first": claimed[3:]}),
+                    **({} if claimed is None else {"first": claimed.first}),
                 )
                 self._keep(entry, held)
             if self._closing:
@@ -768,16 +945,33 @@ class Locker:
                 yield from self._withdraw(waiter)
             elif held is not None:
                 yield from self._give_back(held)
-            elif entry is not None and entry.owner is me:
-                # (Not ours any more: evicted as an owner that could never run
-                # again, its coroutine now closed by the garbage collector.)
-                self._leave(entry)
+            elif entry is not None:
+                if entry.owner is me:
+                    # (Not ours any more: evicted as an owner that could never run
+                    # again, its coroutine now closed by the garbage collector.)
+                    self._leave(entry)
+            else:
+                yield from self._forget_left_behind(key, me)
             raise
 
-    def run(self, steps: Op[T]) -> T:  # noqa: PLR0912 - one branch per op
+    def _forget_left_behind(self, key: str, me: object) -> Op[None]:
+        """Give back what an interrupted claim or join left in the registry
+        (see :meth:`Registry.left_behind`): else the key stayed taken at
+        level 1 for every thread of the process while ours lived, and ours
+        waited on its next request for a lock it never had."""
+        if not self._local:
+            return
+        left = self.registry.left_behind(key, me)
+        if isinstance(left, Entry):
+            self._leave(left)
+        elif left is not None:
+            yield from self._withdraw(left)
+
+    def run(self, steps: Op[T]) -> T:  # noqa: PLR0912, PLR0915 - one branch per op
         """Carry out ``steps`` on this thread, blocking."""
         store = self.store
         rows = self._rows
+        batcher = self.batcher
         wait: Wait | None = None
         waiting_for: tuple[Any, ...] = ()
         try:
@@ -785,36 +979,45 @@ class Locker:
             while True:
                 try:
                     tag = op[0]
-                    if tag is _TRY:
+                    if tag is TRY:
                         if wait is not None:
                             wait.prepare()
-                        answer: object = rows.try_acquire(op[1], op[2], op[3], op[4])
-                    elif tag is _RELEASE:
+                        answer: object = (
+                            rows.try_acquire(op[1], op[2], op[3], op[4])
+                            if batcher is None
+                            else batcher.try_acquire(op[1], op[2], op[3], op[4], op[5])
+                        )
+                    elif tag is RELEASE:
                         answer = rows.release(op[1], op[2])
-                    elif tag is _TRANSFER:
+                    elif tag is TRANSFER:
                         answer = store.transfer(op[1], op[2], op[3], op[4], op[5], extra=op[6])
-                    elif tag is _STEPS:
+                    elif tag is STEPS:
                         if wait is not None:
                             wait.prepare()
                         answer = store.drive(op[1])
-                    elif tag is _TURN:
+                    elif tag is TURN:
                         answer = self._wait_turn(op[1], op[2])
-                    elif tag is _WAIT:
+                    elif tag is WAIT:
                         if wait is None or op[4:] != waiting_for:
                             # (A fair-queue waiter that joined again has a new address.)
                             if wait is not None:
                                 wait.close()
-                            _refuse_on_event_loop(op[1])
+                            refuse_on_event_loop(op[1])
                             wait = store.waiter(op[1], op[3], *op[4:5])
                             waiting_for = op[4:]
                         wait.sleep(op[2])
                         answer = None
-                    elif tag is _SETTLE:
+                    elif tag is SETTLE:
                         answer = op[1].settle()
-                    elif tag is _SLEEP:
+                    elif tag is SLEEP:
                         time.sleep(op[1])
                         answer = None
-                    else:  # _CLEAN
+                    elif tag is CALL:
+                        if wait is not None:  # (nothing to wait for while it runs)
+                            wait.close()
+                            wait = None
+                        answer = op[1]()
+                    else:  # CLEAN
                         store.clean_orphans()
                         answer = None
                 except BaseException as exc:
@@ -832,7 +1035,7 @@ class Locker:
         what came with it (see :meth:`acquire_steps`)."""
         key = waiter.entry.key
         if timeout != 0:
-            _refuse_on_event_loop(key)
+            refuse_on_event_loop(key)
         if not waiter.wait(timeout):
             if self.registry.abandon(key, waiter):
                 raise LockTimeout(key, timeout=timeout or 0.0, level=1)
@@ -849,7 +1052,7 @@ class Locker:
         entry = waiter.entry
         if self.registry.abandon(entry.key, waiter):
             return
-        yield (_SETTLE, waiter)  # an interruption now changes nothing: we are raising already
+        yield (SETTLE, waiter)  # an interruption now changes nothing: we are raising already
         grant = waiter.grant
         if grant is CLOSED:
             return
@@ -872,6 +1075,7 @@ class Locker:
         held._released = True
         entry = held._entry
         if entry.held is held._ref:
+            entry.leaving = True  # (before held: see _let_go)
             entry.held = None
         try:
             yield from self._delete_row(held.key, held.token)
@@ -881,20 +1085,27 @@ class Locker:
     def _leave_queue(self, key: str, token: str) -> Op[None]:
         """Best effort, as :meth:`_delete_row`: delete a fair request's rows."""
         try:
-            yield (_STEPS, self.store.fair_sql().leave_steps(key, token))
+            yield (STEPS, fair_sql(self.store).leave_steps(key, token))
         except BackendError as exc:
             log.error("dblock: leaving the fair queue of %r failed: %s", key, exc)
-            self.store.add_orphan(key, token, released=True, whole=True)
+            self.store.add_orphan(
+                key,
+                token,
+                released=True,
+                settle=partial(fair_sql(self.store).leave_steps, key, token),
+            )
         except BaseException:
-            self.store.add_orphan(key, token, whole=True)
-            self.renewer.post(_noop)
+            self.store.add_orphan(
+                key, token, settle=partial(fair_sql(self.store).leave_steps, key, token)
+            )
+            self.renewer.post(noop)
             raise
 
     def _delete_row(self, key: str, token: str) -> Op[None]:
         """Best effort: delete the row if it carries ``token``, and never
         leave it behind for longer than the database takes to answer again."""
         try:
-            yield (_RELEASE, key, token)
+            yield (RELEASE, key, token)
         except BackendError as exc:
             log.error(
                 "dblock: releasing %r failed; the row stays until its lease ends or the "
@@ -906,10 +1117,10 @@ class Locker:
             log.error("dblock: releasing %r failed: %s", key, exc)  # no table, no row
         except BaseException:
             self.store.add_orphan(key, token, released=True)
-            self.renewer.post(_noop)  # the renewal thread cleans orphans on its pass
+            self.renewer.post(noop)  # the renewal thread cleans orphans on its pass
             raise
 
-    def _acquire_loop(  # noqa: PLR0912, PLR0915 - the first try inline, the rest in _attempt
+    def _acquire_loop(
         self,
         entry: Entry,
         *,
@@ -922,7 +1133,7 @@ class Locker:
         token: str | None,
         watch: Watch | None = None,
         seat: Seat | None = None,  # always None: only the fair queue's loop is handed one
-        first: tuple[float, Grant | Holder | BaseException] | None = None,
+        first: FirstTry | None = None,
     ) -> Op[HeldLock]:
         store = self.store
         key = entry.key
@@ -945,54 +1156,118 @@ class Locker:
                     sent_at, answer = first
                     first = None
                 else:
-                    if self._closing:
-                        raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
-                    if store.has_orphans:
-                        yield _CLEAN_OP
-                    sent_at = _monotonic()
-                    try:  # the first try here, the rest (if it fails) in _attempt
-                        answer = yield (_TRY, key, token, owner, ttl)
-                    except BaseException as failed:
-                        answer = failed
+                    sent_at, answer = yield from self._try_row(key, token, owner, ttl, deadline)
                 try:
-                    if isinstance(answer, BaseException):
-                        result = yield from self._attempt(key, token, owner, ttl, answer)
-                    else:
-                        result = answer
+                    result = yield from self._answer(
+                        key, answer, token=token, owner=owner, ttl=ttl, deadline=deadline,
+                        blocking=blocking, timeout=timeout,
+                    )  # fmt: skip
                 except BackendError as exc:
-                    outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
+                    outage = outage or Backoff(OUTAGE_INITIAL, OUTAGE_MAX)
                     token = yield from self._ride_out(
                         key, token, exc, deadline, outage, waiting=waiting, handed=handed
                     )
                     continue
                 outage = None
                 if isinstance(result, Grant):
+                    if result.sent_at is not None:
+                        sent_at = result.sent_at  # a grouped statement's, sent after we queued
+                    if sent_at + result.expires_in - _monotonic() < ttl * _LIVE_LEASE:
+                        # The answer came back after the lease it set had run
+                        # out (or nearly), by our clock: the row is not worth
+                        # handing back. Delete it, and go on as if refused.
+                        yield from self._delete_row(key, token)
+                        token, handed = _urandom(16).hex(), None
+                        if not blocking or (deadline is not None and _monotonic() >= deadline):
+                            raise self._out_of_time(key, blocking, timeout)
+                        continue
                     try:
                         return self.held_type(self, entry, token, owner, ttl, result, sent_at, opts)
                     except BaseException:
                         # Interrupted before the held lock existed: delete the
                         # row at once rather than leave it for its lease.
                         store.add_orphan(key, token)
-                        self.renewer.post(_noop)
+                        self.renewer.post(noop)
                         raise
-                if result.kind is not None and result.kind != self.kind:
-                    raise KindMismatch(
-                        key, requested=self.kind, existing=result.kind, where="in the table"
-                    )
-                if not blocking:
-                    raise LockBusy(key, level=2, holder=result.owner)
-                limit = float("inf") if deadline is None else deadline - _monotonic()
-                if limit <= 0:
-                    raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
-                if result.expires_in is not None:
-                    limit = min(limit, max(result.expires_in, 0.0) + _EXPIRY_MARGIN)
+                limit = self._refused(key, result, blocking, deadline, timeout)
                 if not waiting:
                     waiting = True
                     if watch is not None:
                         watch.waiting(2)
-                yield (_WAIT, key, limit, sent_at)
+                yield (WAIT, key, limit, sent_at)
         finally:
             request.deadline = None
+
+    def _answer(
+        self,
+        key: str,
+        answer: Grant | Holder | BaseException,
+        *,
+        token: str,
+        owner: str,
+        ttl: float,
+        deadline: float | None,
+        blocking: bool,
+        timeout: float | None,
+    ) -> Op[Grant | Holder]:
+        """The try's answer; if it raised, the retries' (:meth:`_attempt`)."""
+        if not isinstance(answer, BaseException):
+            return answer
+        until = until_for(deadline, _monotonic())
+        try:
+            return (yield from self._attempt(key, token, owner, ttl, until, answer))
+        except GaveUp:
+            # Our statement was held up past our deadline (by another key's,
+            # or in one with it): as a timeout. The batcher deletes our row
+            # if the statement, still in flight, writes one.
+            raise self._out_of_time(key, blocking, timeout) from None
+
+    def _try_row(
+        self, key: str, token: str, owner: str, ttl: float, deadline: float | None
+    ) -> Op[tuple[float, Grant | Holder | BaseException]]:
+        """One try at the row (the first here, the rest, if it fails, in
+        :meth:`_attempt`): when it was sent and what it answered or raised."""
+        if self._closing:
+            raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
+        if self.store.has_orphans:
+            yield CLEAN_OP
+        sent_at = _monotonic()
+        until = until_for(deadline, sent_at)
+        try:
+            answer: Grant | Holder | BaseException = yield (TRY, key, token, owner, ttl, until)
+        except BaseException as failed:
+            answer = failed
+        return sent_at, answer
+
+    def _refused(
+        self,
+        key: str,
+        result: Holder,
+        blocking: bool,
+        deadline: float | None,
+        timeout: float | None,
+    ) -> float:
+        """The row is held: raise (a row of another kind, fail-fast, no time
+        left), or return how long to wait before the next try (at most until
+        the holder's lease ends)."""
+        if result.kind is not None and result.kind != self.kind:
+            raise KindMismatch(key, requested=self.kind, existing=result.kind, where="in the table")
+        if not blocking:
+            raise LockBusy(key, level=2, holder=result.owner)
+        limit = float("inf") if deadline is None else deadline - _monotonic()
+        if limit <= 0:
+            raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
+        if result.expires_in is not None:
+            limit = min(limit, max(result.expires_in, 0.0) + EXPIRY_MARGIN)
+        return limit
+
+    @staticmethod
+    def _out_of_time(key: str, blocking: bool, timeout: float | None) -> LockNotAcquired:
+        """What a request that ran out of time raises: a fail-fast one
+        ``LockBusy``, a waiting one ``LockTimeout``."""
+        if not blocking:
+            return LockBusy(key, level=2)
+        return LockTimeout(key, timeout=timeout or 0.0, level=2)
 
     def _ride_out(
         self,
@@ -1018,11 +1293,17 @@ class Locker:
                 self.store.add_orphan(key, handed, released=True)
             raise exc
         log.warning("dblock: waiting for %r; %s, retrying: %s", key, what_failed(exc), exc)
-        yield (_SLEEP, outage.step(limit))
+        yield (SLEEP, outage.step(limit))
         return _urandom(16).hex() if self.store.is_orphan(key, token) else token
 
-    def _attempt(
-        self, key: str, token: str, owner: str, ttl: float, first: BaseException | None = None
+    def _attempt(  # noqa: PLR0917 - positional, as the op it yields
+        self,
+        key: str,
+        token: str,
+        owner: str,
+        ttl: float,
+        until: float | None,
+        first: BaseException | None = None,
     ) -> Op[Grant | Holder]:
         """One try at the row, settling an ambiguous outcome: if the connection
         broke with the statement in flight, ask again with the same token;
@@ -1035,11 +1316,16 @@ class Locker:
                 if first is not None:
                     failed, first = first, None
                     raise failed
-                result: Grant | Holder = yield (_TRY, key, token, owner, ttl)
+                result: Grant | Holder = yield (TRY, key, token, owner, ttl, until)
                 return result
             except Interrupted as exc:
                 in_doubt = True
                 last: BackendError = exc
+            except GaveUp:
+                if in_doubt:  # an earlier try's row may exist: delete it
+                    store.add_orphan(key, token, unreachable=True)
+                    self.renewer.post(noop)
+                raise
             except SchemaMissing:
                 raise
             except BackendError as exc:
@@ -1056,15 +1342,15 @@ class Locker:
                 # ordinary cancellation on a healthy database is DEBUG.
                 if in_doubt or not never_sent(exc):
                     store.add_orphan(key, token, unreachable=in_doubt)
-                    self.renewer.post(_noop)
+                    self.renewer.post(noop)
                 raise
             if attempt < _AMBIGUITY_RETRIES:
                 try:
-                    yield (_SLEEP, 0.05 * 2**attempt)
+                    yield (SLEEP, 0.05 * 2**attempt)
                 except BaseException:
                     # Interrupted between tries, the outcome still in doubt.
                     store.add_orphan(key, token, unreachable=True)
-                    self.renewer.post(_noop)
+                    self.renewer.post(noop)
                     raise
         store.add_orphan(key, token, unreachable=True)
         raise BackendError(
@@ -1101,6 +1387,24 @@ class Locker:
             return True
         return self.run(self.release_steps(held, force))
 
+    def release_later(self, held: HeldLock) -> None:
+        """Release ``held`` on the renewal thread, quietly: its holder asked
+        for it but was interrupted before its turn came (a signal handler's
+        exception or a task's cancellation while the locks of ``lock_many``
+        went one by one). Without this they stayed until the holder ended,
+        and were then reported as never released."""
+        entry = held._entry
+        if entry.depth > 1 and entry.held is held._ref:
+            entry.depth -= 1
+            return
+        if not self._claim(held):
+            return  # released already, by its holder or by dblock
+        held._released = True
+        entry.leaving = True  # its releaser's until passed on (see Registry)
+        if self.telemetry is not None:
+            self.telemetry.released(_monotonic() - held._acquired_mono)
+        self.renewer.post(functools.partial(self._let_revoked_go, held))
+
     def _let_go(self, held: HeldLock, entry: Entry) -> None:
         """Take ``held`` from renewal and mark it released, before its DELETE;
         :class:`LockLost` if dblock released it meanwhile (owner gone, closed)."""
@@ -1110,13 +1414,26 @@ class Locker:
             raise LockLost(held.key, held._lost or "dblock released it meanwhile")
         ref.live = False
         held._released = True
+        # Leaving first, then no lock: at no instant does the entry look
+        # stranded (no lock, not leaving) to a renewal pass (_reap), which
+        # would pass the key on while our DELETE is still to come and say
+        # the owner (a task ended since, a deferred release's) never released it.
+        entry.leaving = True  # until _leave or a hand-off passes it on
         entry.held = None
         if self.telemetry is not None:
             self.telemetry.released(_monotonic() - held._acquired_mono)
 
-    def _release_failed(self, held: HeldLock, exc: BaseException) -> bool:
+    def _release_failed(self, held: HeldLock, exc: BaseException, keep: float = 0.0) -> bool:
         """A release's DELETE raised ``exc``: False if the database failed
-        (the row is left to be deleted later), else ``exc`` again."""
+        (the row is left to be deleted later, or with ``keep`` to have its
+        lease set as the release meant to: a job's ``at_least`` outlives an
+        outage), else ``exc`` again."""
+        # A job's release was to keep its row for at_least: so is the clean-up.
+        kept = (
+            partial(job_statements(self.store).keep_steps, held.key, held.token, keep, held.owner)
+            if keep
+            else None
+        )
         if isinstance(exc, BackendError):
             log.error(
                 "dblock: releasing %r failed; the row stays until its lease ends, this "
@@ -1126,12 +1443,12 @@ class Locker:
             )
             # After a failover the next acquire deletes it at once, instead of
             # the key staying blocked for the rest of the lease.
-            self.store.add_orphan(held.key, held.token, released=True)
+            self.store.add_orphan(held.key, held.token, released=True, settle=kept)
             return False
         if not isinstance(exc, SchemaMissing):  # no table, no row to delete later
             # Interrupted with the DELETE perhaps not committed.
-            self.store.add_orphan(held.key, held.token, released=True)
-            self.renewer.post(_noop)
+            self.store.add_orphan(held.key, held.token, released=True, settle=kept)
+            self.renewer.post(noop)
         raise exc
 
     def release_steps(  # noqa: PLR0912
@@ -1155,35 +1472,64 @@ class Locker:
         self._let_go(held, entry)
         waiter = None
         if held._fair:
-            if held._lost is None and self.store.fair_sql().seats_on_release:
+            if held._lost is None and fair_sql(self.store).seats_on_release:
                 waiter = self.registry.pop_waiter(entry)
             if waiter is not None:
                 return (yield from self._release_seating(held, waiter))
         elif (
-            entry.queue and entry.handoffs < self._handoff_limit and held._lost is None and not keep
+            # A run is handoff_limit local grants: the row's own, then
+            # handoff_limit - 1 hand-offs (entry.handoffs of them so far).
+            entry.queue
+            and entry.handoffs + 1 < self._handoff_limit
+            and held._lost is None
+            and not keep
         ):
             waiter = self.registry.pop_waiter(entry)
         if waiter is not None:
             return (yield from self._hand_off(entry, held, waiter))
+        # A run of hand-offs ends here while local threads still wait: the
+        # next gives way to other processes (see _GIVE_WAY_RTTS). Without
+        # hand-off (MySQL) a run of local grants ends so only when another
+        # process is known to wait: the pause would be idle time otherwise.
+        limit = self._handoff_limit or self._run_limit
+        # Local grants in the run so far: the row's own and its hand-offs, or
+        # (without hand-off) each a row of its own, counted in _keep.
+        run = entry.handoffs + 1 if self._handoff_limit else entry.handoffs
+        run_ended = bool(
+            limit
+            and run >= limit
+            and entry.queue
+            and not held._fair
+            and not keep
+            and (self._handoff_limit or self.store.others_wait(held.key))
+        )
+        grace: float | None = None
         try:
             # A lost lock's row is deleted too if it is still ours (renewal
             # may have failed only because the database was unreachable).
             if held._fair:  # wakes the next waiter of the queue, and only it
                 deleted = yield (
-                    _STEPS,
-                    self.store.fair_sql().release_steps(held.key, held.token),
+                    STEPS,
+                    fair_sql(self.store).release_steps(held.key, held.token),
                 )
             elif keep:
                 deleted = yield (
-                    _STEPS,
+                    STEPS,
                     job_statements(self.store).keep_steps(held.key, held.token, keep, held.owner),
                 )
             else:
-                deleted = yield (_RELEASE, held.key, held.token)
+                if entry.queue:  # local threads wait: others likely do too
+                    self.store.hot(held.key)
+                sent_at = _monotonic()
+                deleted = yield (RELEASE, held.key, held.token)
+                if run_ended and deleted:
+                    took = (_monotonic() - sent_at) * _GIVE_WAY_RTTS
+                    grace = min(max(took, _GIVE_WAY_MIN), _GIVE_WAY_MAX)
+                    entry.handoffs = 0
         except BaseException as exc:
-            return self._release_failed(held, exc)
+            return self._release_failed(held, exc, keep)
         finally:
-            self._leave(entry)
+            self._leave(entry, grace)
         if held._lost is not None:
             raise LockLost(held.key, held._lost)
         if not deleted:
@@ -1244,8 +1590,14 @@ class Locker:
         """Release a lock whose holder cannot: its owner ended, or the manager
         closes. It is marked lost (``check()`` and ``release()`` raise
         :class:`LockLost`) and its ``on_lost`` is called."""
+        if self._revoke(held, reason, closing):
+            self._let_revoked_go(held)
+
+    def _revoke(self, held: HeldLock, reason: str, closing: bool) -> bool:
+        """The first half of :meth:`_abandon`, no SQL: take the job of
+        releasing ``held`` and mark it lost. False if another has it."""
         if not self._claim(held):
-            return
+            return False
         if closing:
             log.error("dblock: lock %r released and lost: %s", held.key, reason)
         else:
@@ -1255,11 +1607,16 @@ class Locker:
             self.renewer.notify_lost(held)
         held._revoked = True
         held._released = True
+        return True
+
+    def _let_revoked_go(self, held: HeldLock) -> None:
+        """The second half of :meth:`_abandon`: delete the row, pass the key on."""
         entry = held._entry
         try:
             self.run(self._delete_row(held.key, held.token))
         finally:
             if entry.held is held._ref:
+                entry.leaving = True  # (before held: see _let_go)
                 entry.held = None
                 self._leave(entry)
 
@@ -1292,7 +1649,7 @@ class Locker:
                 break  # (never: only we could have taken it again)
             if blocking and timeout is not None and _monotonic() - start >= timeout:
                 raise LockTimeout(key, timeout=timeout, level=1)
-            yield (_SLEEP, pause)
+            yield (SLEEP, pause)
             pause = min(pause * 2, 0.02)
         return None
 
@@ -1320,7 +1677,8 @@ class Locker:
         """Weak-reference callback: a held lock nobody can reach any more.
         Runs wherever the last reference went (even inside a mutex), so it
         only warns and hands the release to the renewal thread."""
-        if not ref.live:
+        if not ref.live or self.pid != os.getpid():
+            # (A forked child's copy of its parent's lock: the parent's to release.)
             return
         try:
             warnings.warn(
@@ -1353,6 +1711,7 @@ class Locker:
             self.run(self._delete_row(ref.key, ref.token))
         finally:
             if entry.held is ref:
+                entry.leaving = True  # (before held: see _let_go)
                 entry.held = None
                 self._leave(entry)
 
@@ -1384,17 +1743,17 @@ class Locker:
         queue and, for a fair waiter, takes its place at the queue's tail (a
         :class:`Seat`); a plain waiter, or one this fails for, acquires by itself."""
         ticket: _Ticket = waiter.ticket
-        sql = self.store.fair_sql()
+        sql = fair_sql(self.store)
         key, token = held.key, held.token
         seat_token = _urandom(16).hex() if ticket.seats else None
         seat: Seat | None = None
         sent_at = _monotonic()
         try:
             if seat_token is None:
-                deleted = yield (_STEPS, sql.release_steps(key, token))
+                deleted = yield (STEPS, sql.release_steps(key, token))
             else:
                 deleted, lease = yield (
-                    _STEPS,
+                    STEPS,
                     sql.release_seating_steps(key, token, seat_token, ticket.owner, ticket.ttl),
                 )
                 if lease is not None:
@@ -1408,13 +1767,22 @@ class Locker:
             )
             self.store.add_orphan(key, token, released=True)
             if seat_token is not None:
-                self.store.add_orphan(key, seat_token, released=True, whole=True)
+                self.store.add_orphan(
+                    key,
+                    seat_token,
+                    released=True,
+                    settle=partial(fair_sql(self.store).leave_steps, key, seat_token),
+                )
             return False
         except BaseException:
             self.store.add_orphan(key, token)
             if seat_token is not None:
-                self.store.add_orphan(key, seat_token, whole=True)
-            self.renewer.post(_noop)
+                self.store.add_orphan(
+                    key,
+                    seat_token,
+                    settle=partial(fair_sql(self.store).leave_steps, key, seat_token),
+                )
+            self.renewer.post(noop)
             raise
         finally:
             waiter.wake(seat)  # None: it queues by itself
@@ -1447,12 +1815,15 @@ class Locker:
             )
             return self._handed(entry, waiter, token=held.token, grant=kept, sent_at=sent_at)
         new_token = _urandom(16).hex()
-        # Fences for the hand-offs that may follow in this run, drawn now.
-        extra = self._handoff_limit - entry.handoffs - 1 if self.store.reserves_fences else 0
+        # Fences for the hand-offs that may follow in this run, drawn now (the
+        # run's handoff_limit - 1 hand-offs, this one and those before it aside).
+        extra = (
+            max(self._handoff_limit - entry.handoffs - 2, 0) if self.store.reserves_fences else 0
+        )
         grant: Grant | None = None
         try:
             grant = yield (
-                _TRANSFER,
+                TRANSFER,
                 held.key,
                 held.token,
                 new_token,
@@ -1509,14 +1880,67 @@ class Locker:
         waiter.wake(successor)
         return True
 
-    def _leave(self, entry: Entry) -> None:
-        """Pass level 1 on (the next thread acquires the row itself) or forget the key."""
+    def _leave(self, entry: Entry, grace: float | None = None) -> None:
+        """Pass level 1 on (the next thread acquires the row itself, after
+        ``grace`` seconds if given: see _GiveWay) or forget the key."""
         if not self._local:
             return
         waiter = self.registry.leave(entry)
         if waiter is not None:
-            waiter.wake(None)
+            waiter.wake(None if grace is None else _GiveWay(grace))
 
 
-def _noop() -> None:
-    """A job that only wakes the renewal thread (which cleans orphans on its pass)."""
+def release_at_close(
+    locks: Sequence[Any], release: Callable[[Any], object], seconds: float
+) -> None:
+    """Run ``release`` for each of ``locks`` (already marked lost) on a
+    thread of its own, and wait for it at most ``seconds``: a server that
+    stopped answering (frozen, a stalled disk, a black-holed network) must
+    not keep ``close()`` for ever. The releases left go on by themselves and
+    end when it answers again; the rows meanwhile are left to their leases.
+    A failure is logged once per lock, never raised past the clean-up."""
+
+    def release_all() -> None:
+        for held in locks:
+            try:
+                release(held)
+            except Exception as exc:
+                log.warning(
+                    "dblock: lock %r could not be released at close; its row stays "
+                    "until its lease ends or the sweeper removes it: %s",
+                    held.key,
+                    exc,
+                )
+
+    worker = threading.Thread(target=release_all, name="dblock-close", daemon=True)
+    try:
+        _threads.start(worker)
+    except RuntimeError:  # at interpreter exit: no new thread
+        release_all()
+        return
+    worker.join(seconds)
+    if worker.is_alive():
+        log.error(
+            "dblock: the database did not answer close()'s releases of %d lock(s) "
+            "within %g s; close() returns, the releases finish when it answers, "
+            "and until then the rows are left to their leases",
+            len(locks),
+            seconds,
+        )
+
+
+def _release_op(key: str, token: str) -> Op[bool]:
+    deleted: bool = yield (RELEASE, key, token)
+    return deleted
+
+
+def _runs_at_exit(owner: object, me: threading.Thread) -> bool:
+    """At interpreter exit: can ``owner`` still run? Only a thread other
+    than the exiting one that has not ended (a daemon thread), or a task of
+    a loop running on such a thread."""
+    if isinstance(owner, ThreadOwner):
+        return owner.alive() and owner.thread is not me
+    if not owner_alive(owner):
+        return False
+    get_loop = getattr(owner, "get_loop", None)
+    return get_loop is not None and get_loop().is_running()

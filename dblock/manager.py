@@ -13,9 +13,12 @@ and the store, and hands out locks::
 
 from __future__ import annotations
 
+import atexit
 import inspect
+import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
@@ -42,7 +45,7 @@ from .deferral import DeferHook, exit_deferring
 from .errors import DBLockError, LockArgumentError, ManagerClosed
 from .keys import check_key
 from .kinds.fair import queued_loop
-from .lock import UNSET, HeldLock, Level2, Locker, LockOptions
+from .lock import UNSET, HeldLock, Level2, Locker, LockOptions, live_lockers
 from .multi import HeldLocks, acquire_many, order_keys
 from .options import LockArgs, lock_args
 from .schema import TableNames
@@ -61,6 +64,10 @@ __all__ = ["LockManager", "LockRequest", "SemaphoreRequest"]
 P = ParamSpec("P")
 R = TypeVar("R")
 
+log = logging.getLogger("dblock")
+
+# The managers of this process not closed yet, held weakly: the fork and
+# exit hooks below must not keep a manager alive.
 _managers: weakref.WeakSet[LockManager] = weakref.WeakSet()
 
 
@@ -218,6 +225,12 @@ class LockManager:
     def engine(self) -> Engine:
         return self._store.engine
 
+    def _open_locker(self) -> Locker:
+        """The locker, for a call about to take a lock: refused once closed."""
+        if self._closed:
+            raise ManagerClosed("this LockManager is closed")
+        return self._locker
+
     @property
     def url(self) -> str:
         """The database URL with the password masked."""
@@ -269,7 +282,7 @@ class LockManager:
         across processes are granted in the order they arrived (see
         :mod:`dblock.kinds.fair`).
         """
-        defer = None if until is None else _until_hook(until)
+        defer = None if until is None else until_hook(until)
         key, blocking, wait, lease, opts = self._check(key, options)
         # Positional: a partial with keywords copies them into a dict per call.
         return LockRequest(
@@ -280,7 +293,7 @@ class LockManager:
                 wait,
                 lease,
                 opts,
-                None if fair is False else _level2(fair),
+                None if fair is False else level2_loop(fair),
             ),
             defer,
         )
@@ -296,7 +309,7 @@ class LockManager:
         ``release()`` (or use it as a context manager) when done."""
         key, blocking, wait, lease, opts = self._check(key, options)
         return self._locker.acquire(
-            key, blocking=blocking, timeout=wait, ttl=lease, options=opts, level2=_level2(fair)
+            key, blocking=blocking, timeout=wait, ttl=lease, options=opts, level2=level2_loop(fair)
         )
 
     def semaphore(
@@ -362,7 +375,7 @@ class LockManager:
     def _rw_request(
         self, mode: str, key: str, until: object, options: Mapping[str, Any]
     ) -> DecoratingRequest[RwHeld]:
-        defer = _until_hook(until)
+        defer = until_hook(until)
         key, blocking, wait, lease, opts = self._check(key, options)
         rw = self._rw_locker()
         acquire = partial(
@@ -413,7 +426,7 @@ class LockManager:
             lambda: self,
             template,
             on_busy=on_busy,
-            defer=_until_hook(until),
+            defer=until_hook(until),
             fair=fair,
             **options,
         )
@@ -453,8 +466,10 @@ class LockManager:
 
             @wraps(func)
             def run_once(*args: Any, **kwargs: Any) -> R | Skipped:
-                fire_time, next_fire = _fire_times(per, passes_fire, kwargs)
-                return jobs.run_job(self, name, key, job, func, args, kwargs, fire_time, next_fire)
+                fire_time, next_fire = jobs.fire_times(per, passes_fire, kwargs)
+                return jobs.run_job(
+                    self._open_locker(), name, key, job, func, args, kwargs, fire_time, next_fire
+                )
 
             return run_once
 
@@ -471,7 +486,7 @@ class LockManager:
         at_least: float | timedelta = 0,
         retry_failed: bool = False,
         on_skip: str = "return",
-        wait: float | timedelta = 0,
+        wait: float | timedelta | None = None,
         record: bool = True,
         next_fire_time: datetime | None = None,
         **kwargs: Any,
@@ -494,7 +509,7 @@ class LockManager:
         key, options, fire, nxt = jobs.prepare_run(
             self, name, func, given, fire_time=fire_time, next_fire_time=next_fire_time
         )
-        return jobs.run_job(self, name, key, options, func, args, kwargs, fire, nxt)
+        return jobs.run_job(self._open_locker(), name, key, options, func, args, kwargs, fire, nxt)
 
     def _check(
         self, key: object, given: Mapping[str, Any]
@@ -616,7 +631,7 @@ class LockManager:
     ) -> None:
         self.close()
 
-    def start_sweeper(self, *, interval: float = 30.0, **options: Any) -> Sweeper:
+    def start_sweeper(self, *, interval: float = 10.0, **options: Any) -> Sweeper:
         """Delete expired rows of this manager's table every ``interval`` seconds
         on a background thread (APScheduler), until :meth:`close` or interpreter
         exit. Options: the fields of :class:`~dblock.sweeper.SweeperConfig`
@@ -656,7 +671,7 @@ class LockManager:
         for (A, B) and (B, A) cannot deadlock; ``timeout`` bounds the whole
         acquisition, and if one key cannot be had the others are released.
         The other options are those of :meth:`lock`, for every key."""
-        defer = _until_hook(until)
+        defer = until_hook(until)
         _, blocking, wait, lease, opts = self._check("-", options)
         return LockRequest(
             partial(
@@ -683,27 +698,7 @@ class LockManager:
         )
 
 
-def _fire_times(
-    per: str | None, passes_fire: bool, kwargs: dict[str, Any]
-) -> tuple[datetime | None, datetime | None]:
-    """The fire time (and next fire time) of a call of a ``once`` job, taken
-    from its keywords: ``fire_time`` stays for a function that takes it,
-    ``next_fire_time`` is dblock's alone."""
-    from .jobs import check_fire_time
-
-    given = kwargs.get("fire_time") if passes_fire else kwargs.pop("fire_time", None)
-    nxt = kwargs.pop("next_fire_time", None)
-    if per is None:
-        return None, None if nxt is None else check_fire_time(nxt)
-    if given is None:
-        raise LockArgumentError(
-            "this job runs once per fire time (per='fire_time'): call it with fire_time=<the "
-            "scheduled time, an aware datetime>"
-        )
-    return check_fire_time(given), None if nxt is None else check_fire_time(nxt)
-
-
-def _level2(fair: object) -> Level2 | None:
+def level2_loop(fair: object) -> Level2 | None:
     """The acquire loop of the row for a request: the fair queue's, or the
     exclusive lock's (None)."""
     if fair is False:
@@ -713,7 +708,7 @@ def _level2(fair: object) -> Level2 | None:
     return queued_loop
 
 
-def _until_hook(until: object) -> DeferHook | None:
+def until_hook(until: object) -> DeferHook | None:
     if until is None:
         return None
     from .sessions import session_hook  # SQLAlchemy's ORM, only for those who use it
@@ -728,3 +723,39 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _release_at_exit() -> None:
+    """Interpreter exit: release the rows of the locks nobody can release
+    any more (the main thread's, those of threads and tasks that ended, those
+    collected unreleased whose release the renewal thread had not sent yet),
+    as a collected handle's are, instead of keeping their keys from every
+    other process for the rest of their leases. An ``atexit`` handler: it
+    runs after the non-daemon threads were joined (their locks are theirs to
+    release until then) and while the renewal threads (daemons) still run,
+    which send the DELETEs. Bounded: a database that does not answer within
+    ``Locker.EXIT_RELEASES`` seconds leaves the rows to their leases, and
+    says so. (``kill -9`` runs nothing: the lease ends those.)"""
+    pending = []
+    for locker in live_lockers():
+        try:
+            done = locker.release_at_exit(locker.EXIT_RELEASES)
+        except Exception:  # never let one manager keep the others' rows
+            log.exception("dblock: releasing locks at interpreter exit failed")
+            continue
+        if done is not None:
+            pending.append((locker, done))
+    if not pending:
+        return
+    deadline = time.monotonic() + max(locker.EXIT_RELEASES for locker, _ in pending)
+    for locker, done in pending:
+        if not done.wait(max(deadline - time.monotonic(), 0.0)):
+            log.warning(
+                "dblock: the database (%s) did not answer within %g s at interpreter exit; "
+                "the locks it was releasing are left to their leases or the sweeper",
+                mask(locker.store.engine.url),
+                locker.EXIT_RELEASES,
+            )
+
+
+atexit.register(_release_at_exit)

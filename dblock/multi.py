@@ -19,11 +19,12 @@ import logging
 import time
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import LockArgumentError, LockLost, LockTimeout
 from .keys import check_key
 from .lock import HeldLock, Locker, LockOptions, release_on_exit
+from .steps import GIVE_BACK, TAKE
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -107,23 +108,34 @@ class HeldLocks(Mapping[str, HeldLock]):
 
 
 def release_all(held: list[HeldLock], *, force: bool = False) -> bool:
-    """Release ``held`` newest first, all of them even if some fail."""
+    """Release ``held`` newest first, all of them even if some fail; if
+    interrupted, the ones not yet released go on the renewal thread."""
     ok = True
     lost: LockLost | None = None
-    for lock in reversed(held):
+    for i in range(len(held) - 1, -1, -1):
         try:
-            ok = lock.release(force=force) and ok
+            ok = held[i].release(force=force) and ok
         except LockLost as exc:
             lost = lost or exc
+        except BaseException:
+            if held[i]._released:  # interrupted in its release, not refused (not ours, ...)
+                release_later(held[:i])
+            raise
     if lost is not None:
         raise lost
     return ok
 
 
+def release_later(held: Iterable[HeldLock]) -> None:
+    """Hand each of ``held`` to its renewal thread to release (see
+    ``Locker.release_later``): what an interrupted release of several
+    locks had not reached yet."""
+    for lock in held:
+        lock._locker.release_later(lock)
+
+
 # What acquire_many_steps asks its driver to do (the first item of each
 # yielded tuple), and what it answers:
-_TAKE: Final = "take"  # (key, timeout): acquire one key -> its held lock
-_GIVE_BACK: Final = "give back"  # (held,): release these, newest first -> ignored
 H = TypeVar("H")
 #: The multi-key rule without I/O: yields what to take or give back,
 #: receives the held locks, returns them all (see :func:`acquire_many_steps`).
@@ -140,10 +152,10 @@ def acquire_many_steps(keys: tuple[str, ...], timeout: float | None) -> ManyStep
     try:
         for key in keys:
             wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            held.append((yield (_TAKE, key, wait)))
+            held.append((yield (TAKE, key, wait)))
     except BaseException as exc:
         try:
-            yield (_GIVE_BACK, held)
+            yield (GIVE_BACK, held)
         except LockLost:
             log.exception("dblock: a lock was lost while giving up on %r", keys)
         if isinstance(exc, LockTimeout) and timeout is not None:
@@ -171,7 +183,7 @@ def acquire_many(
         op = next(steps)
         while True:
             try:
-                if op[0] is _TAKE:
+                if op[0] is TAKE:
                     answer: object = locker.acquire(
                         op[1], blocking=blocking, timeout=op[2], ttl=ttl, options=options
                     )

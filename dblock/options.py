@@ -15,9 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
-from .config import OnLost
+from .config import OnLost, Unset, did_you_mean
 from .errors import LockArgumentError
-from .lock import Unset
 
 __all__ = ["LOCK_ARGS", "LockArgs", "lock_args"]
 
@@ -56,6 +55,7 @@ def lock_args(options: Mapping[str, Any], *, also: Iterable[str] = ()) -> Mappin
         known = ", ".join(sorted(LOCK_ARGS | set(also)))
         raise LockArgumentError(
             f"unknown option{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(map(repr, unknown))}; the options are: {known}"
+            f"{', '.join(map(repr, unknown))}{did_you_mean(unknown, LOCK_ARGS | set(also))}; "
+            f"the options are: {known}"
         )
     return options

@@ -218,7 +218,7 @@ _NO_QUEUE: deque[Waiter] = deque(maxlen=0)
 
 
 class Entry:
-    __slots__ = ("depth", "handoffs", "held", "key", "owner", "queue")
+    __slots__ = ("depth", "handoffs", "held", "key", "leaving", "owner", "queue")
 
     def __init__(self, key: str, owner: object) -> None:
         self.key = key
@@ -230,6 +230,10 @@ class Entry:
         # a row it was handed to a local waiter without going back to the database.
         self.held: Any = None
         self.handoffs = 0
+        # Its lock was released and the release's statement is on its way:
+        # the releasing thread passes the key on when it returns, whatever
+        # became of the owner (a deferred release may outlive it).
+        self.leaving = False
 
 
 class Registry:
@@ -264,6 +268,23 @@ class Registry:
             entry = entries[key] = Entry(key, owner)
             self._peak = max(self._peak, len(entries))  # _grew(), inlined: the hot path
             return entry
+
+    def left_behind(self, key: str, owner: object) -> Entry | Waiter | None:
+        """What a request of ``owner`` interrupted inside :meth:`claim` or
+        :meth:`join` left here (a signal handler's exception lands after any
+        call, so also after the entry or the waiter went in and before the
+        method returned): the entry it claimed, or its place in the queue.
+        Nobody else would give them back while that owner lives on."""
+        with self._mutex:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            for waiter in entry.queue:
+                if waiter.owner is owner:
+                    return waiter
+            if entry.owner is owner and entry.held is None and not entry.leaving:
+                return entry
+            return None
 
     def join(
         self, key: str, owner: object, ticket: Any = None, waiter_type: type[Waiter] | None = None
@@ -339,7 +360,7 @@ class Registry:
         with self._mutex:
             if self._entries.get(entry.key) is not entry or entry.owner is not owner:
                 return False, None
-            if entry.held is not None:
+            if entry.held is not None or entry.leaving:
                 return False, None
             waiter = self._pass(entry) if entry.queue else None
             if waiter is None:
@@ -358,10 +379,11 @@ class Registry:
     def stranded(self) -> list[Entry]:
         """Entries whose owner can never run again and holds no lock of
         level 2 yet (a task of a closed event loop, stopped mid-acquire):
-        nobody would ever pass them on."""
+        nobody would ever pass them on. (Not one being released: its
+        releaser passes it on.)"""
         with self._mutex:
             entries = list(self._entries.values())
-        return [e for e in entries if e.held is None and not owner_alive(e.owner)]
+        return [e for e in entries if e.held is None and not e.leaving and not owner_alive(e.owner)]
 
     def clear(self) -> None:
         """Forget everything (a forked child must not inherit its parent's holders)."""
@@ -383,6 +405,7 @@ class Registry:
             return None
         entry.owner = waiter.owner
         entry.depth = 1
+        entry.leaving = False
         waiter.granted = True
         return waiter
 

@@ -43,12 +43,15 @@ due before the thread's next planned wake-up.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from . import _threads
 from ._store import Store
 from ._store.base import Lease, not_writable
 from .callbacks import Callbacks
@@ -58,10 +61,55 @@ from .registry import owner_alive, owner_gone_reason
 if TYPE_CHECKING:
     import weakref
 
-    from .lock import HeldLock
+    from .config import OnLost
     from .telemetry import Recorder
 
-__all__ = ["Renewer"]
+__all__ = ["Renewable", "Renewer"]
+
+
+class Renewable(Protocol):
+    """What the renewal thread reads and writes of a held lock: the contract
+    between this module and the locks it renews (``HeldLock`` in
+    :mod:`dblock.lock`, a floor above, and the read-write lock's holders).
+    The underscored members are the lock's renewal-side state, named here so
+    that neither side reaches into the other unannounced."""
+
+    key: str
+    token: str
+    ttl: float
+    renew: bool
+    max_hold: float | None
+    on_lost: OnLost | None
+    _deferred: bool
+    _released: bool
+    _lost: str | None
+    _renew_error: str | None
+    _expires_mono: float
+    _next_check: float
+
+    @property
+    def _owner(self) -> Any: ...
+
+    @property
+    def _ref(self) -> weakref.ref[Any]: ...
+
+    @property
+    def remaining(self) -> float: ...
+
+    @property
+    def lost(self) -> bool: ...
+
+    def _renewal_ttl(self, now: float) -> float: ...
+
+    def _renewable(self) -> bool: ...
+
+    def _renewed(self, expires_at: datetime, expires_mono: float) -> None: ...
+
+    def _mark_lost(self, reason: str) -> bool: ...
+
+
+#: The kind of lock one renewer renews (each locker has its own).
+L = TypeVar("L", bound=Renewable)
 
 log = logging.getLogger("dblock")
 
@@ -87,14 +135,14 @@ def _read_only(exc: BackendError) -> bool:
     return cause is not None and not_writable(getattr(cause, "orig", None) or cause)
 
 
-class Renewer:
+class Renewer(Generic[L]):
     """The renewal thread of one manager, and the set of locks it watches."""
 
     def __init__(
         self,
         store: Store,
         idle_tick: float,
-        abandon: Callable[[HeldLock, str], None],
+        abandon: Callable[[L, str], None],
         reap: Callable[[], None] | None = None,
     ) -> None:
         self._store = store
@@ -106,7 +154,7 @@ class Renewer:
         # The manager's telemetry recorder, when it reports (set by the lock facade).
         self.telemetry: Recorder | None = None
         # token -> weak reference to the lock: renewal never keeps it alive.
-        self._held: dict[str, weakref.ref[HeldLock]] = {}
+        self._held: dict[str, weakref.ref[L]] = {}
         # Work for this thread posted from elsewhere (releasing collected locks).
         self._jobs: deque[Callable[[], object]] = deque()
         self.callbacks = Callbacks()
@@ -119,17 +167,18 @@ class Renewer:
         self._dirty = False
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._losing = threading.Lock()
 
     # -- called by the lock ------------------------------------------------
 
-    def track(self, held: HeldLock) -> None:
+    def track(self, held: L) -> None:
         self._held[held.token] = held._ref
         # Usually the thread already plans to look before this lock is due
         # (leases are mostly the manager's default): then no wake-up at all.
         if held._next_check < self._wake_at:
             self._nudge()
 
-    def untrack(self, held: HeldLock) -> bool:
+    def untrack(self, held: L) -> bool:
         """Stop watching ``held``; False if it was not watched. One atomic
         ``dict.pop``: of several threads releasing one lock, exactly one wins."""
         return self._held.pop(held.token, None) is not None
@@ -150,19 +199,27 @@ class Renewer:
 
     def _nudge(self) -> None:
         with self._cond:
-            if self._thread is None and not self._stopping:
+            # Not while the interpreter finalizes (a lock collected as its
+            # module's globals go): such a thread never starts, and start()
+            # would wait for it for ever.
+            if self._thread is None and not self._stopping and not sys.is_finalizing():
                 self._thread = threading.Thread(
                     target=self._run, name="dblock-renewal", daemon=True
                 )
-                self._thread.start()
+                _threads.start(self._thread)
             self._dirty = True
             self._cond.notify()
+
+    @property
+    def running(self) -> bool:
+        """Is the thread running (it may have work in hand)?"""
+        return self._thread is not None and not self._stopping
 
     @property
     def tracked(self) -> int:
         return len(self._held)
 
-    def held_locks(self) -> list[HeldLock]:
+    def held_locks(self) -> list[L]:
         """The locks watched now that are still reachable."""
         found = (ref() for ref in list(self._held.values()))
         return [held for held in found if held is not None]
@@ -231,7 +288,7 @@ class Renewer:
         if self._store.has_orphans:
             self._store.clean_orphans()
         now = _monotonic()
-        due: list[HeldLock] = []
+        due: list[L] = []
         next_check = now + self._idle_tick
         for ref in list(self._held.values()):
             held = ref()
@@ -255,11 +312,12 @@ class Renewer:
             next_check = min(next_check, self._renew(due))
         return next_check
 
-    def _renew(self, due: list[HeldLock]) -> float:
+    def _renew(self, due: list[L]) -> float:
         """One batched renewal; returns the earliest retry time if it failed."""
         now = _monotonic()
         batch = self._plan(due, now)
         sent_at = _monotonic()
+        watch = _LeaseWatch(self, due)
         try:
             sent = self._send(batch, due)
         except (BackendError, SchemaMissing) as exc:
@@ -273,6 +331,8 @@ class Renewer:
             if self.telemetry is not None:
                 self.telemetry.renewals(len(due), ok=False)
             return retry
+        finally:
+            watch.cancel()
         if sent is None:
             return float("inf")  # all lost (see _send)
         leases, sent_at = sent[0], sent[1] or sent_at
@@ -288,7 +348,7 @@ class Renewer:
             held._renewed(lease.expires_at, sent_at + lease.expires_in)
         return min((h._next_check for h in due if h._lost is None), default=float("inf"))
 
-    def _plan(self, due: list[HeldLock], now: float) -> list[tuple[str, str, float]]:
+    def _plan(self, due: list[L], now: float) -> list[tuple[str, str, float]]:
         """The renewal statement's rows; and how late this pass runs: the
         lock most overdue (locks taken along before they are due count as on
         time), measured and, past a third of its lease, warned of."""
@@ -307,7 +367,7 @@ class Renewer:
         return batch
 
     def _send(
-        self, batch: list[tuple[str, str, float]], due: list[HeldLock]
+        self, batch: list[tuple[str, str, float]], due: list[L]
     ) -> tuple[dict[str, Lease], float | None] | None:
         """Send the renewal: its leases and, if it was sent a second time,
         when; None if every lock of ``due`` was lost (a standby answered twice)."""
@@ -339,7 +399,7 @@ class Renewer:
             return None
 
     @staticmethod
-    def _warn_late(held: HeldLock, late: float, count: int) -> None:
+    def _warn_late(held: Renewable, late: float, count: int) -> None:
         # Seen on a starved machine (load 7 on 2 cores): renewals ran later
         # and later until leases ran out and the sweeper took live locks.
         others = f" (and {count - 1} more lock(s))" if count > 1 else ""
@@ -354,7 +414,7 @@ class Renewer:
         )
 
     @staticmethod
-    def _expired_reason(held: HeldLock) -> str:
+    def _expired_reason(held: Renewable) -> str:
         if held._renew_error is not None:
             return f"its lease ran out while renewal kept failing ({held._renew_error})"
         if not held.renew:
@@ -363,16 +423,68 @@ class Renewer:
             return f"it was held longer than max_hold ({held.max_hold:g} s)"
         return "its lease ran out before it could be renewed"
 
-    def lose(self, held: HeldLock, reason: str) -> None:
-        """Mark ``held`` lost (once), log it and hand its callback to the callback thread."""
-        if self._held.get(held.token) is not held._ref or not held._mark_lost(reason):
-            return
+    def lose(self, held: L, reason: str) -> None:
+        """Mark ``held`` lost (once), log it and hand its callback to the
+        callback thread. Any thread may (the renewal thread, its lease
+        watch, a holder's ``check()``): one of them marks it."""
+        with self._losing:
+            if self._held.get(held.token) is not held._ref or not held._mark_lost(reason):
+                return
         log.error("dblock: lock %r lost: %s", held.key, reason)
         self.notify_lost(held)
 
-    def notify_lost(self, held: HeldLock) -> None:
+    def notify_lost(self, held: L) -> None:
         if self.telemetry is not None:
             self.telemetry.lost()
         callback = held.on_lost
         if callback is not None:
             self.callbacks.submit(f"on_lost callback for {held.key!r}", callback, held)
+
+
+class _LeaseWatch:
+    """While a renewal statement is out: at each lease end among its locks,
+    mark the lock lost if the statement has not come back. A server that
+    stops answering without closing anything (frozen, its disk stalled, the
+    network black-holed) keeps that statement waiting for ever, and the
+    renewal thread with it: the holder must still learn at its lease's end
+    (``lost``, ``on_lost``), as the renewal pass would have told it. (A
+    timer thread per renewal statement, one per third of a lease at most,
+    asleep until the first lease end unless the statement returns first.)"""
+
+    __slots__ = ("_due", "_renewer", "_stop", "_timer")
+
+    def __init__(self, renewer: Renewer[Any], due: list[Any]) -> None:
+        self._renewer = renewer
+        self._due = due
+        self._stop = threading.Event()
+        delay = max(min(h._expires_mono for h in due) - _monotonic(), 0.0)
+        self._timer = threading.Timer(delay, self._watch)
+        self._timer.name = "dblock-lease-watch"
+        self._timer.daemon = True
+        try:
+            _threads.start(self._timer)
+        except RuntimeError:  # at interpreter exit: no new thread, leases end anyway
+            self._stop.set()
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self._timer.cancel()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            now = _monotonic()
+            pending = [h for h in self._due if h._lost is None and not h._released]
+            if not pending:
+                return
+            for held in pending:
+                if held._expires_mono <= now:
+                    self._renewer.lose(
+                        held,
+                        self._renewer._expired_reason(held)
+                        if held._renew_error is not None  # failing before this try too
+                        else "its lease ran out while its renewal waited for the database's answer",
+                    )
+            ends = [h._expires_mono for h in pending if h._expires_mono > now]
+            if not ends:
+                return
+            self._stop.wait(min(ends) - now)

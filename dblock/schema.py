@@ -5,7 +5,8 @@ alembic revision shipped in the wheel, the check against the Django migration)
 builds it from :func:`create_statements`, so the three dialects and the
 configurable names stay in one place.
 
-Columns (see DESIGN.md): ``lock_key``, ``owner``, ``token``, ``fence``,
+Columns (docs/internals.md describes each): ``lock_key``, ``owner``, ``token``,
+``fence``,
 ``acquired_at``, ``expires_at`` (indexed for the sweeper); since revision
 0002 also ``slot`` (the primary key is ``(lock_key, slot)``), ``kind``,
 ``mode``, ``holders`` and ``permits``, so one key may have several rows
@@ -70,6 +71,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from .config import Config
 
 __all__ = [
+    "CHURN_STORAGE",
     "HEAD_REVISION",
     "MAX_IDENTIFIER",
     "TableNames",
@@ -77,6 +79,7 @@ __all__ = [
     "create_statements",
     "derived_name",
     "drop_statements",
+    "exact_owner_statements",
     "lock_table",
     "runs_table",
 ]
@@ -84,11 +87,36 @@ __all__ = [
 MYSQL_FAMILY = ("mysql", "mariadb")
 
 #: The newest schema revision (``alembic/versions``).
-HEAD_REVISION = "0003"
+HEAD_REVISION = "0005"
 #: The revisions whose table layout :func:`lock_table` can build.
-REVISIONS = ("0001", "0002", "0003")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005")
 #: The revision that added the record of job runs (:func:`runs_table`).
 RUNS_REVISION = "0003"
+#: The revision that gave ``owner`` the binary collation on MySQL/MariaDB
+#: (:func:`exact_owner_statements`).
+OWNER_REVISION = "0004"
+#: The revision that set the lock table's storage parameters (:data:`CHURN_STORAGE`).
+STORAGE_REVISION = "0005"
+
+#: PostgreSQL storage parameters of the lock table, a small table with heavy
+#: churn: every grant is an INSERT and every release a DELETE, so at a few
+#: thousand grants a second it makes that many dead tuples a second around a
+#: few hundred live rows. The default thresholds (20 % of the table plus 50
+#: rows) are meant for big tables; here a vacuum is due as soon as a thousand
+#: rows are dead, analyze likewise, and it runs unthrottled (a few MB take it
+#: milliseconds). Measured by the soak run (benchmarks/soak.py,
+#: docs/operations.md "Vacuum and bloat"). No fillfactor: ``expires_at`` is
+#: indexed, so a renewal's UPDATE is never a HOT update and free room on the
+#: page would only make the table bigger.
+CHURN_STORAGE = {
+    "autovacuum_vacuum_scale_factor": "0",
+    "autovacuum_vacuum_threshold": "1000",
+    "autovacuum_vacuum_insert_scale_factor": "0",
+    "autovacuum_vacuum_insert_threshold": "1000",
+    "autovacuum_analyze_scale_factor": "0",
+    "autovacuum_analyze_threshold": "1000",
+    "autovacuum_vacuum_cost_delay": "0",
+}
 _UTC = timezone.utc
 
 
@@ -272,11 +300,15 @@ def lock_table(
     metadata = metadata if metadata is not None else MetaData()
     key_type = _exact(255)
     extra = kind_columns() if revision >= "0002" else []
+    # Before OWNER_REVISION the owner had the table's default collation: on
+    # MySQL/MariaDB a case- and accent-blind one, so `dblock release --owner
+    # host:1` also released the rows of HOST:1 and höst:1 (issue 32).
+    owner_type = _exact(255) if revision >= OWNER_REVISION else String(255)
     return Table(
         names.table,
         metadata,
         Column("lock_key", key_type, primary_key=True),
-        Column("owner", String(255), nullable=False),
+        Column("owner", owner_type, nullable=False),
         Column("token", String(32), nullable=False),
         Column(
             "fence",
@@ -335,6 +367,22 @@ def runs_table(names: TableNames, metadata: MetaData | None = None) -> Table:
     )
 
 
+def exact_owner_statements(
+    names: TableNames, dialect: Dialect, *, exact: bool = True
+) -> list[TextClause]:
+    """DDL giving the lock table's ``owner`` column the binary collation
+    (``exact``; revision 0004) or the table's default again
+    (its downgrade). Only MySQL/MariaDB need it: PostgreSQL's and SQLite's
+    default collations already compare exactly. The runs table's text
+    columns are left: ``job`` is binary since it was made, and nothing
+    filters by ``runner`` (tokens and run ids are dblock's own hex)."""
+    if dialect.name not in MYSQL_FAMILY:
+        return []
+    table = dialect.identifier_preparer.quote(names.table)
+    collation = " CHARACTER SET utf8mb4 COLLATE utf8mb4_bin" if exact else ""
+    return [text(f"ALTER TABLE {table} MODIFY owner VARCHAR(255){collation} NOT NULL")]
+
+
 def runs_create_statements(names: TableNames) -> list[Executable]:
     """DDL creating the runs table and its indexes (revision 0003)."""
     table = runs_table(names)
@@ -379,9 +427,35 @@ def create_statements(
     out += [CreateTable(table, include_foreign_key_constraints=[]), CreateIndex(index)]
     if dialect == "sqlite":
         out += [CreateTable(fence_table(names, metadata)), *_sqlite_fence_ddl(names)]
+    if dialect == "postgresql" and revision >= STORAGE_REVISION:
+        out += storage_statements(names)
     if revision >= RUNS_REVISION:
         out += runs_create_statements(names)
     return out
+
+
+def storage_statements(names: TableNames, dialect: str = "postgresql") -> list[Executable]:
+    """PostgreSQL: set :data:`CHURN_STORAGE` on the lock table (revision 0005);
+    nothing elsewhere (InnoDB purges on its own; SQLite has no vacuum daemon)."""
+    if dialect != "postgresql":
+        return []
+    settings = ", ".join(f"{name} = {value}" for name, value in CHURN_STORAGE.items())
+    return [text(f"ALTER TABLE {pg_quote(names.table)} SET ({settings})")]
+
+
+def storage_reset_statements(names: TableNames, dialect: str = "postgresql") -> list[Executable]:
+    """The downgrade of :func:`storage_statements`: the server's defaults again."""
+    if dialect != "postgresql":
+        return []
+    return [text(f"ALTER TABLE {pg_quote(names.table)} RESET ({', '.join(CHURN_STORAGE)})")]
+
+
+def pg_quote(name: str) -> str:
+    """Quoted as SQLAlchemy quotes the names it creates (so a mixed-case table stays one)."""
+    from sqlalchemy.dialects import postgresql
+
+    preparer = postgresql.dialect().identifier_preparer  # type: ignore[no-untyped-call]
+    return str(preparer.quote(name))
 
 
 def drop_statements(
@@ -432,3 +506,19 @@ def _sqlite_fence_ddl(names: TableNames) -> list[Executable]:
         text(f"CREATE TRIGGER {on_insert} AFTER INSERT ON {t} BEGIN {bump} END"),
         text(f"CREATE TRIGGER {on_update} AFTER UPDATE OF fence ON {t} BEGIN {bump} END"),
     ]
+
+
+# -- the kinds of lock a row can be (its ``kind`` column; see dblock.kinds) --
+
+EXCLUSIVE = "exclusive"
+RW = "rw"
+SEMAPHORE = "semaphore"
+#: Every value of the ``kind`` column.
+KINDS = (EXCLUSIVE, RW, SEMAPHORE)
+#: The slot of a key's head row.
+HEAD_SLOT = ""
+
+
+def describe(kind: str, permits: int | None = None) -> str:
+    """How :class:`~dblock.errors.KindMismatch` names a kind: ``semaphore(3)``, ``rw``."""
+    return f"{kind}({permits})" if kind == SEMAPHORE and permits is not None else kind

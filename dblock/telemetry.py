@@ -1,4 +1,4 @@
-"""Metrics and traces through OpenTelemetry's API (the ``dblock[otel]`` extra).
+"""Metrics and traces through OpenTelemetry's API (dblock's ``otel`` extra).
 
 dblock only *reports* through the API; the application decides where the
 data goes by installing the SDK and an exporter (Prometheus, OTLP, ...), as
@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import LockArgumentError, LockBusy, LockTimeout
+from .errors import LockArgumentError, LockBusy, LockTimeout, install_hint
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -121,7 +121,9 @@ def recorder_for(option: bool | Telemetry | None, table: str) -> Recorder | None
     if option is None or option is True:
         option = Telemetry()
     if not available():
-        raise LockArgumentError("telemetry needs OpenTelemetry's API: pip install 'dblock[otel]'")
+        raise LockArgumentError(
+            f"telemetry needs OpenTelemetry's API, dblock's otel extra: {install_hint('otel')}"
+        )
     return Recorder(option, table=table)
 
 

@@ -16,7 +16,7 @@ Keys while it runs::
 
 A database that stops answering is shown in the header and retried at the
 next refresh; the view does not exit for it. The rendering uses rich (the
-``dblock[top]`` extra).
+``top`` extra).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def render(state: TopState, where: str, *, legend: bool = True) -> RenderableTyp
     status = Text()
     if state.stats is not None:
         stats = state.stats
-        status.append(f"{stats.rows} rows, {stats.live} live, ")
+        status.append(f"{stats.rows} row{'' if stats.rows == 1 else 's'}, {stats.live} live, ")
         status.append(f"{stats.expired} expired", style="bold red" if stats.expired else "")
     shown = state.shown()
     status.append(f"  |  showing {len(shown)}")
@@ -179,9 +179,14 @@ def render(state: TopState, where: str, *, legend: bool = True) -> RenderableTyp
         lines.append(Text(f"prefix: {state.editing}_  (Enter applies, Esc cancels)"))
 
     table = Table(expand=True, show_edge=False, pad_edge=False)
-    table.add_column("KEY", overflow="fold", ratio=3)
-    table.add_column("KIND", overflow="ellipsis", ratio=1)
-    table.add_column("OWNER", overflow="ellipsis", ratio=2)
+    # KIND is never cut (a label of a few words: its own width); KEY and
+    # OWNER share the rest and fold rather than hide anything: an operator
+    # reads the owner to find the process, and a frame printed in a pipe is
+    # 80 columns wide. A short key is not folded at all.
+    longest = max((len(row.key) for row in shown), default=0)
+    table.add_column("KEY", overflow="fold", ratio=2, min_width=min(longest, 24) or None)
+    table.add_column("KIND", no_wrap=True)
+    table.add_column("OWNER", overflow="fold", ratio=1)
     table.add_column("AGE", justify="right", no_wrap=True)
     table.add_column("LEASE", justify="right", no_wrap=True)
     table.add_column("FENCE", justify="right", no_wrap=True)

@@ -4,7 +4,8 @@
 #
 #   DBLOCK_VENV     the environment's directory (default .venv)
 #   DBLOCK_EXTRAS   the extras to install, comma-separated (default dev: every
-#                   driver, integration, test and documentation tool; empty:
+#                   driver, integration, test and documentation tool, and the
+#                   benchmark suite's dependency group, bench; empty:
 #                   dblock alone, SQLAlchemy and its two small companions)
 #   PYTHON          the interpreter that makes it (default python3)
 #
@@ -29,7 +30,26 @@ if [ "$(cat "$_dblock_stamp" 2>/dev/null)" != "$_dblock_want" ]; then
     if [ "$DBLOCK_EXTRAS" = dev ]; then
         "$DBLOCK_VENV/bin/python" -m pip install --quiet --upgrade pip
     fi
-    "$DBLOCK_VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$_dblock_spec"
+    # dev also takes the benchmark suite's dependency group (pyproject.toml).
+    _dblock_group=()
+    [ "$DBLOCK_EXTRAS" != dev ] || _dblock_group=(--group bench)
+    "$DBLOCK_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+        -e "$_dblock_spec" "${_dblock_group[@]}"
     echo "$_dblock_want" > "$_dblock_stamp"
 fi
-unset _dblock_stamp _dblock_want _dblock_spec
+# dev also gets mysqlclient, the C driver for MySQL/MariaDB (dblock[mysqlclient]),
+# apart: it builds against libmariadb, which apt-get installs here as root. If
+# it cannot be built the rest stands and tests/test_mysqlclient.py fails,
+# naming what is missing.
+if [ "$DBLOCK_EXTRAS" = dev ] && ! "$DBLOCK_VENV/bin/python" -c "import MySQLdb" 2>/dev/null; then
+    if ! pkg-config --exists libmariadb 2>/dev/null && ! pkg-config --exists mysqlclient 2>/dev/null \
+        && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "scripts: installing libmariadb-dev pkg-config gcc (Debian packages, to build mysqlclient)" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq libmariadb-dev pkg-config gcc; } >&2 || true
+    fi
+    echo "scripts: installing mysqlclient into $DBLOCK_VENV" >&2
+    "$DBLOCK_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "mysqlclient>=2.2" \
+        || echo "scripts: could not build mysqlclient (needs libmariadb-dev, pkg-config, gcc); tests/test_mysqlclient.py will fail" >&2
+fi
+unset _dblock_stamp _dblock_want _dblock_spec _dblock_group

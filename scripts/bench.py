@@ -1,8 +1,7 @@
-"""The benchmark suite: ``python scripts/bench.py [options]`` is ``dblock bench``.
+"""The benchmark suite: ``python scripts/bench.py [options]`` (see ``scripts/bench``).
 
-The code lives in the package (dblock/bench/) so the installed ``dblock``
-command runs exactly the same thing; see ``scripts/bench`` for the one
-command that also sets up the environment.
+The suite lives beside the package, in benchmarks/ (not in the wheel); this
+puts the checkout on the path and runs :func:`benchmarks.suite.main`.
 
 ``--databases ...,galera`` without ``--galera URL,...`` (or
 ``$DBLOCK_BENCH_GALERA_URLS``) starts a private 3-node Galera cluster on
@@ -13,7 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from dblock.cli import main
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.suite import main
 
 
 def _wants_private_galera(argv: list[str]) -> bool:
@@ -34,11 +35,10 @@ def _wants_private_galera(argv: list[str]) -> bool:
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if not _wants_private_galera(argv):
-        sys.exit(main(["bench", *argv]))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        sys.exit(main(argv))
     from tests.support.servers import PrivateGalera
 
     print("... starting a private 3-node Galera cluster", file=sys.stderr, flush=True)
     with PrivateGalera(3) as cluster:
-        code = main(["bench", *argv, "--galera", ",".join(cluster.urls)])
+        code = main([*argv, "--galera", ",".join(cluster.urls)])
     sys.exit(code)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.listeners import ListenersSpec, render, run_listeners
 from dblock import LockManager
-from dblock.bench.listeners import ListenersSpec, render, run_listeners
 
 
 def server_cpu(data: Path) -> float:

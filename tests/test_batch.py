@@ -28,6 +28,7 @@ from dblock._store.base import Store
 from dblock.errors import BackendError
 from tests.conftest import row_of
 from tests.support.counting import StatementCounter
+from tests.support.innodb import innodb_count
 from tests.support.proxy import Proxy
 
 # (SQLite has one write lock for the whole file: a test cannot hold one
@@ -47,10 +48,12 @@ def is_batch(statement: str) -> bool:
 
 def one_at_a_time(manager: LockManager) -> None:
     """One statement per lane in flight, so that a held-up one makes the
-    next requests queue (the tests' way of making a batch)."""
+    next requests queue (the tests' way of making a batch): however long it
+    is held up, it is not taken as stuck."""
     batcher = manager._locker.batcher
     assert batcher is not None
     batcher._acquires.depth = batcher._releases.depth = 1
+    batcher._acquires.stall = batcher._releases.stall = float("inf")
 
 
 def wait_until(
@@ -114,13 +117,13 @@ class Gate:
                 "SELECT count(*) FROM pg_stat_activity "
                 "WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))"
             )
-        else:
-            sql = (
-                "SELECT count(*) FROM information_schema.INNODB_LOCK_WAITS w "
-                "JOIN information_schema.INNODB_TRX t ON t.trx_id = w.blocking_trx_id "
-                "WHERE t.trx_mysql_thread_id = CONNECTION_ID()"
-            )
-        return int(self.conn.execute(sa.text(sql)).scalar_one())
+            return int(self.conn.execute(sa.text(sql)).scalar_one())
+        return innodb_count(
+            self.conn,
+            "SELECT count(*) FROM information_schema.INNODB_LOCK_WAITS w "
+            "JOIN information_schema.INNODB_TRX t ON t.trx_id = w.blocking_trx_id "
+            "WHERE t.trx_mysql_thread_id = CONNECTION_ID()",
+        )
 
     def open(self) -> None:
         if not self._open:
@@ -193,7 +196,6 @@ def batched(
     counter = StatementCounter(manager.engine)
     with gate_row(db_url, manager, gate) as row:
         runner.start("gate", lambda: manager.acquire(gate, blocking=False))
-        # InnoDB refreshes its lock tables only when unread for 0.1 s.
         wait_until(row.blocking, "the gate's statement waiting", step=0.15)
         for name, call in calls.items():
             runner.start(name, call)
@@ -297,7 +299,7 @@ def test_releases_go_out_together(
     finally:
         with StatementCounter(batching.engine) as c:
             for _ in range(lane.depth):
-                batcher._next(lane)  # the releases in flight returned
+                batcher._landed(lane, 0.0)  # the releases in flight returned
             runner.join()
     assert c.count == 1, c.statements
     for h in held[:4]:
@@ -542,6 +544,7 @@ def test_async_tasks_batch_and_a_cancelled_request_is_as_if_never_made(
         assert am._abatcher is not None
         lane = am._abatcher._lanes_here()[0]
         lane.depth = 1
+        lane.stall = float("inf")
         results: dict[str, Any] = {}
 
         async def take(k: str) -> None:

@@ -139,13 +139,15 @@ def test_release_by_prefix_and_by_owner(db_url: str, private: LockManager, holde
 
     done = dblock("release", "--prefix", f"job:{tag}:a:", "--force", "--yes", *on)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"released 2 rows with keys starting with 'job:{tag}:a:'"
+    assert done.stdout.strip().startswith(
+        f"released 2 rows with keys starting with 'job:{tag}:a:'; by "
+    )
     assert keys() == {f"job:{tag}:b:1", f"other:{tag}", f"web10:{tag}"}
 
     # `web-1` is a host: every process under it, but not the host web-10.
     done = dblock("release", "--owner", "web-1", "--force", "--yes", *on)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "released 1 row with held by 'web-1'"
+    assert done.stdout.strip().startswith("released 1 row held by 'web-1'; by ")
     assert keys() == {f"job:{tag}:b:1", f"web10:{tag}"}
 
     both = ("--owner", "web-2:200", "--prefix", f"job:{tag}:")
@@ -157,6 +159,9 @@ def test_release_by_prefix_and_by_owner(db_url: str, private: LockManager, holde
     nothing = dblock("release", *both, "--force", "--yes", *on)
     assert nothing.returncode == 1
     assert "no lock rows with keys starting with" in nothing.stdout
+    nobody = dblock("release", "--owner", "nobody-here", "--force", "--yes", *on)
+    assert nobody.returncode == 1
+    assert nobody.stdout.startswith("dblock: no lock rows held by 'nobody-here' in ")
 
     # The exact owner column (host:pid:thread) works too.
     done = dblock("release", "--owner", held[4].owner, "--force", "--yes", *on)

@@ -35,6 +35,7 @@ from dblock.contrib.django.middleware import LockBusyMiddleware
 from dblock.schema import TableNames
 from tests.support import ledger, web
 from tests.support.db import private_database
+from tests.support.owners import OTHERS, held_keys, hold_rows
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "django_project"
 
@@ -196,7 +197,7 @@ def test_migration_0002_upgrades_a_0001_table_in_place_and_back() -> None:
             )
         call_command("migrate", "dblock", "0001", "--fake", verbosity=0)
         call_command("migrate", "dblock", verbosity=0)
-        assert migrations.current(m.engine, names) == "0003"
+        assert migrations.current(m.engine, names) == "0005"
         with pytest.raises(LockBusy), other_manager() as other:
             other.acquire("dj:old", blocking=False)
         permit = m.semaphore("dj:sem", permits=2).__enter__()
@@ -523,6 +524,18 @@ def test_release_command_by_prefix_and_owner(capsys: pytest.CaptureFixture[str])
         with pytest.raises(Exception, match="lost"):
             a.release()
         kept.release()
+
+
+def test_release_command_by_owner_is_exact(capsys: pytest.CaptureFixture[str]) -> None:
+    """`manage.py dblock_release --owner` takes that owner's rows only (issue 32)."""
+    with other_manager() as m:
+        tag = uuid.uuid4().hex[:8]
+        hold_rows(m, tag)
+        call_command("dblock_release", "--owner", "deadhost:999", "--force")
+        assert capsys.readouterr().out.strip() == "released 2 rows with held by 'deadhost:999'"
+        assert held_keys(m, tag) == set(OTHERS.values())
+        for row in m.store.rows(prefix=f"{tag}:"):
+            assert m.store.release_row(row.key, row.slot, row.token)
 
 
 def test_release_command_wakes_a_waiter_at_once() -> None:

@@ -21,8 +21,6 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.support.db import DEFAULT_URLS, reachable
-
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "django_project"
 
@@ -49,10 +47,8 @@ class LockInATestCase(TestCase):
 
 
 @pytest.mark.databases("postgresql", "mariadb")
-def test_manage_py_test_with_locks(db: str, tmp_path: Path) -> None:
-    url = sa.make_url(DEFAULT_URLS[db])
-    problem = reachable(DEFAULT_URLS[db])
-    assert problem is None, f"{db} is required by the test suite and unreachable: {problem}"
+def test_manage_py_test_with_locks(db: str, db_url: str, tmp_path: Path) -> None:
+    url = sa.make_url(db_url)
     project = tmp_path / "project"
     shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("*.sqlite3", "__pycache__"))
     (project / "accounts" / "tests.py").write_text(TESTS)

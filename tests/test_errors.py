@@ -101,7 +101,7 @@ def test_bad_options_refused_before_sql(
     [
         pytest.param({"ttl": 0}, "ttl", id="ttl"),
         pytest.param({"timeout": -1}, "timeout", id="timeout"),
-        pytest.param({"tll": 5}, "unknown option 'tll'", id="typo"),
+        pytest.param({"tll": 5}, r"unknown option 'tll' \(did you mean 'ttl'\?\)", id="typo"),
         pytest.param({"table": "locks; drop"}, "table", id="table"),
         pytest.param({"handoff_limit": -1}, "handoff_limit", id="handoff"),
         pytest.param({"poll_initial": 2, "poll_max": 1}, "poll_initial", id="poll"),

@@ -10,7 +10,7 @@ import pytest
 
 from dblock import LockManager
 from dblock._store.base import Grant
-from dblock._store.fair import Queued, poll_cap
+from dblock._store.fair import Queued, fair_sql, poll_cap
 
 TTL = 30.0
 
@@ -44,7 +44,7 @@ def test_a_waiter_sees_its_place_and_the_holder(
 ) -> None:
     with LockManager(polling_url) as m:
         store = m.store
-        sql = store.fair_sql()
+        sql = fair_sql(store)
         first, second = os.urandom(16).hex(), os.urandom(16).hex()
         held = m.acquire(key)  # the holder
         try:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -31,8 +32,10 @@ from dblock import (
 )
 from dblock.contrib._beside import beside
 from dblock.contrib.flask import DBLock
+from dblock.schema import HEAD_REVISION
 from tests.support import ledger, web
 from tests.support.db import private_database
+from tests.support.owners import OTHERS, held_keys, hold_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "flask_app"
@@ -631,10 +634,26 @@ def test_cli_release_by_prefix_and_owner(app: Flask) -> None:
         other.release()
 
 
+def test_cli_release_by_owner_is_exact(app: Flask) -> None:
+    """`flask dblock release --owner` takes the rows of that owner (and its
+    threads) only: not those of owners differing in case, accents or a
+    trailing space, which MariaDB's default collation took too (issue 32)."""
+    runner = app.test_cli_runner()
+    manager = app.extensions["dblock"].manager
+    tag = uuid.uuid4().hex[:8]
+    hold_rows(manager, tag)
+    released = runner.invoke(args=["dblock", "release", "--owner", "deadhost:999", "--force"])
+    assert released.exit_code == 0, released.output
+    assert released.output.strip() == "released 2 rows with held by 'deadhost:999'"
+    assert held_keys(manager, tag) == set(OTHERS.values())
+    for row in manager.store.rows(prefix=f"{tag}:"):
+        assert manager.store.release_row(row.key, row.slot, row.token)
+
+
 def test_cli_migrate_sql_and_up_to_date(app: Flask) -> None:
     runner = app.test_cli_runner()
     again = runner.invoke(args=["dblock", "migrate"])
-    assert "is up to date (revision 0003)" in again.output
+    assert f"is up to date (revision {HEAD_REVISION})" in again.output
     sql = runner.invoke(args=["dblock", "migrate", "--sql"])
     assert sql.exit_code == 0
     assert "CREATE TABLE dblock_locks" in sql.output

@@ -40,6 +40,9 @@ from dblock import (
     ManagerClosed,
 )
 from tests.conftest import row_of
+from tests.support.interrupts import Interrupt as Interrupted
+from tests.support.interrupts import interrupt_at
+from tests.support.proxy import Proxy
 
 # -- helpers -------------------------------------------------------------------
 
@@ -744,6 +747,85 @@ def test_asking_again_while_the_dropped_lock_is_being_released_keeps_the_timeout
     assert _free(manager, key)
 
 
+def test_a_release_in_flight_is_not_taken_for_an_abandoned_key(
+    manager: LockManager, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deferred release fired on another thread after the taking thread
+    ended: while its DELETE is held up, the renewal pass's look for keys
+    whose owner can never pass them on must leave this one be (its release
+    passes it on): no key passed on at level 1 before the row is gone, no
+    false "ended without releasing it"."""
+    from dblock.deferral import Deferred
+
+    caplog.set_level(logging.WARNING, logger="dblock")
+
+    def take() -> Any:
+        deferred = Deferred(manager.acquire(key))
+        trigger = deferred.trigger()
+        deferred.finish(None)
+        return trigger
+
+    trigger = _in_thread(take)["result"]  # its thread has ended now
+    entry = manager._locker.registry.get(key)
+    assert entry is not None
+    with _row_write_locked(manager, key):
+        fire, out = _start(trigger)
+        _wait_for(lambda: entry.held is None)  # released, its DELETE waiting for us
+        manager._locker._reap()  # the renewal pass's look, at the worst moment
+        assert manager._locker.registry.get(key) is entry, "passed on before its row was gone"
+    fire.join(30)
+    assert out == {"result": None}
+    _wait_for(lambda: _free(manager, key))
+    assert "ended without releasing" not in caplog.text
+    assert "passed on at level 1" not in caplog.text
+
+
+def test_interrupted_as_the_machinery_returns_a_grant_keeps_the_key_with_its_row(
+    manager: LockManager, make_manager: Any, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first try refused (the row held elsewhere) hands the request to the
+    step machinery, which waits and is granted; a signal in the instant
+    after it returned the held lock, before acquire() returns it: the key
+    stays this process's at level 1 until that unreachable lock's row is
+    deleted (its owner ended, or it was collected), never passed on while
+    the row is held."""
+    elsewhere = make_manager().acquire(key)
+    locker = manager._locker
+    real_run = locker.run
+
+    machinery = threading.Event()
+
+    def run_then_signal(steps: Any) -> Any:
+        machinery.set()  # handed on: its first try was refused
+        result = real_run(steps)
+        if isinstance(result, HeldLock):
+            raise KeyboardInterrupt  # as a signal handler would, right there
+        return result
+
+    monkeypatch.setattr(locker, "run", run_then_signal)
+    interrupted, done = threading.Event(), threading.Event()
+
+    def request() -> None:
+        try:
+            manager.acquire(key, timeout=30)
+        except KeyboardInterrupt:
+            interrupted.set()
+            done.wait(30)  # alive: the renewal pass leaves its lock be meanwhile
+
+    t, _ = _start(request)
+    assert machinery.wait(30)
+    elsewhere.release()
+    assert interrupted.wait(30)
+    monkeypatch.undo()
+    assert locker.registry.get(key) is not None, "passed on with its row held"
+    assert row_of(manager, key) is not None
+    # Its thread ends: the renewal pass releases the lock (or, dropped, it
+    # is released when collected), and the key goes with its row.
+    done.set()
+    t.join(30)
+    _wait_for(lambda: _free(manager, key))
+
+
 # -- 15. release by another thread -------------------------------------------------
 
 
@@ -867,3 +949,128 @@ def test_an_interruption_between_tries_of_an_acquire_in_doubt_leaves_no_row(
     assert manager._locker.registry.get(key) is None
     with manager.lock(key, blocking=False):
         pass
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+@pytest.mark.parametrize("observed", [False, True], ids=["direct", "observed"])
+def test_a_statement_reaching_the_server_after_its_caller_was_interrupted_leaves_no_row(
+    db_url: str, key: str, observed: bool
+) -> None:
+    """A signal interrupts the acquire while its INSERT is on its way (held
+    by a proxy, as a slow network would). The connection is closed, but a
+    closed connection does not stop a statement the server was sent: it
+    runs when it arrives, possibly after the DELETE that settles the
+    interrupted acquisition by its token. Its row must still go, not hold
+    the key for its lease."""
+    url = sa.make_url(db_url)
+    proxy = Proxy(url.host or "127.0.0.1", url.port or (5432 if "postgresql" in db_url else 3306))
+    m = LockManager(proxy.url_for(db_url), ttl=60)
+    if observed:  # a listener on the engine: statements go through SQLAlchemy's Connection
+        sa.event.listen(m.engine, "before_cursor_execute", lambda *args: None)
+    try:
+        m.acquire(f"{key}-warm").release()  # a connection made
+        held, let_go = proxy.hold(key.encode())
+
+        def later() -> None:
+            held.wait(10)
+            # The cleaner's chance to delete the orphan too early, then
+            # the INSERT reaches the server, and runs.
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline and (m.store.has_orphans or not interrupted.is_set()):
+                time.sleep(0.01)
+            let_go.set()
+
+        interrupted = threading.Event()
+        helper = threading.Thread(target=later, daemon=True)
+        helper.start()
+        in_flight = _named("run", "_store/base.py")
+        with interrupt_when(lambda f: held.is_set() and in_flight(f)), pytest.raises(Interrupt):
+            m.acquire(key)
+        interrupted.set()
+        helper.join(10)
+        assert let_go.is_set()
+        deadline = time.monotonic() + 10
+        while m.store.has_orphans or row_of(m, key) is not None:
+            assert time.monotonic() < deadline, "the late INSERT's row stayed (lease 60 s)"
+            time.sleep(0.05)
+    finally:
+        m.close()
+        proxy.close()
+
+
+@pytest.mark.databases("mariadb")  # (psycopg's and SQLite's waits run no signal handler)
+def test_interrupted_while_releasing_several_locks_releases_them_all(
+    manager: LockManager, db_url: str, keys: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The blocking face of the cancelled ``lock_many`` exit: a signal
+    handler's exception while the newest lock's DELETE waits in the
+    database. The older locks go at once on the renewal thread, although
+    the thread lives on; nobody is told they were "never released"."""
+    from tests.test_cancellation import statements_held
+
+    caplog.set_level(logging.WARNING, logger="dblock")
+    names = sorted(keys(3))
+    row_locked, done = threading.Event(), threading.Event()
+
+    def lock_the_newest_row() -> None:
+        with statements_held(db_url, [names[-1]]):
+            row_locked.set()
+            done.wait(10)
+
+    releasing = threading.Event()
+    in_statement = _named("run", "_store/base.py")
+    with (
+        interrupt_when(lambda f: releasing.is_set() and in_statement(f)) as fired,
+        pytest.raises(Interrupt),
+        manager.lock_many(names),
+    ):
+        threading.Thread(target=lock_the_newest_row, daemon=True).start()
+        assert row_locked.wait(10)
+        releasing.set()
+    done.set()
+    assert fired.is_set()
+    _wait_for(lambda: all(row_of(manager, k) is None for k in names), seconds=10)
+    assert "never released" not in caplog.text
+    assert "ended without releasing" not in caplog.text
+
+
+def test_an_acquire_interrupted_inside_the_registry_or_the_batcher_leaves_nothing_taken(
+    manager: LockManager, make_manager: Any, key: str
+) -> None:
+    """A signal handler's exception at every point of the registry's and the
+    group-commit batcher's code where CPython can raise it, while a lock is
+    acquired: the key is free again for other processes and for the next
+    request of the same thread, at once or through the renewal thread.
+    Before: one landing inside ``Registry.claim`` after the key went in left
+    it taken at level 1 for as long as the thread lived (and that thread's
+    next request waited for ever on a lock it never had); one landing as the
+    batcher's lone statement set out left its lane taken, so every later
+    request of the process queued behind nobody."""
+    checker = make_manager()
+    n = 0
+    while True:
+        n += 1
+        held = None
+        with (
+            interrupt_at(n, "dblock/registry.py", "dblock/_store/batch.py") as armed,
+            contextlib.suppress(Interrupted),
+        ):
+            held = manager.acquire(key, timeout=10)
+        if held is not None:
+            held.release()
+        if armed.points < n:
+            break  # an acquire went by without reaching point n
+        deadline = time.monotonic() + 5
+        while manager._locker.registry.get(key) is not None or not _free_elsewhere(checker, key):
+            assert time.monotonic() < deadline, f"interrupted in {armed.where}: the key stayed"
+            time.sleep(0.01)
+        manager.acquire(key, timeout=5).release()  # the thread's own next request
+    assert n > 5
+
+
+def _free_elsewhere(other: LockManager, key: str) -> bool:
+    try:
+        other.acquire(key, blocking=False).release()
+    except LockBusy:
+        return False
+    return True

@@ -426,6 +426,7 @@ def test_flask_apscheduler_apps_run_each_fire_once(db_url: str, key: str) -> Non
 
     _calls.clear()
     schedulers = []
+    began = time.monotonic()
     for _ in range(2):
         app = Flask(__name__)
         app.config.update(
@@ -453,7 +454,11 @@ def test_flask_apscheduler_apps_run_each_fire_once(db_url: str, key: str) -> Non
     for scheduler, ext in schedulers:
         scheduler.shutdown()
         ext.manager.close()
-    assert 2 <= _calls.count("flask") <= 3
+    # One run per fire time of the window: about 2.6 s of it, longer when
+    # a loaded machine is slow to start and stop the schedulers (a
+    # fresh-clone run saw 4 fire times, each run once).
+    window = time.monotonic() - began
+    assert 2 <= _calls.count("flask") <= int(window) + 1
     assert current_run() is None
     runs = _runs_of(db_url, key)
     assert len(runs) == _calls.count("flask")

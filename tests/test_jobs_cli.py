@@ -327,13 +327,39 @@ def test_dblock_jobs_without_the_record_says_to_migrate(db_url: str) -> None:
             manager.drop_schema()
 
 
+def _run_on_a_terminal(private: LockManager, db_url: str, job: str, child: str) -> tuple[int, int]:
+    """``dblock run JOB -- python -c CHILD`` in a session of its own whose
+    controlling terminal is a new pty: its pid and the pty's primary side."""
+    import pty
+
+    argv = [*COMMAND, *_on(private, db_url), "run", job, "--", sys.executable, "-c", child]
+    pid, primary = pty.fork()
+    if pid == 0:  # the child: a session of its own, the pty its controlling terminal
+        os.execvpe(argv[0], argv, {k: v for k, v in os.environ.items() if k != "DBLOCK_URL"})
+    return pid, primary
+
+
+def _wait_drained(pid: int, primary: int, seconds: float = 30) -> int:
+    """Wait for the process on a pty to end, draining the terminal's buffer
+    meanwhile (a full one would block its writes); its wait status."""
+    import select
+
+    deadline = time.monotonic() + seconds
+    while True:
+        if select.select([primary], [], [], 0.05)[0]:
+            with contextlib.suppress(OSError):  # EIO once the child is gone
+                os.read(primary, 4096)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        assert time.monotonic() < deadline
+
+
 def test_ctrl_c_in_a_terminal_reaches_the_command_once(
     private: LockManager, db_url: str, tmp_path: Path
 ) -> None:
     """In a terminal, Ctrl-C goes to the whole foreground group, the command
     included: dblock run does not send it a second time."""
-    import pty
-    import select
 
     out = tmp_path / "out"
     child = (
@@ -345,24 +371,219 @@ def test_ctrl_c_in_a_terminal_reaches_the_command_once(
         "time.sleep(0.5)\n"
         "sys.exit(3)\n"
     )
-    argv = [*COMMAND, *_on(private, db_url), "run", "tty", "--", sys.executable, "-c", child]
-    pid, primary = pty.fork()
-    if pid == 0:  # the child: a session of its own, the pty its controlling terminal
-        os.execvpe(argv[0], argv, {k: v for k, v in os.environ.items() if k != "DBLOCK_URL"})
+    pid, primary = _run_on_a_terminal(private, db_url, "tty", child)
     try:
         _wait_for(out, "started")
         os.write(primary, b"\x03")  # Ctrl-C
-        deadline = time.monotonic() + 30
-        while True:
-            if select.select([primary], [], [], 0.05)[0]:
-                with contextlib.suppress(OSError):  # EIO once the child is gone
-                    os.read(primary, 4096)  # keep the terminal's buffer drained
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            assert time.monotonic() < deadline
+        status = _wait_drained(pid, primary)
     finally:
         os.close(primary)
     assert os.waitstatus_to_exitcode(status) == 3
     assert out.read_text().splitlines() == ["started", "INT"]
     assert _lock_row(private, "job:tty") is None
+
+
+def test_kill_int_and_quit_from_another_process_reach_a_terminals_command(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    """In a terminal's foreground, `kill -INT` / `kill -QUIT` of dblock run
+    from another process reach only dblock run: it passes each on, once
+    (a terminal's Ctrl-C, which the command gets itself, it does not)."""
+
+    out = tmp_path / "out"
+    child = (
+        "import signal, sys, time\n"
+        f"out = open({str(out)!r}, 'a', buffering=1)\n"
+        "signal.signal(signal.SIGINT, lambda *_: out.write('INT\\n'))\n"
+        "signal.signal(signal.SIGQUIT, lambda *_: out.write('QUIT\\n'))\n"
+        "out.write('started\\n')\n"
+        "deadline = time.monotonic() + 20\n"
+        "while out.tell() < 15 and time.monotonic() < deadline:\n"  # started, INT, QUIT
+        "    time.sleep(0.05)\n"
+        "time.sleep(0.5)\n"  # a doubled signal would arrive meanwhile
+        "sys.exit(4)\n"
+    )
+    pid, primary = _run_on_a_terminal(private, db_url, "tty-kill", child)
+    try:
+        _wait_for(out, "started")
+        os.kill(pid, signal.SIGINT)
+        _wait_for(out, "INT")
+        os.kill(pid, signal.SIGQUIT)
+        status = _wait_drained(pid, primary)
+    finally:
+        os.close(primary)
+    assert os.waitstatus_to_exitcode(status) == 4
+    assert out.read_text().splitlines() == ["started", "INT", "QUIT"]
+    assert _lock_row(private, "job:tty-kill") is None
+
+
+# -- the documented cron line, --per ---------------------------------------------------
+
+
+def test_the_documented_cron_line_runs(private: LockManager, db_url: str) -> None:
+    """`dblock run nightly-cleanup --at-least 5m -- …` (dblock run --help,
+    docs/jobs.md): at_most, not given, follows at_least instead of refusing it."""
+    on = _on(private, db_url)
+    first = dblock(*on, "run", "nightly-cleanup", "--at-least", "5m", "--", "true")
+    assert first.returncode == 0, first.stderr
+    row = _lock_row(private, "job:nightly-cleanup")
+    assert row is not None  # kept for at_least
+    late = dblock(*on, "run", "nightly-cleanup", "--at-least", "5m", "-q", "--", "true")
+    assert late.returncode == SKIP, late.stderr
+
+
+def test_per_names_the_fire_time_by_this_hosts_clock(private: LockManager, db_url: str) -> None:
+    on = _on(private, db_url)
+    first = dblock(*on, "run", "hourly", "--per", "1h", "--", "true")
+    assert first.returncode == 0, first.stderr
+    again = dblock(*on, "run", "hourly", "--per", "1h", "--", "true")
+    assert again.returncode == SKIP
+    assert "succeeded" in again.stderr
+    (run,) = _runs(private, "hourly")
+    fire = run.fire_time  # type: ignore[attr-defined]
+    assert (fire.minute, fire.second, fire.microsecond) == (0, 0, 0)
+    both = dblock(
+        *on, "run", "hourly", "--per", "1h", "--fire-time", "2026-01-01T00:00Z", "--", "true"
+    )
+    assert both.returncode == 2
+    assert "not both" in both.stderr
+
+
+# -- commands that cannot be executed ---------------------------------------------------
+
+
+def test_a_script_without_an_interpreter_line_runs_as_sh_runs_it(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "cleanup"
+    script.write_text('echo "ran with $1"\n')
+    script.chmod(0o755)
+    done = dblock(*_on(private, db_url), "run", "plain", "--", str(script), "arg")
+    assert (done.returncode, done.stdout) == (0, "ran with arg\n"), done.stderr
+    (run,) = _runs(private, "plain")
+    assert run.outcome == "success"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"\x7fNOT-ELF\x00\x01\x02", "cannot execute binary file"),  # refused before the key
+        (b"#!/no/such/interpreter\n", "No such file or directory"),  # refused by execve
+    ],
+)
+def test_a_command_that_cannot_be_executed_exits_126_and_leaves_nothing(
+    private: LockManager, db_url: str, tmp_path: Path, content: bytes, message: str
+) -> None:
+    program = tmp_path / "prog"
+    program.write_bytes(content)
+    program.chmod(0o755)
+    on = _on(private, db_url)
+    for _ in range(2):  # nothing recorded: the next firing is refused the same way, not skipped
+        done = dblock(*on, "run", "noexec", "--at-least", "1m", "--per", "1h", "--", str(program))
+        assert done.returncode == 126, done.stderr
+        assert message in done.stderr
+        assert "nothing" in done.stderr
+        assert "Traceback" not in done.stderr
+        assert private.store.rows() == []
+        assert _runs(private, "noexec") == []
+
+
+# -- the command never outlives the lock --------------------------------------------------
+
+_SLEEPER = (
+    "import os, signal, sys, time\n"
+    "out = open(sys.argv[1], 'a', buffering=1)\n"
+    "def term(*_):\n"
+    "    out.write('TERM\\n'); sys.exit(42)\n"
+    "signal.signal(signal.SIGTERM, term)\n"
+    "out.write(f'started {os.getpid()}\\n')\n"
+    "time.sleep(60)\n"
+    "out.write('ended\\n')\n"
+)
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` ended (a zombie not yet reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_a_lost_lock_stops_the_command(private: LockManager, db_url: str, tmp_path: Path) -> None:
+    """The job's row is deleted mid-run (an operator's `dblock release
+    --force`, a sweeper, a failover): the command is stopped, not left to run
+    beside the next holder's, and its record says the lock was lost."""
+    out = tmp_path / "out"
+    proc = start_dblock(
+        *_on(private, db_url), "run", "lost", "--at-most", "2s", "--",
+        sys.executable, "-c", _SLEEPER, str(out),
+    )  # fmt: skip
+    _wait_for(out, "started")
+    row = _lock_row(private, "job:lost")
+    assert row is not None
+    assert private.store.release("job:lost", row.token)  # type: ignore[attr-defined]
+    assert proc.wait(timeout=30) == 42  # its SIGTERM handler's status
+    _, err = proc.communicate()
+    assert "lock was lost" in err
+    assert out.read_text().splitlines()[1:] == ["TERM"]
+    (run,) = _runs(private, "lost")
+    assert run.outcome == "failed"  # type: ignore[attr-defined]
+    assert run.detail.startswith("lost its lock")  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_kill_9_of_dblock_run_ends_the_command(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    proc = start_dblock(
+        *_on(private, db_url), "run", "orphan", "--at-most", "2s", "--",
+        sys.executable, "-c", _SLEEPER, str(out),
+    )  # fmt: skip
+    _wait_for(out, "started")
+    pid = int(out.read_text().split()[1])
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 10
+    while not _gone(pid):
+        assert time.monotonic() < deadline, "the command outlived dblock run (and its lock)"
+        time.sleep(0.05)
+    assert "ended" not in out.read_text()
+
+
+def test_a_signal_as_the_command_starts_never_says_nothing_ran(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    """SIGTERM sent at moments around the command's start: whenever dblock
+    run says "nothing ran", the command never started; whenever it started,
+    it got the signal (and dblock run reports its status)."""
+    on = _on(private, db_url)
+    # How long dblock run takes to start its command here (under this load).
+    out = tmp_path / "probe"
+    began = time.monotonic()
+    probe = start_dblock(*on, "run", "probe", "--", "sh", "-c", f"echo up > {out}; sleep 5")
+    _wait_for(out, "up")
+    start_at = time.monotonic() - began
+    probe.send_signal(signal.SIGTERM)
+    probe.wait(timeout=30)
+    probe.communicate()
+    wrong = []
+    tries = 16
+    for i in range(tries):
+        marker = tmp_path / f"ran{i}"
+        proc = start_dblock(
+            *on, "run", f"edge{i}", "--", "sh", "-c",
+            f"echo started > {marker}; trap 'exit 42' TERM; sleep 10 & wait",
+        )  # fmt: skip
+        time.sleep(max(0.0, start_at * (0.7 + 0.45 * i / tries)))
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=30)
+        _, err = proc.communicate()
+        time.sleep(0.3)  # a command started unbeknown to dblock run has written by now
+        if "nothing ran" in err and marker.exists():
+            wrong.append((i, status, err))
+        if marker.exists():
+            assert status in (42, 128 + signal.SIGTERM), err
+    assert wrong == []

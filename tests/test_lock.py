@@ -9,7 +9,10 @@ from datetime import datetime, timezone
 import pytest
 
 from dblock import LockBusy, LockLost, LockManager, LockNotHeld, LockTimeout
-from tests.conftest import row_of, wait_queued
+from tests.conftest import ALSO_PG18, row_of, wait_queued
+
+# The core lock tests also run on PostgreSQL 18 (tests/conftest.py).
+pytestmark = pytest.mark.databases(*ALSO_PG18)
 
 
 def test_lock_yields_held_lock_and_releases_row(manager: LockManager, key: str) -> None:

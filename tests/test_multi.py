@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dblock import HeldLocks, LockArgumentError, LockBusy, LockManager, LockTimeout
+from dblock import HeldLocks, LockArgumentError, LockBusy, LockManager, LockNotHeld, LockTimeout
 from tests.conftest import row_of
 from tests.support import procs
 from tests.support.counting import StatementCounter
@@ -206,3 +206,31 @@ def test_lease_options_reach_every_key(manager: LockManager, keys: Any) -> None:
         manager.lock_many([a], max_hold=-1)
     with pytest.raises(LockArgumentError, match="renew"):
         manager.acquire_many([a], renew="yes")  # type: ignore[arg-type]
+
+
+def test_a_release_refused_to_another_thread_releases_none_of_them(
+    manager: LockManager, keys: Any
+) -> None:
+    """Another thread's ``release()`` of the locks is refused for the first
+    one it tries, and must not hand the others to the renewal thread either
+    (an interrupted release does that; a refused one is no release at all)."""
+    names = keys(3)
+    held = manager.acquire_many(names)
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            held.release()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(10)
+    assert len(errors) == 1
+    assert isinstance(errors[0], LockNotHeld)
+    manager._locker.renewer.run_jobs()  # any release posted to the renewal thread: done now
+    assert all(row_of(manager, k) is not None for k in names)
+    assert all(h.owned() for h in held.values())
+    held.release()
+    assert all(row_of(manager, k) is None for k in names)

@@ -3,7 +3,7 @@
 Two ``INSERT IGNORE`` racing for a key whose row is being deleted can
 deadlock (both take a shared lock on the delete-marked record, then both
 want to insert): InnoDB rolls one back whole with error 1213. Found by
-``dblock bench`` (hot key, fail-fast, level 2 only). Nothing was written, so
+``scripts/bench`` (hot key, fail-fast, level 2 only). Nothing was written, so
 for the lock it is an ignored INSERT: the key is busy, not the database
 broken. No BackendError may reach the caller.
 """

@@ -26,7 +26,7 @@ import pytest
 import sqlalchemy as sa
 
 from dblock import LockManager
-from tests.support.servers import PrivateMariaDB
+from tests.support.servers import PrivateMariaDB, migrated
 from tests.support.stall import AutoIncrementStall, unavailable
 
 pytestmark = [pytest.mark.databases("mariadb"), pytest.mark.slow]
@@ -37,13 +37,9 @@ def server() -> Iterator[PrivateMariaDB]:
     reason = unavailable()
     if reason is not None:  # like a missing database: fail, never skip
         pytest.fail(f"cannot hold a server thread: {reason} (install gdb and binutils)")
-    s = PrivateMariaDB()
-    try:
-        with LockManager(s.url) as admin:
-            admin.create_schema()
+    with migrated("mariadb") as s:
+        assert isinstance(s, PrivateMariaDB)
         yield s
-    finally:
-        s.close()
 
 
 def _lock_waits(engine: sa.Engine) -> int:

@@ -27,7 +27,6 @@ import sqlalchemy as sa
 
 from dblock import LockLost, LockManager
 from dblock._store.postgresql import Listener
-from tests.support.db import DEFAULT_URLS
 from tests.support.notify import (
     Heard,
     bucket_of,
@@ -171,7 +170,7 @@ def test_a_killed_listen_connection_listens_again_to_every_bucket(
         return real(self)
 
     monkeypatch.setattr(Listener, "_connect", held_back)
-    admin = sa.create_engine(DEFAULT_URLS["postgresql"], poolclass=sa.pool.NullPool)
+    admin = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
     with admin.connect() as conn:
         killed = conn.execute(
             sa.text(

@@ -21,7 +21,6 @@ import pytest
 from dblock import LockManager
 from dblock._store.postgresql import Listener
 from dblock._store.sqlparts import waiters_class
-from tests.support.db import DEFAULT_URLS
 from tests.support.notify import Heard, bucket_of, conninfo, registered, start_waiter, until
 from tests.support.servers import PgBouncer
 
@@ -219,21 +218,20 @@ def test_a_release_between_the_registration_and_the_listen_is_not_missed(
         waiter.close()
 
 
-@pytest.fixture(scope="module")
-def bouncer() -> Iterator[PgBouncer]:
-    with LockManager(DEFAULT_URLS["postgresql"]) as m:
-        m.create_schema()
-    with PgBouncer(DEFAULT_URLS["postgresql"], pool_size=3) as server:
+@pytest.fixture
+def bouncer(db_url: str) -> Iterator[PgBouncer]:
+    """A transaction-mode pgbouncer in front of this test's server."""
+    with PgBouncer(db_url, pool_size=3) as server:
         yield server  # type: ignore[misc]
 
 
 def test_behind_the_pooler_a_release_notifies_only_a_waiter(
-    bouncer: PgBouncer, heard: Any, key: str
+    db_url: str, bouncer: PgBouncer, heard: Any, key: str
 ) -> None:
     """Statements through a transaction-mode pooler, the waiter's listener
     straight to the server (listen_url): releases nobody waits for are
     silent, and a registered waiter is notified."""
-    direct = DEFAULT_URLS["postgresql"]
+    direct = db_url
     holder = LockManager(bouncer.url, pooler=True)
     waiter = LockManager(
         bouncer.url, pooler=True, listen_url=direct, notify_recheck=RECHECK, poll_max=RECHECK

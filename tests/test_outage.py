@@ -16,20 +16,15 @@ import pytest
 from dblock import BackendError, HeldLock, LockManager
 from tests.support.counting import StatementCounter
 from tests.support.proxy import Proxy
-from tests.support.servers import PrivateMariaDB, PrivatePostgres, PrivateServer
+from tests.support.servers import PrivateServer, migrated
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", params=["postgresql", "mariadb"])
 def server(request: pytest.FixtureRequest) -> Iterator[PrivateServer]:
-    made: PrivateServer = PrivatePostgres() if request.param == "postgresql" else PrivateMariaDB()
-    try:
-        with LockManager(made.url) as m:
-            m.create_schema()
+    with migrated(request.param) as made:
         yield made
-    finally:
-        made.close()
 
 
 def _wait_for(predicate: object, timeout: float = 30.0) -> None:

@@ -102,7 +102,7 @@ def _migrate(how: str, db_url: str, names: TableNames, revision: str = "head") -
     assert revision == "head"
     done = dblock("migrate", "--url", db_url, "--table", names.table)
     assert done.returncode == 0, done.stderr
-    assert "0001 -> 0003" in done.stdout
+    assert "0001 -> 0005" in done.stdout
 
 
 @pytest.mark.parametrize("how", ["create_schema", "dblock migrate"])
@@ -118,7 +118,7 @@ def test_upgrade_keeps_held_exclusive_locks(
     _migrate(how, db_url, names)
 
     with LockManager(db_url, table=names.table) as m:
-        assert migrations.current(m.engine, names) == migrations.head() == "0003"
+        assert migrations.current(m.engine, names) == migrations.head() == "0005"
         assert _raw_rows(engine, names) == before  # same tokens, same fences
         rows = {r.key: r for r in m.store.rows()}
         assert {(r.slot, r.kind, r.mode, r.holders, r.permits) for r in rows.values()} == {
@@ -139,7 +139,7 @@ def test_upgrade_keeps_held_exclusive_locks(
             with other.lock(f"{key}:new", blocking=False) as fresh:
                 assert fresh.fence > again.fence
         m.create_schema()  # at head: nothing to do
-        assert migrations.current(m.engine, names) == "0003"
+        assert migrations.current(m.engine, names) == "0005"
 
 
 def test_downgrade_keeps_exclusive_locks_and_refuses_live_other_kinds(
@@ -148,7 +148,8 @@ def test_downgrade_keeps_exclusive_locks_and_refuses_live_other_kinds(
     names, engine = table
     _migrate("create_schema", db_url, names)
     with LockManager(db_url, table=names.table) as m:
-        # 0003 (the record of job runs) goes back first; the lock table is 0002's.
+        # 0003 (the record of job runs) and the later revisions go back first;
+        # the lock table is 0002's.
         migrations.downgrade(m.engine, names, "0002")
         held = m.acquire(f"{key}:x", ttl=300)
         _hold_semaphore_row(engine, db, names, f"{key}:sem")

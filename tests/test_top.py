@@ -7,6 +7,7 @@ from __future__ import annotations
 import shlex
 import shutil
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -152,7 +153,7 @@ def test_top_once_prints_one_frame(private: LockManager, db_url: str) -> None:
         )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert key in done.stdout
-    assert "1 rows, 1 live, 0 expired" in done.stdout
+    assert "1 row, 1 live, 0 expired" in done.stdout
 
 
 def test_top_refuses_a_bad_interval() -> None:
@@ -180,3 +181,36 @@ def test_keys_change_sort_filter_and_prefix() -> None:
     assert state.prefix == "ac"
     assert state.handle("z")  # unknown keys are ignored
     assert not state.handle("q")
+
+
+def test_top_once_in_a_pipe_at_80_columns_cuts_nothing(private: LockManager, db_url: str) -> None:
+    """A frame printed in a pipe is 80 columns wide: KIND keeps its width
+    and a long OWNER folds, as KEY does, rather than ending in an ellipsis."""
+    key = f"tenant:acme-corporation:invoice:2026-11-0042:recompute:{uuid.uuid4().hex[:8]}"
+    taken, done_with = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with private.lock(key, ttl=600):
+            taken.set()
+            done_with.wait(60)
+
+    holder = threading.Thread(target=hold, name="ThreadPoolExecutor-0_12")
+    holder.start()
+    try:
+        assert taken.wait(30)
+        done = dblock(
+            "top", "--once", "--url", db_url, "--table", private.config.table,
+            env={"COLUMNS": "80"},
+        )  # fmt: skip
+    finally:
+        done_with.set()
+        holder.join(30)
+    assert done.returncode == 0, done.stderr
+    assert "1 row, 1 live, 0 expired" in done.stdout
+    body = [line.split("│") for line in done.stdout.splitlines() if line.count("│") == 5]
+    assert max(len(line) for line in done.stdout.splitlines()) <= 80
+    cells = ["".join(row[i].strip() for row in body) for i in range(3)]
+    assert cells[0] == key
+    assert cells[1] == "exclusive"
+    assert cells[2].endswith(":ThreadPoolExecutor-0_12"), cells[2]
+    assert "…" not in done.stdout

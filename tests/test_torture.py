@@ -18,6 +18,8 @@ from types import ModuleType
 
 import pytest
 
+from tests.conftest import ALSO_PG18
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "torture.py"
 
@@ -28,6 +30,13 @@ SCRIPT = ROOT / "scripts" / "torture.py"
 # --seconds, the cap a loaded machine may need.
 SHORT = ["--seconds", "20", "--cycles", "1", "--processes", "3", "--threads", "3",
          "--keys", "2", "--ttl", "1.0", "--poll-max", "0.1", "--fault-every", "1.6"]  # fmt: skip
+
+
+def _on(server: str) -> list[str]:
+    """The torture script's arguments for the suite's ``server``."""
+    if server == "postgresql18":
+        return ["--db", "postgresql", "--pg-version", "18"]
+    return ["--db", server]
 
 
 def _torture() -> ModuleType:
@@ -43,10 +52,11 @@ def _torture() -> ModuleType:
 
 
 @pytest.mark.slow
-def test_torture_run(db: str, tmp_path: Path) -> None:
+@pytest.mark.databases(*ALSO_PG18)
+def test_torture_run(db_server: str, db: str, tmp_path: Path) -> None:
     out = tmp_path / "torture.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--db", db, *SHORT, "--json", str(out)],
+        [sys.executable, str(SCRIPT), *_on(db_server), *SHORT, "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -68,12 +78,12 @@ def test_torture_run(db: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_torture_run_semaphores(db: str, tmp_path: Path) -> None:
+def test_torture_run_semaphores(db_server: str, db: str, tmp_path: Path) -> None:
     """The same faults on 2-permit semaphores: never more than 2 valid holders
     of a key, no permit row held twice, fences in grant order."""
     out = tmp_path / "torture.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--db", db, *SHORT, "--kind", "semaphore", "--permits",
+        [sys.executable, str(SCRIPT), *_on(db_server), *SHORT, "--kind", "semaphore", "--permits",
          "2", "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
@@ -224,11 +234,11 @@ def test_torture_run_on_a_cluster(topology: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_torture_run_rw(db: str, tmp_path: Path) -> None:
+def test_torture_run_rw(db_server: str, db: str, tmp_path: Path) -> None:
     """The same run with the read-write lock (a third of the requests write)."""
     out = tmp_path / "torture.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--kind", "rw", "--db", db, *SHORT, "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--kind", "rw", *_on(db_server), *SHORT, "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -17,7 +17,15 @@ from typing import Any
 
 from ..schema import to_utc
 
-__all__ = ["LockRow", "LockStats", "SweepReason", "filter_phrase", "lock_row", "rows_json"]
+__all__ = [
+    "LockRow",
+    "LockStats",
+    "SweepReason",
+    "TableHealth",
+    "filter_phrase",
+    "lock_row",
+    "rows_json",
+]
 
 # The columns every admin statement selects (or returns), in this order,
 # followed by the database's current time.
@@ -106,13 +114,103 @@ class LockRow:
         }
 
 
+#: Dead rows per live row above which the table is called bloated (and at least
+#: :data:`DEAD_ROWS_FLOOR`): a lock table holds a few hundred live rows, so a
+#: vacuum that keeps up leaves dead rows of the order of its threshold.
+DEAD_PER_LIVE = 20
+DEAD_ROWS_FLOOR = 10_000
+#: MariaDB/MySQL: undo records not purged yet (InnoDB's history list length)
+#: above which purge is called behind.
+PURGE_LAG_WARN = 1_000_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TableHealth:
+    """What the database says of the lock table's storage (``dblock stats``).
+
+    PostgreSQL: its size with indexes, the statistics collector's live and
+    dead rows, when (auto)vacuum last ran and whether autovacuum is on for it.
+    MariaDB/MySQL: its size (InnoDB's estimate) and the server's purge lag
+    (history list length: undo records of committed transactions not yet
+    purged, the deleted rows InnoDB still keeps). A figure the database does
+    not give (or the user may not read) is None."""
+
+    size_bytes: int | None = None
+    live_rows: int | None = None
+    dead_rows: int | None = None
+    last_autovacuum: datetime | None = None
+    last_vacuum: datetime | None = None
+    autovacuum_count: int | None = None
+    vacuum_count: int | None = None
+    #: False when the server's ``autovacuum`` or the table's ``autovacuum_enabled`` is off.
+    autovacuum: bool | None = None
+    purge_lag: int | None = None
+
+    @property
+    def warnings(self) -> list[str]:
+        """What an operator should act on (docs/operations.md, "Vacuum and bloat")."""
+        out = []
+        if self.autovacuum is False:
+            out.append(
+                "autovacuum is off for this table: dead rows pile up until a VACUUM "
+                "(the sweeper vacuums it; see docs/operations.md, Vacuum and bloat)"
+            )
+        dead, live = self.dead_rows, self.live_rows
+        if dead is not None and dead >= DEAD_ROWS_FLOOR and dead > DEAD_PER_LIVE * (live or 0):
+            out.append(
+                f"{dead} dead rows to {live or 0} live: the table is bloating "
+                "(VACUUM it; check autovacuum and the sweeper)"
+            )
+        if self.purge_lag is not None and self.purge_lag > PURGE_LAG_WARN:
+            out.append(
+                f"InnoDB purge lags {self.purge_lag} undo records behind "
+                "(a long transaction holds it back, or purge cannot keep up)"
+            )
+        return out
+
+    def summary(self) -> str:
+        """One line for people (the Django admin's lock list): what is known."""
+        parts = []
+        if self.size_bytes is not None:
+            parts.append(f"{self.size_bytes / 2**20:.1f} MB with indexes")
+        if self.dead_rows is not None:
+            parts.append(f"{self.dead_rows} dead rows, {self.live_rows} live")
+        if self.autovacuum is not None:
+            last = self.last_autovacuum
+            parts.append(
+                f"autovacuum {'on' if self.autovacuum else 'OFF'}, last "
+                + ("never" if last is None else f"{last:%Y-%m-%d %H:%M:%S} UTC")
+            )
+        if self.purge_lag is not None:
+            parts.append(f"InnoDB purge lag {self.purge_lag} undo records")
+        return "; ".join(parts)
+
+    def as_json(self) -> dict[str, Any]:
+        def iso(value: datetime | None) -> str | None:
+            return None if value is None else value.isoformat()
+
+        return {
+            "size_bytes": self.size_bytes,
+            "live_rows": self.live_rows,
+            "dead_rows": self.dead_rows,
+            "last_autovacuum": iso(self.last_autovacuum),
+            "last_vacuum": iso(self.last_vacuum),
+            "autovacuum_count": self.autovacuum_count,
+            "vacuum_count": self.vacuum_count,
+            "autovacuum": self.autovacuum,
+            "purge_lag": self.purge_lag,
+            "warnings": self.warnings,
+        }
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LockStats:
-    """Counts over the whole lock table."""
+    """Counts over the whole lock table, and what the database says of its storage."""
 
     rows: int
     expired: int
     oldest: LockRow | None
+    table: TableHealth | None = None
 
     @property
     def live(self) -> int:
@@ -120,12 +218,15 @@ class LockStats:
 
     def as_json(self) -> dict[str, Any]:
         oldest = self.oldest
-        return {
+        out = {
             "rows": self.rows,
             "live": self.live,
             "expired": self.expired,
             "oldest": None if oldest is None else oldest.as_json(),
         }
+        if self.table is not None:
+            out["storage"] = self.table.as_json()
+        return out
 
 
 def rows_json(rows: Sequence[LockRow]) -> str:

@@ -36,8 +36,9 @@ from sqlalchemy.engine import URL
 from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 from sqlalchemy.util import greenlet_spawn
 
-from .._engine import _sqlite_pragmas
-from ..errors import BackendError, LockArgumentError
+from .. import _threads
+from .._engine import sqlite_pragmas
+from ..errors import BackendError, LockArgumentError, install_hint
 from .base import IDLE_SECONDS, Params, Result, Steps, Store, T, _mark_unsent, not_writable
 
 if TYPE_CHECKING:
@@ -213,15 +214,14 @@ class AsyncStore:
         except ImportError as exc:
             raise LockArgumentError(
                 f"AsyncLockManager needs SQLAlchemy's asyncio support (greenlet), "
-                f"which is not installed: pip install 'dblock[{extra}]' "
-                f"(from a clone: pip install '.[{extra}]') ({exc})"
+                f"which is not installed: {install_hint(extra)} ({exc})"
             ) from exc
         try:
             engine = create_async_engine(self._url, **self._options)
         except ImportError as exc:
             raise LockArgumentError(
                 f"the asyncio driver for {self._backend} is not installed: "
-                f"pip install 'dblock[{extra}]' ({exc})"
+                f"{install_hint(extra)} ({exc})"
             ) from exc
         sync_engine = engine.sync_engine
         event.listen(sync_engine, "connect", _born)
@@ -230,7 +230,7 @@ class AsyncStore:
         # SQLite (without them every commit waits for an fsync, ~2 ms here),
         # no prepared statements through a transaction-mode pooler.
         if self._backend == "sqlite":
-            event.listen(sync_engine, "connect", _sqlite_pragmas)
+            event.listen(sync_engine, "connect", sqlite_pragmas)
             event.listen(sync_engine, "connect", _sqlite_busy_slice)
         elif self._backend == "postgresql" and self.store.config.pooler:
             event.listen(sync_engine, "connect", _never_prepare_async)
@@ -349,6 +349,9 @@ class AsyncStore:
                 sent = True
                 if running is not None:
                     running.append((await conn.get_raw_connection()).driver_connection)
+                on_interrupted = self.store.executor.on_interrupted
+                if on_interrupted is not None:  # (SQLAlchemy may drop it before we look)
+                    driver = (await conn.get_raw_connection()).driver_connection
                 try:
                     result = await conn.exec_driver_sql(sql, dict(params))
                     rows = [tuple(r) for r in result.fetchall()] if fetch else []
@@ -368,6 +371,8 @@ class AsyncStore:
                     # whatever the statement did is settled when the caller
                     # looks for it by token; a second cancellation cannot
                     # stop the close.
+                    if on_interrupted is not None:  # see MySQLStore.settle_later
+                        on_interrupted(driver)
                     await asyncio.shield(conn.invalidate())
                     raise
         except sa_exc.DBAPIError as exc:
@@ -409,6 +414,9 @@ class AsyncStore:
             # unknown. Close it before the caller learns of the cancellation
             # (whatever the statement did is then settled when the caller
             # looks for it by token); a second cancellation cannot stop that.
+            on_interrupted = self.store.executor.on_interrupted
+            if on_interrupted is not None:
+                on_interrupted(conn.driver_connection)
             await asyncio.shield(self._discard(conn, None))
             raise
         self._checkin(pool, conn)
@@ -595,7 +603,7 @@ def _drop_dead(dbapi_connection: Any) -> None:
             # closed by the time the answer comes: call it on a thread that
             # has no loop, so no answer is asked for.
             stopper = threading.Thread(target=driver.stop, name="dblock-aiosqlite-stop")
-            stopper.start()
+            _threads.start(stopper)
             stopper.join(1.0)
         else:
             dbapi_connection.close()

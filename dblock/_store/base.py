@@ -26,13 +26,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import Table
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
+from .. import _threads
 from .._engine import mask, mask_text
 from ..config import Config
 from ..errors import (
@@ -45,10 +46,7 @@ from ..errors import (
     SchemaMissing,
 )
 from ..schema import TableNames, lock_table
-from .admin import COLUMNS, LockRow, LockStats, SweepReason, lock_row
-
-if TYPE_CHECKING:
-    from .fair import FairSQL  # the dialects offer theirs; nothing here imports it
+from .admin import COLUMNS, LockRow, LockStats, SweepReason, TableHealth, lock_row
 
 __all__ = [
     "Backoff",
@@ -73,6 +71,7 @@ _monotonic = time.monotonic
 
 Params = Mapping[str, Any]
 T = TypeVar("T")
+K = TypeVar("K")  # the statements of one kind (Store.kind_sql)
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,6 +89,10 @@ class Grant:
     #: Fences drawn after ``fence`` while the row was ours (a transfer asked
     #: for them), ascending: the next local hand-offs use them without SQL.
     reserve: tuple[int, ...] = ()
+    #: When the statement that granted it was sent (time.monotonic()), if
+    #: not when the caller asked: a grouped statement (dblock._store.batch)
+    #: goes out after its requests queued, and the lease counts from then.
+    sent_at: float | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -145,6 +148,13 @@ IDLE_SECONDS = 30.0
 # Answers with an error the DELETE of an orphan may get before it is dropped.
 ORPHAN_ATTEMPTS = 3
 
+# How long close() waits for statements given up on to end (Store.unsettled).
+SETTLE_AT_CLOSE = 5.0
+#: How long the orphans wait for a statement interrupted after it was sent
+#: to end on the server (see Store.settle_later): past a lock wait
+#: (innodb_lock_wait_timeout, 50 s by default), which it may be in.
+SETTLE_WAIT = 60.0
+
 # Locks renewed per statement: well under every driver's parameter limit.
 RENEW_CHUNK = 500
 
@@ -193,6 +203,7 @@ class Executor:
         "_pool_waiters",
         "_table",
         "_url",
+        "on_interrupted",
         "request",
     )
 
@@ -227,12 +238,16 @@ class Executor:
         # acquisition under way must end (None: none), so a wait for a pooled
         # connection ends with the request's own timeout rather than the pool's.
         self.request = threading.local()
+        #: Called with the DBAPI connection of a statement interrupted after
+        #: it was sent, before that connection is dropped (Store.settle_later
+        #: where the dialect can watch it), or None.
+        self.on_interrupted: Callable[[Any], None] | None = None
 
     @property
     def engine(self) -> Engine:
         return self._engine
 
-    def run(  # noqa: PLR0912, PLR0915 - the hot path, its helpers' common cases inlined
+    def run(  # noqa: PLR0912 - the hot path, its helpers' common cases inlined
         self, sql: str, params: Params, fetch: bool = False, lastrowid: bool = False
     ) -> Result:
         """Run ``sql``; ``fetch`` its rows if it returns any."""
@@ -273,34 +288,11 @@ class Executor:
                 result = Result(rows, cursor.rowcount, cursor.lastrowid if lastrowid else None)
                 cursor.close()
         except self._dbapi_error as exc:
-            interrupted = self._engine.dialect.is_disconnect(
-                cast(Any, exc), conn.dbapi_connection, None
-            )
-            if interrupted or not_writable(exc):
-                # Like SQLAlchemy on a disconnect: drop this connection and
-                # recycle every older one, which is likely dead too. A server
-                # that answers "read-only" is a standby (a demoted primary
-                # behind a route that still points at it): a new connection
-                # goes wherever the route points now (a balancer's, a
-                # multi-host URL's read-write choice), this one never will.
-                conn.invalidate(exc)
-                self._engine.pool._invalidate(conn, exc)
-                self.release_idle()
-            else:
-                self._checkin(conn, kept)
-            raise self._translate(exc, sent=True, interrupted=interrupted) from exc
+            raise self._failed(conn, kept, exc) from exc
         except BaseException as exc:
-            if _undecodable(exc):
-                # The driver could not decode the answer (seen on Galera: a row
-                # of empty fields from a statement brute-force aborted as it
-                # ran): the connection's protocol state is unknown, and so is
-                # the outcome.
-                conn.invalidate(exc)
-                raise self._translate(exc, sent=True, interrupted=True) from exc
-            # Interrupted mid-statement (KeyboardInterrupt, a signal handler),
-            # or parameters the driver cannot encode: the connection's
-            # protocol state is unknown.
-            conn.invalidate()
+            translated = self._cut_off(conn, exc)
+            if translated is not None:
+                raise translated from exc
             raise
         # _checkin(conn, kept), inlined (the hot path).
         if len(self._idle) < self._max_idle and not self._pool_waiters:
@@ -313,6 +305,48 @@ class Executor:
                     return result
         self._put_back(conn)
         return result
+
+    def _failed(
+        self, conn: PoolProxiedConnection, kept: Any, exc: Exception
+    ) -> BackendError | SchemaMissing:
+        """The driver raised ``exc`` for a statement on ``conn``: keep the
+        connection or drop it, and say what went wrong in dblock's terms."""
+        interrupted = self._engine.dialect.is_disconnect(
+            cast(Any, exc), conn.dbapi_connection, None
+        )
+        if interrupted or not_writable(exc):
+            # Like SQLAlchemy on a disconnect: drop this connection and
+            # recycle every older one, which is likely dead too. A server
+            # that answers "read-only" is a standby (a demoted primary
+            # behind a route that still points at it): a new connection
+            # goes wherever the route points now (a balancer's, a
+            # multi-host URL's read-write choice), this one never will.
+            conn.invalidate(exc)
+            self._engine.pool._invalidate(conn, exc)
+            self.release_idle()
+        else:
+            self._checkin(conn, kept)
+        return self._translate(exc, sent=True, interrupted=interrupted)
+
+    def _cut_off(
+        self, conn: PoolProxiedConnection, exc: BaseException
+    ) -> BackendError | SchemaMissing | None:
+        """Something other than a database error ended a statement on
+        ``conn`` midway: the connection's protocol state is unknown, so it
+        goes. What to raise instead of ``exc``, if anything."""
+        if _undecodable(exc):
+            # The driver could not decode the answer (seen on Galera: a row
+            # of empty fields from a statement brute-force aborted as it
+            # ran): the connection's protocol state is unknown, and so is
+            # the outcome.
+            conn.invalidate(exc)
+            return self._translate(exc, sent=True, interrupted=True)
+        # Interrupted mid-statement (KeyboardInterrupt, a signal handler),
+        # or parameters the driver cannot encode.
+        if self.on_interrupted is not None:
+            self.on_interrupted(conn.dbapi_connection)
+        conn.invalidate()
+        return None
 
     def _checkout(self) -> PoolProxiedConnection:
         idle = self._idle
@@ -446,6 +480,10 @@ class Executor:
             return False
         return pool.checkedout() >= pool.size() + max_overflow
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Keep no connection from now on: hand back the idle ones, and close
         those in use when their statements return (see :meth:`_put_back`)."""
@@ -478,17 +516,7 @@ class Executor:
                 self._wait_for_pool()
             with self._engine.connect() as conn:
                 sent = True
-                try:
-                    result = conn.exec_driver_sql(sql, dict(params))
-                except sa_exc.DBAPIError as exc:
-                    if exc.orig is not None and not_writable(exc.orig):  # see run()
-                        fairy = conn.connection
-                        conn.invalidate(exc.orig)
-                        self._engine.pool._invalidate(fairy, exc.orig)
-                        self.release_idle()
-                    raise
-                rows = [tuple(r) for r in result.fetchall()] if fetch else []
-                return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
+                return self._observed_statement(conn, sql, params, fetch, lastrowid)
         except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
             raise self._exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
@@ -503,6 +531,32 @@ class Executor:
             if not sent:
                 _mark_unsent(exc)
             raise
+
+    def _observed_statement(
+        self, conn: Connection, sql: str, params: Params, fetch: bool, lastrowid: bool
+    ) -> Result:
+        on_interrupted = self.on_interrupted
+        if on_interrupted is not None:
+            dbapi_connection = conn.connection.dbapi_connection
+        try:
+            result = conn.exec_driver_sql(sql, dict(params))
+            rows = [tuple(r) for r in result.fetchall()] if fetch else []
+        except sa_exc.DBAPIError as exc:
+            if exc.orig is not None and not_writable(exc.orig):  # see run()
+                fairy = conn.connection
+                conn.invalidate(exc.orig)
+                self._engine.pool._invalidate(fairy, exc.orig)
+                self.release_idle()
+            raise
+        except BaseException:
+            # Interrupted mid-statement (see run()): SQLAlchemy drops the
+            # connection itself only for KeyboardInterrupt and its kin.
+            if on_interrupted is not None:
+                on_interrupted(dbapi_connection)
+            if not conn.invalidated:
+                conn.invalidate()
+            raise
+        return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
 
     def _translate(
         self, exc: BaseException, *, sent: bool, interrupted: bool = False
@@ -564,6 +618,13 @@ _PG_AUTH_MESSAGE = re.compile(
 )
 
 
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE a PostgreSQL driver's error carries: psycopg 3 names it
+    ``sqlstate``, psycopg2 ``pgcode``; None for any other error."""
+    code = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
+    return code if isinstance(code, str) else None
+
+
 def auth_failure(exc: BaseException) -> str | None:
     """The server's reason if ``exc`` (a driver's connect error) says the
     server refused to log in, as opposed to not answering at all."""
@@ -571,7 +632,7 @@ def auth_failure(exc: BaseException) -> str | None:
     if len(args) >= 2 and isinstance(args[0], int) and args[0] in _MYSQL_AUTH_ERRORS:
         return f"{args[1]} (error {args[0]})"
     text = str(exc)
-    if getattr(exc, "sqlstate", None) in _PG_AUTH_SQLSTATES:
+    if sqlstate(exc) in _PG_AUTH_SQLSTATES:
         return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     found = _PG_AUTH_MESSAGE.search(text)
     return found.group(1).strip() if found else None
@@ -592,7 +653,7 @@ def not_writable(exc: BaseException) -> bool:
     """``exc`` says the server that ran the statement takes no writes: the
     connection reached a standby, and only a new connection can reach the
     primary. Nothing was written: the statement was refused, not interrupted."""
-    if getattr(exc, "sqlstate", None) in _READ_ONLY_SQLSTATES:
+    if sqlstate(exc) in _READ_ONLY_SQLSTATES:
         return True
     code = exc.args[0] if exc.args else None
     return isinstance(code, int) and code in _READ_ONLY_ERRNOS
@@ -603,6 +664,10 @@ def _undecodable(exc: BaseException) -> bool:
     UnicodeEncodeError of parameters it cannot encode (those never reach the
     server, and an orphan with such a key is given up, not retried)."""
     return isinstance(exc, ValueError) and not isinstance(exc, UnicodeEncodeError)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _mark_unsent(exc: BaseException) -> None:
@@ -668,9 +733,6 @@ class Store:
     reserves_fences: ClassVar[bool] = False
     #: The dialect can wake waiters when a key is released.
     can_notify: ClassVar[bool] = False
-    #: The fair queue's statements in this dialect (:mod:`dblock._store.fair`):
-    #: a capability each dialect's store offers.
-    fair_class: ClassVar[type[FairSQL]]
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         self.config = config
@@ -688,18 +750,29 @@ class Store:
         # (key, token) pairs whose acquisition may have committed although the
         # caller was told it failed; deleted as soon as the database answers.
         self._orphans: deque[tuple[str, str, int, bool]] = deque()
-        # Orphaned tokens of fair-queue requests: every row carrying them
-        # goes (the queue row as well as the head).
-        self._whole: set[str] = set()
+        # Orphans settled otherwise than by the exclusive lock's DELETE, by
+        # token: the statement to send instead (a fair-queue request's rows
+        # all go, a job's released row is kept for its at_least).
+        self._settles: dict[str, Callable[[], Steps[bool]]] = {}
         self._orphans_lock = threading.Lock()
-        self._fair_sql: FairSQL | None = None
+        # Statements whose caller gave up on them while they may still be
+        # on their way to, or running in, the server (see unsettled()).
+        self._unsettled: set[object] = set()
+        #: Wakes whoever deletes the orphans (the lock facade's renewal thread).
+        self.wake_cleaner: Callable[[], None] = _nothing
+        if self.alive_sql is not None:
+            self.executor.on_interrupted = self.settle_later
+        self._kind_sql: dict[Callable[[Any], Any], Any] = {}
 
-    def fair_sql(self) -> FairSQL:
-        """This store's fair-queue statements (its dialect's ``fair_class``), built once."""
-        sql = self._fair_sql
-        if sql is None:
-            sql = self._fair_sql = type(self).fair_class(self)
-        return sql
+    def kind_sql(self, make: Callable[[Store], K]) -> K:
+        """The statements of one kind of lock (the fair queue, jobs, ...) in
+        this store's dialect, built once per store by ``make``, which the
+        kind's own module in this package offers (it picks the dialect's
+        class): the one way a kind speaks a dialect."""
+        found = self._kind_sql.get(make)
+        if found is None:
+            found = self._kind_sql[make] = make(self)
+        return cast("K", found)
 
     # -- the contract ------------------------------------------------------
 
@@ -789,6 +862,25 @@ class Store:
         woken by wake-ups sent to its ``address``."""
         return Backoff(self.config.poll_initial, self.config.poll_max)
 
+    def hot(self, key: str) -> None:
+        """``key`` is released while local threads wait for it (dblock.lock):
+        other processes likely wait for it too. A store whose wake-ups cost a
+        statement per held key (MySQL's named locks) names the key's next
+        hold at once."""
+
+    def lost_contention(self, exc: BackendError) -> bool:
+        """Whether the database rolled ``exc``'s statement back as a loser of
+        contention (MySQL's deadlock victims): run it again, nothing was
+        written. False where statements never lose that way."""
+        return False
+
+    def others_wait(self, key: str) -> bool:
+        """Whether waiters of other processes were seen waiting for ``key``
+        lately. Asked by a store without hand-off (:attr:`can_transfer`
+        false), whose threads end a long run of local grants only when
+        somebody else waits; False where nobody can tell."""
+        return False
+
     def is_missing_table(self, exc: BaseException) -> bool:
         raise NotImplementedError
 
@@ -797,6 +889,11 @@ class Store:
         return key
 
     def close(self) -> None:
+        # A statement given up on may still be running (see unsettled()):
+        # its orphans are deleted once it ended, if that is soon.
+        deadline = time.monotonic() + SETTLE_AT_CLOSE
+        while self._unsettled and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.clean_orphans()
         self.executor.close()
         if self.owns_engine:
@@ -807,8 +904,9 @@ class Store:
         self.engine.dispose(close=False)
         self.executor.forget_idle()
         self._orphans.clear()
-        self._whole = set()
+        self._settles = {}
         self._orphans_lock = threading.Lock()
+        self._unsettled.clear()  # in place: a semaphore's store shares it
 
     # -- orphans -----------------------------------------------------------
 
@@ -818,12 +916,14 @@ class Store:
         token: str,
         *,
         released: bool = False,
-        whole: bool = False,
         unreachable: bool = False,
+        settle: Callable[[], Steps[bool]] | None = None,
     ) -> None:
         """Delete the row of ``(key, token)`` once the database answers: an
         acquisition whose outcome we never learned, or (``released``) a
-        release that could not reach the database.
+        release that could not reach the database. ``settle``: what to send
+        instead of the DELETE (a fair-queue request leaves its queue whole;
+        a job's release was to keep its row, see ``JobSQL.keep_steps``).
 
         An acquisition cut off by its caller (a cancelled task, Ctrl-C) is
         ordinary: it is logged at DEBUG, and the WARNING that it "may have
@@ -840,8 +940,8 @@ class Store:
                     "its row, if written, is deleted by its token",
                     key,
                 )
-        if whole:
-            self._whole.add(token)
+        if settle is not None:
+            self._settles[token] = settle
         # The last field: a WARNING is still owed if the database turns out
         # unreachable (an acquisition not yet reported as such).
         self._orphans.append((key, token, 0, not released and not unreachable))
@@ -861,6 +961,73 @@ class Store:
     def has_orphans(self) -> bool:
         return bool(self._orphans)
 
+    def settle_later(self, dbapi_connection: Any) -> None:
+        """A statement was interrupted after it was sent (a signal handler's
+        exception, gevent's timeout, an asyncio task's cancellation; on the
+        blocking or the asyncio driver's connection), and its connection is
+        dropped. That does not stop it: the server runs what it was sent,
+        maybe after the DELETE that settles an interrupted acquisition by
+        its token, whose row then holds the key for its lease. So the
+        orphans wait until the server's thread (or process) of that
+        connection is gone, its statement ended (:attr:`alive_sql`). Behind
+        a balancer or a pooler the look may reach another node or find the
+        pooler's id: then the wait is capped (:data:`SETTLE_WAIT`) or cut
+        short, as before."""
+        try:
+            thread_id = self.server_thread(dbapi_connection)
+        except Exception:  # another driver, or a connection already gone
+            return
+        marker = object()
+        self.unsettled(marker)
+        try:
+            _threads.start(
+                threading.Thread(
+                    target=self._await_server_thread,
+                    args=(thread_id, marker),
+                    name="dblock-settle",
+                    daemon=True,
+                )
+            )
+        except RuntimeError:  # at interpreter exit: no new thread
+            self.settled(marker)
+
+    def _await_server_thread(self, thread_id: int, marker: object) -> None:
+        alive_sql = self.alive_sql
+        assert alive_sql is not None
+        deadline = time.monotonic() + SETTLE_WAIT
+        pause = 0.005
+        try:
+            while time.monotonic() < deadline and not self.executor.closed:
+                try:
+                    if not self.executor.run(alive_sql, {"id": thread_id}, True).rows:
+                        return
+                except (Unreachable, Interrupted):
+                    # Unreachable: say so of the orphans waiting here, as
+                    # their DELETE would; look again until it answers.
+                    if self._orphans_lock.acquire(blocking=False):
+                        try:
+                            self._report_unreachable()
+                        finally:
+                            self._orphans_lock.release()
+                except Exception as exc:  # look again
+                    log.debug("dblock: looking for server thread %d: %r", thread_id, exc)
+                time.sleep(pause)
+                pause = min(pause * 2, 0.25)
+        finally:
+            self.settled(marker)
+
+    def unsettled(self, statement: object) -> None:
+        """``statement`` was given up on by its caller but still runs on a
+        connection of its own: closing a connection does not stop a
+        statement the server was already sent, which may then run after a
+        DELETE of its token. Orphans wait until :meth:`settled`."""
+        self._unsettled.add(statement)
+
+    def settled(self, statement: object) -> None:
+        self._unsettled.discard(statement)
+        if self._orphans:
+            self.wake_cleaner()
+
     def clean_orphans(self) -> None:
         """Delete rows left by acquisitions whose outcome we never learned.
 
@@ -870,15 +1037,17 @@ class Store:
         :data:`ORPHAN_ATTEMPTS` such answers; one whose DELETE cannot even be
         sent (say, a value the driver cannot encode) is dropped at once. Either
         way its row, if it exists, is left to its lease and the sweeper, and
-        no orphan ever holds up the others or the caller."""
-        if not self._orphans or not self._orphans_lock.acquire(blocking=False):
+        no orphan ever holds up the others or the caller. While a statement
+        given up on still runs (:meth:`unsettled`), they all wait for it."""
+        if not self._orphans or self._unsettled or not self._orphans_lock.acquire(blocking=False):
             return
         try:
             for _ in range(len(self._orphans)):
                 key, token, failures, owed = self._orphans[0]
                 try:
-                    if token in self._whole:
-                        self.drive(self.fair_sql().leave_steps(key, token))
+                    settle = self._settles.get(token)
+                    if settle is not None:
+                        self.drive(settle())
                     else:
                         self.release(key, token)
                 except (Unreachable, Interrupted):
@@ -891,16 +1060,16 @@ class Store:
                     if failures + 1 < ORPHAN_ATTEMPTS:
                         self._orphans.append((key, token, failures + 1, owed))
                     else:
-                        self._whole.discard(token)
+                        self._settles.pop(token, None)
                         self._give_up_orphan(key, exc)
                     continue
                 except Exception as exc:
                     self._orphans.popleft()
-                    self._whole.discard(token)
+                    self._settles.pop(token, None)
                     self._give_up_orphan(key, exc)
                     continue
                 self._orphans.popleft()
-                self._whole.discard(token)
+                self._settles.pop(token, None)
                 # Quiet when nothing was said of it (a cancellation resolved cleanly).
                 log.log(
                     logging.DEBUG if owed else logging.INFO,
@@ -950,6 +1119,15 @@ class Store:
     # -- admin: dblock list / stats / release --force, and the sweeper ------
     # Not on the lock's hot path. Every comparison uses the database's clock.
 
+    #: SQL finding the server's thread (or process) of a connection by its
+    #: id, while it exists (see :meth:`settle_later`); None: nothing to watch.
+    alive_sql: ClassVar[str | None] = None
+
+    @staticmethod
+    def server_thread(dbapi_connection: Any) -> int:
+        """The id :attr:`alive_sql` looks for, of a DBAPI connection."""
+        raise NotImplementedError
+
     #: SQL for the database's current time, in the form the dialect stores times.
     now_sql: ClassVar[str] = "CURRENT_TIMESTAMP"
     #: How the DBAPI driver spells a named parameter.
@@ -966,8 +1144,9 @@ class Store:
         """Lock rows, oldest acquisition first: all of them, the ones of
         ``key``, or those whose key starts with ``prefix`` (taken literally,
         case-sensitive) and are held by ``owner`` (the owner column exactly,
-        or any owner under it: ``host:pid`` names every thread of that
-        process, ``host`` every process of that host); at most ``limit``."""
+        case, accents and trailing spaces included on every database, or any
+        owner under it: ``host:pid`` names every thread of that process,
+        ``host`` every process of that host); at most ``limit``."""
         bind = self.param_style.format
         conditions: list[str] = []
         params: dict[str, Any] = {}
@@ -979,8 +1158,11 @@ class Store:
             conditions.append(f"substr(lock_key, 1, {len(prefix)}) = {bind('prefix')}")
             params["prefix"] = prefix
         if owner:
+            # Exactly that owner (case, accents: the column's binary collation
+            # on MySQL/MariaDB since revision 0004; trailing spaces:
+            # the lengths, which a PAD SPACE collation ignores), or one under it.
             conditions.append(
-                f"(owner = {bind('owner')} "
+                f"((owner = {bind('owner')} AND length(owner) = length({bind('owner')})) "
                 f"OR substr(owner, 1, {len(owner) + 1}) = {bind('owner_under')})"
             )
             params.update(owner=owner, owner_under=f"{owner}:")
@@ -1027,17 +1209,40 @@ class Store:
         changes hands meanwhile stays) and return those deleted."""
         return self.release_rows(self.rows(key=key))
 
-    def stats(self) -> LockStats:
-        """How many rows, how many of them expired, and the oldest."""
+    def stats(self, *, storage: bool = False) -> LockStats:
+        """How many rows, how many of them expired, and the oldest; with
+        ``storage``, also what the database says of the table's storage
+        (:meth:`table_health`: a few more statements, for ``dblock stats``)."""
         sql = (
             f"SELECT count(*), coalesce(sum(CASE WHEN expires_at <= {self.now_sql} "
             f"THEN 1 ELSE 0 END), 0) FROM {self.quoted(self.names.table)}"
         )
         total, expired = self.run(sql, {}, fetch=True).rows[0]
         oldest = self.rows(limit=1)
+        health = None
+        try:
+            health = self.table_health() if storage else None
+        except BackendError as exc:
+            # A user allowed to read the table but not the server's statistics
+            # (MySQL's PROCESS privilege): the counts still stand.
+            log.debug("dblock: the lock table's storage figures are unreadable: %s", exc)
         return LockStats(
-            rows=int(total), expired=int(expired), oldest=oldest[0] if oldest else None
+            rows=int(total),
+            expired=int(expired),
+            oldest=oldest[0] if oldest else None,
+            table=health,
         )
+
+    def table_health(self) -> TableHealth | None:
+        """What the database says of the lock table's storage (size, dead rows,
+        vacuum; purge lag), or None where it says nothing useful (SQLite)."""
+        return None
+
+    def vacuum(self, dead_rows: int) -> bool:
+        """PostgreSQL: VACUUM the lock table if it has at least ``dead_rows``
+        dead rows (the sweeper's, after a run); True if it did. Elsewhere
+        nothing to do (InnoDB's purge and SQLite's free pages need no help)."""
+        return False
 
     def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
         """Delete at most ``limit`` rows whose ``reason.column`` lies more than

@@ -126,8 +126,7 @@ DROPPED = Dropped()
 
 class FairSQL:
     """What the fair acquire loop asks the database, written as :data:`Steps`:
-    one subclass per dialect, which its store offers as its ``fair_class``
-    (built once per store by :meth:`Store.fair_sql`)."""
+    one subclass per dialect, built once per store by :func:`fair_sql`."""
 
     #: A release can queue the next local thread in the same statement.
     seats_on_release = False
@@ -703,3 +702,14 @@ def _check_kind(key: str, kind: str | None) -> None:
     """A fair request waits for an exclusive head; one of another kind never frees for it."""
     if kind is not None and kind != "exclusive":
         raise KindMismatch(key, requested="exclusive (fair)", existing=kind, where="in the table")
+
+
+def fair_sql(store: Store) -> FairSQL:
+    """The fair queue's statements in ``store``'s dialect, built once per store."""
+    return store.kind_sql(_for_dialect)
+
+
+def _for_dialect(store: Store) -> FairSQL:
+    dialect = store.engine.dialect.name
+    cls = {"postgresql": PostgresFair, "sqlite": SQLiteFair}.get(dialect, MySQLFair)
+    return cls(store)

@@ -106,13 +106,13 @@ def _row(row: tuple[Any, ...]) -> RunRow:
 
 def statements(store: Store) -> JobSQL:
     """The job statements of ``store``'s dialect, built once per store."""
-    found: JobSQL | None = getattr(store, "_job_sql", None)
-    if found is None:
-        dialect = store.engine.dialect.name
-        cls = _Postgres if dialect == "postgresql" else _SQLite if dialect == "sqlite" else _MySQL
-        found = cls(store)
-        store._job_sql = found  # type: ignore[attr-defined]
-    return found
+    return store.kind_sql(_for_dialect)
+
+
+def _for_dialect(store: Store) -> JobSQL:
+    dialect = store.engine.dialect.name
+    cls = _Postgres if dialect == "postgresql" else _SQLite if dialect == "sqlite" else _MySQL
+    return cls(store)
 
 
 class JobSQL:

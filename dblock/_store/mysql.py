@@ -49,19 +49,20 @@ prefixes through :meth:`MySQLStore.for_galera`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from datetime import datetime, timedelta, timezone
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from sqlalchemy.engine import Engine
 
 from ..config import Config
 from ..errors import BackendError
 from . import register
-from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Interrupted, Lease, Result, Steps, Store, log
-from .fair import MySQLFair
+from .admin import COLUMNS, LockRow, SweepReason, TableHealth, lock_row
+from .base import Grant, Holder, Interrupted, Lease, Result, Steps, log
+from .wake import PROBE_SQL, NamedLockWaker, WokenStore
 
 _NO_SUCH_TABLE = 1146
 # Chosen as a deadlock victim (1213), a lock wait timed out (1205), or either
@@ -82,9 +83,19 @@ _GALERA_READ = "SET STATEMENT wsrep_sync_wait=1 FOR "
 
 
 @register("mysql", "mariadb")
-class MySQLStore(Store):
-    fair_class: ClassVar[type[MySQLFair]] = MySQLFair
+class MySQLStore(WokenStore):
     can_transfer: ClassVar[bool] = False
+    # PROCESSLIST shows a user its own threads (see Store.settle_later).
+    alive_sql: ClassVar[str | None] = (
+        "SELECT 1 FROM information_schema.PROCESSLIST WHERE ID = %(id)s"
+    )
+
+    @staticmethod
+    def server_thread(dbapi_connection: Any) -> int:
+        return int(dbapi_connection.thread_id())  # PyMySQL's and aiomysql's alike
+
+    #: A waiting process's probe of a key's named lock (see dblock._store.wake).
+    _probe_sql: ClassVar[str] = PROBE_SQL
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         super().__init__(engine, config=config, owns_engine=owns_engine)
@@ -125,6 +136,12 @@ class MySQLStore(Store):
         self._galera_writes: set[str] = set()
         # Writes of for_galera(once=True): never run again after a garbled answer.
         self._once: set[str] = set()
+        # Wake-ups by named locks (see dblock._store.wake): not through a
+        # pooler (a session-moving proxy), and not on Galera (GET_LOCK is
+        # not replicated), where waiters poll.
+        self._wakes = config.notify and not config.pooler
+        self._waker: NamedLockWaker | None = None
+        self._waker_lock = threading.Lock()
 
     def _capabilities_steps(self) -> Steps[None]:
         # Read from the server on first use, not at import; idempotent (only
@@ -209,6 +226,7 @@ class MySQLStore(Store):
                 rows = (yield self._insert_returning_sql, params, True, False).rows
                 if rows:
                     fence, expires_at, now = rows[0]
+                    self._took(key)
                     return Grant(
                         fence, expires_at.replace(tzinfo=_UTC), (expires_at - now).total_seconds()
                     )
@@ -220,9 +238,14 @@ class MySQLStore(Store):
                     # of its end errs on the early side, the safe one.
                     offset = yield from self._server_offset_steps()
                     start = datetime.fromtimestamp(sent + offset, _UTC)
+                    self._took(key)
                     return Grant(int(result.lastrowid or 0), start + timedelta(seconds=ttl), ttl)
             holder = yield from self._holder_steps(key, token)
             if holder is not None:
+                if isinstance(holder, Grant):
+                    self._took(key)
+                elif holder.kind is None and self._wakes:
+                    self._expect(key)
                 return holder
         return Holder(None, None, None)
 
@@ -245,7 +268,57 @@ class MySQLStore(Store):
         return Holder(row_owner, row_token, expires_in)
 
     def release_steps(self, key: str, token: str) -> Steps[bool]:
-        return (yield self._release_sql, {"key": key, "token": token}, False, False).rowcount > 0
+        try:
+            return (
+                yield self._release_sql, {"key": key, "token": token}, False, False
+            ).rowcount > 0
+        finally:
+            self._let_go(key)
+
+    # -- wake-ups (dblock._store.wake) -------------------------------------
+
+    def waker_or_none(self) -> NamedLockWaker | None:
+        """This process's named-lock waker (made on first use), or None."""
+        waker = self._waker
+        if waker is None:
+            if not self._wakes or self.galera is not False:
+                return None
+            with self._waker_lock:
+                waker = self._waker
+                if waker is None:
+                    scope = f"{self.engine.url.database}.{self.names.table}"
+                    waker = self._waker = NamedLockWaker(self._wake_connection, scope, self.config)
+        return waker
+
+    def _wake_connection(self) -> Any:
+        """A connection of the waker's own, outside the pool (as the
+        PostgreSQL listener's): a waiter's blocks in GET_LOCK."""
+        self.executor.release_idle()  # room in a pool without overflow
+        proxied = self.engine.raw_connection()
+        proxied.detach()
+        conn: Any = proxied.dbapi_connection
+        conn.autocommit(True)
+        return conn
+
+    def _took(self, key: str) -> None:
+        waker = self._waker or self.waker_or_none()
+        if waker is not None:
+            waker.took(key)
+
+    def _let_go(self, key: str) -> None:
+        waker = self._waker
+        if waker is not None:
+            waker.let_go(key)
+
+    def _expect(self, key: str) -> None:
+        waker = self._waker or self.waker_or_none()
+        if waker is not None:
+            waker.expect(key)
+
+    def after_fork(self) -> None:
+        self._waker = None  # the parent's threads and connections are the parent's
+        self._waker_lock = threading.Lock()
+        super().after_fork()
 
     # Group commit (dblock._store.batch). MariaDB 10.5+: one multi-row
     # ``INSERT IGNORE … SELECT … UNION ALL … RETURNING`` takes every free key
@@ -299,6 +372,7 @@ class MySQLStore(Store):
                 answers.append((yield from self.acquire_steps(key, token, owner, ttl)))
                 continue
             fence, expires_at, acquired_at = row
+            self._took(key)
             answers.append(
                 Grant(
                     fence,
@@ -327,16 +401,23 @@ class MySQLStore(Store):
             f"AND (lock_key, token) IN ({', '.join(f'(%(k{i})s, %(t{i})s)' for i in n)}) "
             f"RETURNING token"
         )
-        rows = (yield sql, params, True, False).rows
+        try:
+            rows = (yield sql, params, True, False).rows
+        finally:
+            for key, _ in requests:
+                self._let_go(key)
         gone = {row[0] for row in rows}
         return [token in gone for _, token in requests]
 
     def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
         # No UPDATE ... RETURNING here: one UPDATE joined to the batch, then
         # one SELECT (by primary key) to see which rows carry our tokens.
+        # Sorted by key, as the batches' rows: InnoDB locks the rows of the
+        # join in the order of the derived table (or of the primary key, if
+        # it scans the table first), so both orders are the batches' order.
         params: dict[str, object] = {}
         rows_sql = []
-        for i, (key, token, ttl) in enumerate(locks):
+        for i, (key, token, ttl) in enumerate(sorted(locks)):
             params[f"k{i}"], params[f"t{i}"], params[f"l{i}"] = key, token, round(ttl * 1e6)
             rows_sql.append(f"SELECT %(k{i})s AS lock_key, %(t{i})s AS token, %(l{i})s AS ttl_us")
         now = "UTC_TIMESTAMP(6)"
@@ -355,6 +436,9 @@ class MySQLStore(Store):
             for token, expires_at, now in rows
             if token in ours
         }
+
+    def lost_contention(self, exc: BackendError) -> bool:
+        return deadlocked(exc)
 
     def is_missing_table(self, exc: BaseException) -> bool:
         args: tuple[object, ...] = getattr(exc, "args", ())
@@ -400,6 +484,38 @@ class MySQLStore(Store):
             if self.run(delete, {**params, "key": row.key, "token": row.token}).rowcount:
                 gone.append(row)
         return gone
+
+    def table_health(self) -> TableHealth | None:
+        # InnoDB keeps a deleted row until purge has removed it, after every
+        # transaction that could still see it ended: the history list length
+        # (server-wide) is that lag. Its metric needs the PROCESS privilege;
+        # without it the size alone is shown.
+        found = self.run(
+            "SELECT data_length + index_length, table_rows FROM information_schema.tables "
+            "WHERE table_schema = DATABASE() AND table_name = %(table)s",
+            {"table": self.names.table},
+            fetch=True,
+        ).rows
+        if not found:
+            return None
+        size, rows = found[0]
+        lag = None
+        try:
+            metric = self.run(
+                "SELECT count FROM information_schema.innodb_metrics "
+                "WHERE name = 'trx_rseg_history_len'",
+                {},
+                fetch=True,
+            ).rows
+        except BackendError:
+            metric = []
+        if metric:
+            lag = int(metric[0][0])
+        return TableHealth(
+            size_bytes=None if size is None else int(size),
+            live_rows=None if rows is None else int(rows),
+            purge_lag=lag,
+        )
 
     def retry(self, sql: str, exc: BackendError, attempt: int) -> Result | float | None:
         """InnoDB's deadlock and lock-wait victims, and Galera's certification

@@ -58,11 +58,11 @@ from typing import Any, ClassVar, Protocol
 from sqlalchemy.engine import Engine
 from sqlalchemy.pool import NullPool
 
+from .. import _threads
 from ..config import Config
 from . import register
-from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Backoff, Grant, Holder, Lease, Steps, Store, Wait
-from .fair import PostgresFair
+from .admin import COLUMNS, LockRow, SweepReason, TableHealth, lock_row
+from .base import Backoff, Grant, Holder, Lease, Steps, Store, Wait, sqlstate
 from .sqlparts import BUCKETS, lock_class, notify, unnest, waiters_class
 
 log = logging.getLogger("dblock")
@@ -90,7 +90,16 @@ class PostgresStore(Store):
     can_transfer: ClassVar[bool] = True
     reserves_fences: ClassVar[bool] = True
     can_notify: ClassVar[bool] = True
-    fair_class: ClassVar[type[PostgresFair]] = PostgresFair
+    # psycopg, interrupted by KeyboardInterrupt or a cancellation, cancels
+    # the statement and waits for its end itself; any other exception (a
+    # SIGALRM handler's) after the statement went out leaves it running
+    # (see Store.settle_later).
+    alive_sql: ClassVar[str | None] = "SELECT 1 FROM pg_stat_activity WHERE pid = %(id)s"
+
+    @staticmethod
+    def server_thread(dbapi_connection: Any) -> int:
+        # psycopg 3's (blocking and asyncio) and psycopg2's alike.
+        return int(dbapi_connection.info.backend_pid)
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         super().__init__(engine, config=config, owns_engine=owns_engine)
@@ -138,20 +147,39 @@ class PostgresStore(Store):
             f"RETURNING fence, expires_at, now(), "
             f"ARRAY(SELECT nextval('{seq}') FROM generate_series(1, %(extra)s::int))"
         )
+        # Rows locked first, in key order, then written: see the group commit's comment.
         self._renew_sql = (
-            f"UPDATE {t} AS t SET expires_at = now() + make_interval(secs => v.ttl) "
-            f"FROM {unnest('keys::text[]', 'tokens::text[]', 'ttls::float8[]')} "
-            f"AS v(lock_key, token, ttl) "
-            f"WHERE t.lock_key = v.lock_key AND t.token = v.token "
+            f"WITH mine AS MATERIALIZED (SELECT t.lock_key, t.slot, t.token, v.ttl "
+            f"FROM {t} AS t JOIN "
+            f"{unnest('keys::text[]', 'tokens::text[]', 'ttls::float8[]')} WITH ORDINALITY "
+            f"AS v(lock_key, token, ttl, n) ON t.lock_key = v.lock_key AND t.token = v.token "
+            f"ORDER BY v.n, t.slot FOR NO KEY UPDATE OF t) "
+            f"UPDATE {t} AS t SET expires_at = now() + make_interval(secs => mine.ttl) "
+            f"FROM mine WHERE t.lock_key = mine.lock_key AND t.slot = mine.slot "
+            f"AND t.token = mine.token "
             f"RETURNING t.token, t.expires_at, now()"
         )
         # Group commit (dblock._store.batch): the same decisions for many keys
-        # in one statement. The advisory locks are taken in the order of
-        # their numbers and the rows are written in the order of their keys
-        # (the caller sorts them), so two batches sharing keys wait for each
-        # other instead of deadlocking; a deadlock PostgreSQL still detects
-        # (a row locked by a statement that is no batch) fails the batch
-        # cleanly, and its requests go out again one by one.
+        # in one statement. Every statement that writes the rows of many keys
+        # (acquire, release, renewal) takes their row locks in one global
+        # order, the order of their keys as the client sorts them (code
+        # points: no collation of the server's involved), which WITH
+        # ORDINALITY carries into the statement; so two of them sharing keys
+        # wait for each other instead of deadlocking. The acquire writes its
+        # rows in that order (an INSERT … SELECT keeps its SELECT's order,
+        # and ON CONFLICT locks the row it meets), after taking its advisory
+        # locks in the order of their numbers. The release and the renewal
+        # cannot rely on their write's plan: on a small or never-analysed
+        # table PostgreSQL joins the keys to the table by a hash join over a
+        # scan of it, and the rows were locked in their physical order
+        # (issue 32: 2 to 7 deadlocks in 20 s of 2 processes x 32 threads). So
+        # they first lock their rows by SELECT … ORDER BY n FOR UPDATE in a
+        # materialised CTE (rows are locked after the sort), then write what
+        # they hold, found again by key: a row updated since the statement's
+        # snapshot is the locked version, which the write re-reads. A
+        # deadlock PostgreSQL still detects (a row locked by a statement that
+        # is no batch) fails the batch cleanly, and its requests go out
+        # again one by one.
         self._acquire_many_sql = (
             f"WITH v AS MATERIALIZED (SELECT * FROM "
             f"{unnest('keys::text[]', 'owners::text[]', 'tokens::text[]', 'ttls::float8[]')} "
@@ -179,10 +207,12 @@ class PostgresStore(Store):
             f"ORDER BY t.lock_key, t.kind = 'exclusive', t.slot)"
         )
         self._release_many_sql = (
-            f"WITH gone AS (DELETE FROM {t} AS t USING (SELECT * FROM "
+            f"WITH mine AS MATERIALIZED (SELECT t.lock_key, t.token FROM {t} AS t JOIN "
             f"{unnest('keys::text[]', 'tokens::text[]')} WITH ORDINALITY AS v(lock_key, token, n) "
-            f"ORDER BY n OFFSET 0) AS v "
-            f"WHERE t.lock_key = v.lock_key AND t.slot = '' AND t.token = v.token "
+            f"ON t.lock_key = v.lock_key AND t.slot = '' AND t.token = v.token "
+            f"ORDER BY v.n FOR UPDATE OF t), "
+            f"gone AS (DELETE FROM {t} AS t USING mine "
+            f"WHERE t.lock_key = mine.lock_key AND t.slot = '' AND t.token = mine.token "
             f"RETURNING t.lock_key, t.token) "
             f"SELECT token, {notify_if_waited} FROM gone"
         )
@@ -268,7 +298,8 @@ class PostgresStore(Store):
         return Grant(fence, expires_at, (expires_at - now).total_seconds(), reserve=reserve)
 
     def _renew_chunk(self, locks: Sequence[tuple[str, str, float]]) -> Steps[dict[str, Lease]]:
-        keys, tokens, ttls = zip(*locks, strict=True)
+        # Sorted by key: rows are locked in the order of every batch (see __init__).
+        keys, tokens, ttls = zip(*sorted(locks), strict=True)
         params = {"keys": list(keys), "tokens": list(tokens), "ttls": list(ttls)}
         rows = (yield self._renew_sql, params, True, False).rows
         return {
@@ -316,7 +347,7 @@ class PostgresStore(Store):
         return self._direct
 
     def is_missing_table(self, exc: BaseException) -> bool:
-        return getattr(exc, "sqlstate", None) == _UNDEFINED_TABLE
+        return sqlstate(exc) == _UNDEFINED_TABLE
 
     def close(self) -> None:
         with self._listener_lock:
@@ -364,6 +395,46 @@ class PostgresStore(Store):
         )
         params = {"older_than": older_than, "limit": limit, "channel": self._channel}
         return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
+
+    # Autovacuum is on for the table unless the server's setting or the
+    # table's own storage parameter turns it off.
+    _HEALTH_SQL = (
+        "SELECT pg_total_relation_size(c.oid), s.n_live_tup, s.n_dead_tup, s.last_autovacuum,"
+        " s.last_vacuum, s.autovacuum_count, s.vacuum_count,"
+        " current_setting('autovacuum')::boolean AND coalesce((SELECT option_value::boolean"
+        " FROM pg_options_to_table(c.reloptions) WHERE option_name = 'autovacuum_enabled'),"
+        " true) FROM pg_class c LEFT JOIN pg_stat_all_tables s ON s.relid = c.oid"
+        " WHERE c.oid = to_regclass(%(table)s)"
+    )
+
+    def table_health(self) -> TableHealth | None:
+        rows = self.run(self._HEALTH_SQL, {"table": self.quoted(self.names.table)}, fetch=True)
+        if not rows.rows:
+            return None
+        size, live, dead, last_auto, last_vacuum, autos, vacuums, autovacuum = rows.rows[0]
+        return TableHealth(
+            size_bytes=size,
+            live_rows=live,
+            dead_rows=dead,
+            last_autovacuum=last_auto,
+            last_vacuum=last_vacuum,
+            autovacuum_count=autos,
+            vacuum_count=vacuums,
+            autovacuum=autovacuum,
+        )
+
+    def vacuum(self, dead_rows: int) -> bool:
+        # A lock table makes thousands of dead rows a second and autovacuum
+        # visits a database once per autovacuum_naptime (a minute) at most:
+        # the sweeper, already running every interval, vacuums between visits.
+        # VACUUM takes no lock that blocks INSERT/UPDATE/DELETE; it cannot run
+        # in a transaction, and each statement here runs in autocommit.
+        sql = "SELECT n_dead_tup FROM pg_stat_all_tables WHERE relid = to_regclass(%(table)s)"
+        found = self.run(sql, {"table": self.quoted(self.names.table)}, fetch=True).rows
+        if not found or found[0][0] is None or found[0][0] < dead_rows:
+            return False
+        self.run(f"VACUUM {self.quoted(self.names.table)}", {})
+        return True
 
 
 class Settable(Protocol):
@@ -481,7 +552,7 @@ class Listener:
         self._recent_order: deque[tuple[float, str]] = deque()
         self._handed: dict[str, int] = {}  # fair queue: address -> fence handed to it
         #: Notification payloads dispatched since the listener was made: what
-        #: this process hears (``dblock/bench/listeners.py`` reports it).
+        #: this process hears (``benchmarks/listeners.py`` reports it, through ``dblock._hooks``).
         self.received = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -541,7 +612,7 @@ class Listener:
                     target=self._run, name="dblock-listener", daemon=True
                 )
                 self._tried.clear()
-                self._thread.start()
+                _threads.start(self._thread)
         if register:
             self._poke()
 
@@ -596,16 +667,17 @@ class Listener:
             self._registering.update(add)
         sql = "SELECT {}(%s, hashtext(k)){} FROM unnest(%s::text[]) AS k"
         if drop:
-            conn.execute(sql.format("pg_advisory_unlock_shared", ""), (self._waiters, drop))
+            _execute(conn, sql.format("pg_advisory_unlock_shared", ""), (self._waiters, drop))
         buckets: dict[str, int] = {}
         if add:
             # Waits while a release that found no waiter commits (it holds
             # the same lock exclusively until then): see the module's docstring.
             # The answer is each key's bucket, as the releases compute it.
-            rows = conn.execute(
+            rows = _execute(
+                conn,
                 sql.format("pg_advisory_lock_shared", f", k, hashtext(k) & {BUCKETS - 1}"),
                 (self._waiters, add),
-            ).fetchall()
+            )
             buckets = {key: bucket for _, key, bucket in rows}
         with self._lock:
             for key in drop:
@@ -645,11 +717,12 @@ class Listener:
         elif self._legacy is not None and not wanted:
             stop.append(self._legacy)
         quote = self._engine.dialect.identifier_preparer.quote_identifier
-        conn.execute(
+        _execute(
+            conn,
             "; ".join(
                 [f"LISTEN {quote(name)}" for name in start]
                 + [f"UNLISTEN {quote(name)}" for name in stop]
-            )
+            ),
         )
         self._listened = wanted
 
@@ -716,9 +789,11 @@ class Listener:
         proxied.detach()  # ours alone for as long as we listen, not the pool's
         conn: Any = proxied.dbapi_connection
         conn.autocommit = True
-        # Notifications that arrive while our own statements run (the
-        # registrations) are taken by psycopg, and handed here.
-        conn.add_notify_handler(lambda note: self._dispatch([note.payload], time.monotonic()))
+        if hasattr(conn, "add_notify_handler"):
+            # psycopg 3: notifications that arrive while our own statements
+            # run (the registrations) are taken by psycopg, and handed here.
+            # psycopg2 queues them in conn.notifies, which _serve drains.
+            conn.add_notify_handler(lambda note: self._dispatch([note.payload], time.monotonic()))
         self._listened = set()  # a new session LISTENs to nothing yet
         with self._lock:
             # A new session holds no registration and LISTENs to no bucket:
@@ -735,8 +810,7 @@ class Listener:
     def _serve(self, conn: Any) -> None:
         """Dispatch notifications until told to stop or idle for too long;
         raises when the connection breaks."""
-        pgconn = conn.pgconn
-        encoding = conn.info.encoding
+        receive = _receiver(conn)
         fileno = conn.fileno()
         idle_since: float | None = None
         while True:
@@ -765,15 +839,9 @@ class Listener:
                         self._to_unregister.add(key)
             if self._to_register or self._to_unregister:
                 self._sync_registrations(conn)
-            if fileno not in readable:
-                continue
-            pgconn.consume_input()
-            if pgconn.status != 0:  # CONNECTION_OK
-                raise ConnectionError("LISTEN connection closed by the server")
-            keys = []
-            while (note := pgconn.notifies()) is not None:
-                keys.append(note.extra.decode(encoding))
-            self._dispatch(keys, now)
+            keys = receive(fileno in readable)
+            if keys:
+                self._dispatch(keys, now)
 
     def _dispatch(self, keys: list[str], now: float) -> None:
         """Wake the waiters of each released key (a notification's payload)."""
@@ -803,3 +871,50 @@ class Listener:
             if self._recent.get(old) == seen:
                 del self._recent[old]
                 self._handed.pop(old, None)
+
+
+def _execute(conn: Any, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+    """Run ``sql`` on the listener's own DBAPI connection (psycopg 3's or
+    psycopg2's: both take pyformat parameters through a cursor); its rows."""
+    cursor = conn.cursor()
+    try:
+        cursor.execute(sql, params)
+        return list(cursor.fetchall()) if cursor.description is not None else []
+    finally:
+        cursor.close()
+
+
+def _receiver(conn: Any) -> Callable[[bool], list[str]]:
+    """A function taking whether the listener's socket is readable and
+    returning the payloads of the notifications received (raising when the
+    connection is gone), for the driver of ``conn``."""
+    pgconn = getattr(conn, "pgconn", None)
+    if pgconn is not None:  # psycopg 3: libpq's own queue, read without a statement
+        encoding = conn.info.encoding
+
+        def receive_psycopg(readable: bool) -> list[str]:
+            if not readable:
+                return []
+            pgconn.consume_input()
+            if pgconn.status != 0:  # CONNECTION_OK
+                raise ConnectionError("LISTEN connection closed by the server")
+            keys = []
+            while (note := pgconn.notifies()) is not None:
+                keys.append(note.extra.decode(encoding))
+            return keys
+
+        return receive_psycopg
+
+    def receive_psycopg2(readable: bool) -> list[str]:
+        # poll() reads what the socket has (raising OperationalError if
+        # the server closed it) into conn.notifies, where notifications
+        # that came in during our own statements already wait: drained on
+        # every turn, readable or not, or those would wait for the next one.
+        if readable:
+            conn.poll()
+        keys = []
+        while conn.notifies:
+            keys.append(conn.notifies.pop(0).payload)
+        return keys
+
+    return receive_psycopg2

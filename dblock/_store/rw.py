@@ -208,13 +208,21 @@ class PostgresRw(RwStatements):
             f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s "
             f"RETURNING lock_key) SELECT {notify('lock_key')} FROM gone"
         )
+        # The head rows locked first, in the order of their keys (sorted by
+        # renew()), then written: the exclusive store's batches lock their
+        # rows in that order too, so none of them deadlocks with this one
+        # (see PostgresStore's group commit).
         self._renew_sql = (
+            f"WITH mine AS MATERIALIZED (SELECT t.lock_key, t.token, v.ttl FROM {t} AS t JOIN "
+            f"{unnest('keys::text[]', 'tokens::text[]', 'ttls::float8[]')} WITH ORDINALITY "
+            f"AS v(lock_key, token, ttl, n) "
+            f"ON t.lock_key = v.lock_key AND t.slot = '' AND t.token = v.token "
+            f"ORDER BY v.n FOR NO KEY UPDATE OF t) "
             f"UPDATE {t} AS t SET expires_at = CASE WHEN t.mode = 'read' THEN "
-            f"greatest(t.expires_at, now() + make_interval(secs => v.ttl)) "
-            f"ELSE now() + make_interval(secs => v.ttl) END "
-            f"FROM {unnest('keys::text[]', 'tokens::text[]', 'ttls::float8[]')} "
-            f"AS v(lock_key, token, ttl) "
-            f"WHERE t.lock_key = v.lock_key AND t.slot = '' AND t.token = v.token "
+            f"greatest(t.expires_at, now() + make_interval(secs => mine.ttl)) "
+            f"ELSE now() + make_interval(secs => mine.ttl) END "
+            f"FROM mine WHERE t.lock_key = mine.lock_key AND t.slot = '' "
+            f"AND t.token = mine.token "
             f"RETURNING t.token, t.expires_at, now()"
         )
         self._holder_sql = f"SELECT false, {cols} FROM {t} WHERE lock_key = %(key)s AND slot = ''"
@@ -257,7 +265,7 @@ class PostgresRw(RwStatements):
         yield self._drop_intent_sql, params, True, False
 
     def renew(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
-        keys, tokens, ttls = zip(*locks, strict=True)
+        keys, tokens, ttls = zip(*sorted(locks), strict=True)
         rows = self.store.run(
             self._renew_sql,
             {"keys": list(keys), "tokens": list(tokens), "ttls": list(ttls)},
@@ -559,9 +567,10 @@ class MySQLRw(RwStatements):
         yield self._drop_intent_sql, {"key": key, "slot": _intent_slot(token)}, False, False
 
     def renew(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
+        # Sorted by key, in the order the batches lock rows (see MySQLStore's renewal).
         params: dict[str, object] = {}
         rows_sql = []
-        for i, (key, token, ttl) in enumerate(locks):
+        for i, (key, token, ttl) in enumerate(sorted(locks)):
             params[f"k{i}"], params[f"t{i}"], params[f"l{i}"] = key, token, round(ttl * 1e6)
             rows_sql.append(f"SELECT %(k{i})s AS lock_key, %(t{i})s AS token, %(l{i})s AS ttl_us")
         t, now = self.t, self._now

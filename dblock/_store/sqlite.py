@@ -12,6 +12,8 @@ lock instead of failing.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import ClassVar
@@ -21,18 +23,17 @@ from sqlalchemy.engine import Engine
 from ..config import Config
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Lease, Steps, Store
-from .fair import SQLiteFair
+from .base import Grant, Holder, Lease, Steps
 from .sqlparts import SQLITE_CLOCK_STEP, sqlite_grant
 from .sqlparts import SQLITE_NOW as NOW
+from .wake import SocketWaker, WokenStore
 
 _UTC = timezone.utc
 
 
 @register("sqlite")
-class SQLiteStore(Store):
+class SQLiteStore(WokenStore):
     can_transfer: ClassVar[bool] = True
-    fair_class: ClassVar[type[SQLiteFair]] = SQLiteFair
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         super().__init__(engine, config=config, owns_engine=owns_engine)
@@ -62,6 +63,11 @@ class SQLiteStore(Store):
             f"WHERE lock_key = :key AND slot = '' AND token = :token "
             f"RETURNING fence, expires_at, acquired_at"
         )
+        # Wake-ups of other processes' waiters (see dblock._store.wake):
+        # beside a database file, when notify is on; else waiters poll.
+        self._wake_dir = _wake_dir(engine) if config.notify else None
+        self._waker: SocketWaker | None = None
+        self._waker_lock = threading.Lock()
 
     def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
         params = {"key": key, "owner": owner, "token": token, "ttl": ttl}
@@ -74,12 +80,46 @@ class SQLiteStore(Store):
                 row_token, row_owner, fence, expires_at, now, kind = rows[0]
                 if row_token == token and kind == "exclusive":
                     return sqlite_grant((fence, expires_at, now))
+                if kind == "exclusive" and self._wake_dir is not None:
+                    self.waker_or_none(expect=key)
                 return Holder(row_owner, row_token, expires_at - now, kind)
             # released between the two statements: try once more
         return Holder(None, None, None)
 
     def release_steps(self, key: str, token: str) -> Steps[bool]:
-        return (yield self._release_sql, {"key": key, "token": token}, False, False).rowcount > 0
+        gone = (yield self._release_sql, {"key": key, "token": token}, False, False).rowcount > 0
+        if gone and self._wake_dir is not None:
+            self._released(key)
+        return gone
+
+    # -- wake-ups (dblock._store.wake) -------------------------------------
+
+    def waker_or_none(self, *, expect: str | None = None) -> SocketWaker | None:
+        """This process's waker (made on first use), or None: waiters poll."""
+        waker = self._waker
+        if waker is None:
+            if self._wake_dir is None:
+                return None
+            with self._waker_lock:
+                waker = self._waker
+                if waker is None:
+                    waker = self._waker = SocketWaker(self._wake_dir, self.names.table, self.config)
+        if expect is not None:
+            waker.expect(expect)
+        return waker
+
+    def _released(self, key: str) -> None:
+        """After the DELETE of ``key``'s row committed: ring its waiters."""
+        waker = self._waker or self.waker_or_none()
+        if waker is not None:
+            waker.released(key)
+
+    def after_fork(self) -> None:
+        waker, self._waker = self._waker, None
+        if waker is not None:
+            waker.forget()  # the parent's socket and thread are the parent's
+        self._waker_lock = threading.Lock()
+        super().after_fork()
 
     # Group commit (dblock._store.batch): the single upsert for many keys,
     # one write transaction instead of one per key. The fence counter is read
@@ -140,6 +180,10 @@ class SQLiteStore(Store):
             f"RETURNING token"
         )
         gone = {row[0] for row in (yield sql, params, True, False).rows}
+        if gone and self._wake_dir is not None:
+            for key, token in requests:
+                if token in gone:
+                    self._released(key)
         return [token in gone for _, token in requests]
 
     def transfer_steps(
@@ -189,3 +233,14 @@ class SQLiteStore(Store):
         )
         rows = self.run(sql, {"older_than": older_than, "limit": limit}, fetch=True).rows
         return [lock_row(r) for r in rows]
+
+
+def _wake_dir(engine: Engine) -> str | None:
+    """Where the waiters of a database file meet (``<file>-dblock``), if
+    the platform can wake them (see :class:`SocketWaker`); None for an
+    in-memory database, whose one process needs none (level 1)."""
+    database = engine.url.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    directory = os.path.abspath(database) + "-dblock"
+    return directory if SocketWaker.usable(directory) else None

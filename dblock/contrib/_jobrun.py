@@ -9,8 +9,6 @@ Their options, defaults and skip status are ``dblock run``'s (plus ``--per``).
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -20,7 +18,7 @@ from .. import SKIPPED
 from ..cli import parse_duration
 from ..errors import LockArgumentError
 from ..manager import LockManager
-from ..runner import EX_TEMPFAIL
+from ..runner import EX_TEMPFAIL, period_fire_time
 
 __all__ = ["HELP", "SKIP_STATUS", "RunOptions", "duration", "fire_time", "run_command"]
 
@@ -38,7 +36,8 @@ HELP = {
     "per": "run once per period of this long: the fire time is this host's clock rounded "
     "down to a multiple of it (for a cron line: its period, e.g. 1d; see docs/jobs.md)",
     "retry_failed": "with a fire time: run a fire time again whose run failed or died",
-    "wait": "wait this long for the key before skipping (default: skip at once)",
+    "wait": "wait this long for the key before skipping (default: skip at once; with "
+    "--fire-time or --per, wait up to --at-most for a run of another fire time)",
     "skip_status": f"exit status when skipped (default {SKIP_STATUS}, EX_TEMPFAIL, as dblock run)",
     "quiet": "say nothing when skipped (cron mails output)",
 }
@@ -59,7 +58,7 @@ class RunOptions:
     fire_time: str | None = None
     per: float | None = None
     retry_failed: bool = False
-    wait: float = 0
+    wait: float | None = None
     skip_status: int = SKIP_STATUS
     quiet: bool = False
 
@@ -67,12 +66,8 @@ class RunOptions:
 def fire_time(given: str | None, per: float | None, now: float | None = None) -> datetime | None:
     """The run's fire time: ``given`` (ISO 8601, with a zone), or ``now``
     (this host's clock) rounded down to a multiple of ``per`` seconds since
-    the epoch, or None (once at a time, no fire time).
-
-    Rounding this host's clock is right for cron: cron starts the command
-    when *this host's* clock reads the scheduled minute, so every host,
-    whatever its skew, reads about the same time then, a few seconds past
-    the scheduled one at most."""
+    the epoch (``dblock run --per``'s :func:`~dblock.runner.period_fire_time`),
+    or None (once at a time, no fire time)."""
     if given is not None and per is not None:
         raise LockArgumentError("give --fire-time or --per, not both")
     if given is not None:
@@ -85,10 +80,7 @@ def fire_time(given: str | None, per: float | None, now: float | None = None) ->
         return value.astimezone(timezone.utc)
     if per is None:
         return None
-    if not math.isfinite(per) or per < 1:
-        raise LockArgumentError(f"--per must be at least 1s, got {per!r} s")
-    clock = time.time() if now is None else now
-    return datetime.fromtimestamp(math.floor(clock / per) * per, timezone.utc)
+    return period_fire_time(per, now)
 
 
 def run_command(

@@ -493,7 +493,7 @@ def _durations(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--fire-time", default=None, help=_jobrun.HELP["fire_time"])
 @click.option("--per", callback=_durations, default=None, help=_jobrun.HELP["per"])
 @click.option("--retry-failed", is_flag=True, help=_jobrun.HELP["retry_failed"])
-@click.option("--wait", callback=_durations, default="0", help=_jobrun.HELP["wait"])
+@click.option("--wait", callback=_durations, default=None, help=_jobrun.HELP["wait"])
 @click.option(
     "--skip-status",
     type=click.IntRange(0, 255),

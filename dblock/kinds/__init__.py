@@ -15,17 +15,8 @@ and a request of another kind raises :class:`~dblock.errors.KindMismatch`.
 
 from __future__ import annotations
 
+# The values live with the table (dblock.schema), a floor below the store,
+# which writes them; this package names them for the kinds built on them.
+from ..schema import EXCLUSIVE, HEAD_SLOT, KINDS, RW, SEMAPHORE, describe
+
 __all__ = ["EXCLUSIVE", "HEAD_SLOT", "KINDS", "RW", "SEMAPHORE", "describe"]
-
-EXCLUSIVE = "exclusive"
-RW = "rw"
-SEMAPHORE = "semaphore"
-#: Every value of the ``kind`` column.
-KINDS = (EXCLUSIVE, RW, SEMAPHORE)
-#: The slot of a key's head row.
-HEAD_SLOT = ""
-
-
-def describe(kind: str, permits: int | None = None) -> str:
-    """How :class:`~dblock.errors.KindMismatch` names a kind: ``semaphore(3)``, ``rw``."""
-    return f"{kind}({permits})" if kind == SEMAPHORE and permits is not None else kind

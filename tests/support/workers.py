@@ -2,10 +2,13 @@
 
 Two rules keep the workers out of each other's way:
 
-* **A database per worker.** Worker ``gw1`` works in ``<database>_gw1`` on
-  each shared server (created when the worker starts, dropped when it ends),
-  so a test that counts, sweeps or lists rows of the default table never
-  sees another worker's. The URLs are set in the environment too, for the
+* **A database per worker.** Worker ``gw1`` works in
+  ``<database>_<run>_gw1`` on each shared server (``<run>``: the first
+  characters of xdist's id of the run, so two runs at once on the same
+  servers, say a developer's beside CI's, never drop each other's),
+  created when the worker starts and dropped when it ends, so a test that
+  counts, sweeps or lists rows of the default table never sees another
+  worker's. The URLs are set in the environment too, for the
   processes the tests start.
 * **A file runs whole on one worker** (``--dist loadgroup``, each test's
   group its file): a file's tests share session fixtures, ports and
@@ -36,6 +39,11 @@ def worker() -> str | None:
     return os.environ.get("PYTEST_XDIST_WORKER")
 
 
+def run_id() -> str:
+    """This run's id (the same on all its workers), short: part of the names."""
+    return os.environ.get("PYTEST_XDIST_TESTRUNUID", "solo")[:8]
+
+
 def _admin(url: str) -> sa.Engine:
     return sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
 
@@ -48,7 +56,7 @@ def use_own_databases(name: str) -> None:
         if reachable(base):
             continue
         url = sa.make_url(base)
-        own = f"{url.database}_{name}"
+        own = f"{url.database}_{run_id()}_{name}"
         admin = _admin(base)
         try:
             with admin.connect() as conn:
@@ -86,7 +94,7 @@ def drop_own_databases(name: str) -> None:
     a process a failed test left behind, are ended)."""
     for db, url in DEFAULT_URLS.items():
         parsed = sa.make_url(url)
-        if not (parsed.database or "").endswith(f"_{name}"):
+        if not (parsed.database or "").endswith(f"_{run_id()}_{name}"):
             continue
         base = parsed.set(database="postgres" if db == "postgresql" else None)
         admin = _admin(base.render_as_string(hide_password=False))

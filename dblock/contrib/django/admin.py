@@ -4,6 +4,9 @@ What an operator asks of it: which keys of one kind are held (the key prefix
 filter, from the part of each key before its first ``:``), which rows expired
 without being released (the lease filter: crashed holders the sweeper has not
 reached), and which have been held for long (the age filter and column).
+Above the list, the table's storage as ``dblock stats`` shows it (size, dead
+rows and autovacuum on PostgreSQL, purge lag on MariaDB/MySQL), as a warning
+when vacuum does not keep up (docs/operations.md, "Vacuum and bloat").
 Ages and leases here use this web server's clock, not the database's: the
 ``dblock list`` and ``dblock top`` commands read both from the database.
 """
@@ -115,6 +118,24 @@ class LockAdmin(admin.ModelAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Lock]:
         return super().get_queryset(request).using(conf.database_alias())
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        if request.method == "GET":
+            self._storage_messages(request)
+        return super().changelist_view(request, extra_context)
+
+    def _storage_messages(self, request: HttpRequest) -> None:
+        try:
+            table = get_manager().store.table_health()
+        except DBLockError:
+            return  # the list itself says whether the database answers
+        if table is None:
+            return
+        line = table.summary()
+        if line:
+            self.message_user(request, f"Lock table: {line}.", messages.INFO)
+        for warning in table.warnings:
+            self.message_user(request, f"Lock table: {warning}.", messages.WARNING)
 
     def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
         # A key may have several rows (semaphore permits, read-write rows):

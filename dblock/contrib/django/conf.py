@@ -11,6 +11,7 @@ rule of the Flask integration too.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from sqlalchemy import URL
@@ -106,6 +107,19 @@ def url_for(alias: str) -> URL:
     return url_from(connection.vendor, connection.settings_dict, alias)
 
 
+def _driver(vendor: str) -> str:
+    """The SQLAlchemy driver for ``vendor``: on PostgreSQL the one Django
+    itself runs on (psycopg 3 when it is installed, else psycopg2), so an
+    application on psycopg2 needs no second driver."""
+    if (
+        vendor == "postgresql"
+        and importlib.util.find_spec("psycopg") is None
+        and importlib.util.find_spec("psycopg2") is not None
+    ):
+        return "postgresql+psycopg2"
+    return _DRIVERS[vendor]
+
+
 def url_from(vendor: str, s: dict[str, Any], alias: str = "default") -> URL:
     """A SQLAlchemy URL for a Django connection's ``vendor`` and settings."""
     if vendor not in _DRIVERS:
@@ -117,7 +131,7 @@ def url_from(vendor: str, s: dict[str, Any], alias: str = "default") -> URL:
     if vendor == "sqlite":
         return URL.create("sqlite", database=str(s["NAME"]))
     return URL.create(
-        _DRIVERS[vendor],
+        _driver(vendor),
         username=s.get("USER") or None,
         password=s.get("PASSWORD") or None,
         host=s.get("HOST") or None,

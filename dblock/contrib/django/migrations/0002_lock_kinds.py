@@ -11,43 +11,21 @@ other kinds exist (see ``dblock.schema_upgrade``).
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from django.db import migrations, models
 
-from dblock.contrib.django import _ddl, conf
+from dblock.contrib.django import _ddl
 
 _initial = importlib.import_module("dblock.contrib.django.migrations.0001_initial")
 
 
-def _ours(schema_editor: Any) -> bool:
-    connection = schema_editor.connection
-    if connection.alias != conf.database_alias():
-        return False
-    names = conf.table_names()
-    return names.table in connection.introspection.table_names()
-
-
-def upgrade_lock_table(apps: Any, schema_editor: Any) -> None:
-    connection = schema_editor.connection
-    if connection.alias != conf.database_alias():
-        return
-    if _initial.lock_file_beside(connection):  # migrated to the newest there
-        return
-    names = conf.table_names()
-    if not _ours(schema_editor) or _ddl.version_of(connection, names) != "0001":
-        return
-    for sql in _ddl.upgrade_0002_sql(connection, names):
-        schema_editor.execute(sql, params=None)
-
-
-def downgrade_lock_table(apps: Any, schema_editor: Any) -> None:
-    connection = schema_editor.connection
-    names = conf.table_names()
-    if not _ours(schema_editor) or _ddl.version_of(connection, names) != "0002":
-        return
-    for sql in _ddl.downgrade_0002_sql(connection, names):
-        schema_editor.execute(sql, params=None)
+upgrade_lock_table, downgrade_lock_table = _ddl.revision_step(
+    "0001",
+    "0002",
+    _ddl.upgrade_0002_sql,
+    _ddl.downgrade_0002_sql,
+    lock_file_beside=_initial.lock_file_beside,
+)
 
 
 class Migration(migrations.Migration):

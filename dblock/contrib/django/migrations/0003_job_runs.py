@@ -9,7 +9,6 @@ Backwards, the runs table is dropped (it holds history, not held locks).
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from django.db import migrations, models
 
@@ -19,33 +18,13 @@ from dblock.contrib.django import _ddl, conf
 _initial = importlib.import_module("dblock.contrib.django.migrations.0001_initial")
 
 
-def _ours(schema_editor: Any) -> bool:
-    connection = schema_editor.connection
-    if connection.alias != conf.database_alias():
-        return False
-    return conf.table_names().table in connection.introspection.table_names()
-
-
-def create_runs_table(apps: Any, schema_editor: Any) -> None:
-    connection = schema_editor.connection
-    if connection.alias != conf.database_alias():
-        return
-    if _initial.lock_file_beside(connection):  # migrated to the newest there
-        return
-    names = conf.table_names()
-    if not _ours(schema_editor) or _ddl.version_of(connection, names) != "0002":
-        return
-    for sql in _ddl.upgrade_0003_sql(connection, names):
-        schema_editor.execute(sql, params=None)
-
-
-def drop_runs_table(apps: Any, schema_editor: Any) -> None:
-    connection = schema_editor.connection
-    names = conf.table_names()
-    if not _ours(schema_editor) or _ddl.version_of(connection, names) != "0003":
-        return
-    for sql in _ddl.downgrade_0003_sql(connection, names):
-        schema_editor.execute(sql, params=None)
+create_runs_table, drop_runs_table = _ddl.revision_step(
+    "0002",
+    "0003",
+    _ddl.upgrade_0003_sql,
+    _ddl.downgrade_0003_sql,
+    lock_file_beside=_initial.lock_file_beside,
+)
 
 
 class Migration(migrations.Migration):

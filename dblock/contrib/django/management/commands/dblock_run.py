@@ -45,7 +45,7 @@ class Command(BaseCommand):
         parser.add_argument("--fire-time", default=None, help=help_["fire_time"])
         parser.add_argument("--per", type=_duration, default=None, help=help_["per"])
         parser.add_argument("--retry-failed", action="store_true", help=help_["retry_failed"])
-        parser.add_argument("--wait", type=_duration, default=0.0, help=help_["wait"])
+        parser.add_argument("--wait", type=_duration, default=None, help=help_["wait"])
         parser.add_argument(
             "--skip-status", type=int, default=jobrun.SKIP_STATUS, help=help_["skip_status"]
         )

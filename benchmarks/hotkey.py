@@ -13,14 +13,14 @@ engine, from the start signal to the end) and the wait of granted requests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 import uuid
 from typing import Any
 
-from ..errors import BackendError, LockBusy, LockTimeout
-from ..lock import UNSET
-from ..manager import LockManager
+from dblock import BackendError, LockBusy, LockManager, LockTimeout
+
 from .counting import count_statements
 from .procs import Start, run_together
 from .stats import percentile
@@ -136,8 +136,9 @@ def _worker(spec: HotKeySpec, key: str, start: Start) -> None:
     inside = 0
     most_inside = 0
     inside_lock = threading.Lock()
-    lock, blocking, hold, retry = manager.lock, spec.blocking, spec.hold, spec.retry_after
-    wait = 60.0 if blocking else UNSET  # a fail-fast request takes no timeout
+    blocking, hold, retry = spec.blocking, spec.hold, spec.retry_after
+    # A fail-fast request takes no timeout.
+    lock = functools.partial(manager.lock, timeout=60.0) if blocking else manager.lock
 
     def run(tally: _Tally, deadline: float) -> None:
         nonlocal inside, most_inside
@@ -145,7 +146,7 @@ def _worker(spec: HotKeySpec, key: str, start: Start) -> None:
         while _monotonic() < deadline:
             t0 = _monotonic()
             try:
-                with lock(key, blocking=blocking, timeout=wait, fair=spec.fair):
+                with lock(key, blocking=blocking, fair=spec.fair):
                     waits.append(_monotonic() - t0)
                     with inside_lock:
                         inside += 1

@@ -83,6 +83,20 @@ def fair_summary(results: Results) -> dict[str, dict[str, Any]]:
 
 def targets(results: Results) -> list[Target]:
     """The issue's targets on PostgreSQL, judged on this run's numbers."""
+    return [
+        *_uncontended_targets(results),
+        *_level1_targets(results),
+        *_hotkey_targets(results),
+        *_fair_targets(results),
+        *_handoff_targets(results),
+        *_async_targets(results),
+        *many_targets(results),
+        *_memory_targets(results),
+    ]
+
+
+def _uncontended_targets(results: Results) -> list[Target]:
+    """Uncontended, dblock vs the raw driver, and read_lock vs the exclusive lock."""
     out: list[Target] = []
     cycle = {(r.database, r.name): r for r in results.uncontended}
     pg = cycle.get(("postgresql", "dblock"))
@@ -111,6 +125,12 @@ def targets(results: Results) -> list[Target]:
                 "" if ratio <= 1.20 else f"missed by {(ratio / 1.20 - 1) * 100:.1f}%",
             )
         )
+    return out
+
+
+def _level1_targets(results: Results) -> list[Target]:
+    """Level 1: refusal and re-entry, no SQL."""
+    out: list[Target] = []
     for l1 in results.level1:
         out.append(
             Target(
@@ -129,6 +149,12 @@ def targets(results: Results) -> list[Target]:
                 l1.reentrant_acquire_us < 3,
             )
         )
+    return out
+
+
+def _hotkey_targets(results: Results) -> list[Target]:
+    """The hot key, waiting, 4 x 8: SQL per grant, and grants/s vs level 2 only."""
+    out: list[Target] = []
     hot = {(h.database, h.mode, h.label): h for h in results.hotkey}
     mine = hot.get(("postgresql", "waiting", "dblock"))
     theirs = hot.get(("postgresql", "waiting", "level 2 only"))
@@ -155,6 +181,12 @@ def targets(results: Results) -> list[Target]:
                 "" if judged else "the target is for 4×8",
             )
         )
+    return out
+
+
+def _fair_targets(results: Results) -> list[Target]:
+    """The fair queue's tail and its throughput beside the default mode."""
+    out: list[Target] = []
     fair = fair_summary(results).get("postgresql")
     if fair is not None:
         shape, judged = fair["shape"], fair["shape"] == "4×8"
@@ -179,6 +211,12 @@ def targets(results: Results) -> list[Target]:
                 note,
             )
         )
+    return out
+
+
+def _handoff_targets(results: Results) -> list[Target]:
+    """The hand-off across processes on LISTEN/NOTIFY."""
+    out: list[Target] = []
     for h in results.handoff:
         if h.database == "postgresql" and h.label == "LISTEN/NOTIFY":
             out.append(
@@ -189,8 +227,12 @@ def targets(results: Results) -> list[Target]:
                     h.p50_ms < 3,
                 )
             )
-    out += _async_targets(results)
-    out += many_targets(results)
+    return out
+
+
+def _memory_targets(results: Results) -> list[Target]:
+    """The registry back to its baseline after many keys."""
+    out: list[Target] = []
     for m in results.memory:
         if m.what.startswith("registry"):
             # "Baseline" allows a few stray objects (a dict from the interpreter's
@@ -558,7 +600,6 @@ def _render_async(results: Results) -> list[str]:
 
 
 def render_markdown(results: Results) -> str:
-    o = results.options
     lines = [f"### dblock bench, {results.started}", ""]
     m = results.machine
     lines.append(
@@ -579,126 +620,169 @@ def render_markdown(results: Results) -> str:
             ((t.what, t.goal, t.measured, _verdict(t)) for t in found),
         )
         lines.append("")
-    if results.uncontended:
-        lines += [
-            f"**Uncontended lock+unlock**, distinct keys, one thread: {o['rounds']} interleaved "
-            f"rounds of {o['block']} cycles per contender, shuffled each round. µs per cycle: "
-            "median of block means [p10–p90]; ratio: dblock's block over the raw driver's block "
-            "of the same round (median [p10–p90]); client CPU from `time.thread_time`.",
-            "",
-        ]
-        lines += _table(_CYCLE_HEAD, _cycle_rows(results.uncontended, results.unavailable))
-        lines.append("")
-    if results.level1:
-        lines += ["**Level 1**, in-process (median of 5 timed runs; no SQL may be sent)", ""]
-        lines += _table(
-            ["operation", "µs/op"],
-            [
-                row
-                for r in results.level1
-                for row in (
-                    ("refusal: `acquire(key, blocking=False)`", f"{r.refusal_us:.2f}"),
-                    ("refusal: `with lock(key, blocking=False)`", f"{r.refusal_with_us:.2f}"),
-                    ("re-entrant `acquire(key)`", f"{r.reentrant_acquire_us:.2f}"),
-                    ("re-entrant `release()`", f"{r.reentrant_release_us:.2f}"),
-                    ("re-entrant `with lock(key)`", f"{r.reentrant_with_us:.2f}"),
-                    ("SQL statements sent by all of the above", str(r.statements)),
-                )
-            ],
-        )
-        lines.append("")
-    if results.hotkey:
-        h0 = results.hotkey[0]
-        lines += [
-            f"**Hot key**: {h0.processes} processes × {h0.threads} threads on one key, "
-            f"~{float(o['seconds']):g} s each, critical section {h0.hold * 1e3:g} ms, "
-            f"fail-fast retries after {float(o['retry_after']) * 1e3:g} ms. Waits are of "
-            "granted requests. Statements counted by an engine listener in every process.",
-            "",
-        ]
-        lines += _table(
-            [
-                "database",
-                "mode",
-                "lock",
-                "grants/s",
-                "SQL/grant",
-                "wait p50 ms",
-                "wait p99 ms",
-                "refused L1 / L2",
-                "timeouts, errors",
-            ],
-            (
-                (
-                    h.database,
-                    h.mode,
-                    h.label,
-                    _f(h.grants_per_s),
-                    _f(h.statements_per_grant, 2),
-                    _f(h.wait_p50_ms, 2),
-                    _f(h.wait_p99_ms, 1),
-                    f"{h.refused_level1:,} / {h.refused_level2:,}",
-                    f"{h.timeouts}, {h.errors}",
-                )
-                for h in results.hotkey
-            ),
-        )
-        lines.append("")
+    lines += _uncontended_lines(results)
+    lines += _level1_lines(results)
+    lines += _hotkey_lines(results)
     lines += _fair_lines(results)
-    if results.handoff:
-        lines += [
-            "**Hand-off across processes**: from `release()` in one process to `acquire()` "
-            f"returning in another (holder keeps the key {float(o['handoff_hold']) * 1e3:g} ms).",
-            "",
-        ]
-        lines += _table(
-            ["database", "waiter learns by", "hand-offs", "p50 ms", "p90 ms", "p99 ms", "max ms"],
-            (
-                (
-                    h.database,
-                    h.label,
-                    h.handoffs,
-                    _f(h.p50_ms, 2),
-                    _f(h.p90_ms, 2),
-                    _f(h.p99_ms, 2),
-                    _f(h.max_ms, 1),
-                )
-                for h in results.handoff
-            ),
-        )
-        lines.append("")
-    if results.memory:
-        lines += ["**Memory** after every key came and went (in bursts held at once)", ""]
-        lines += _table(
-            [
-                "run",
-                "keys (burst)",
-                "s",
-                "registry.py bytes before → after",
-                "all traced, change",
-                "RSS change",
-                "entries left",
-                "dict bytes before → after",
-            ],
-            (
-                (
-                    m.what,
-                    f"{m.keys:,} ({m.burst:,})",
-                    _f(m.seconds, 1),
-                    f"{m.registry_before:,} → {m.registry_after:,}" if m.traced_before else "–",
-                    f"{m.traced_after - m.traced_before:+,} B" if m.traced_before else "–",
-                    _mib(m.rss_after - m.rss_before),
-                    m.entries_after,
-                    f"{m.dict_bytes_before:,} → {m.dict_bytes_after:,}",
-                )
-                for m in results.memory
-            ),
-        )
-        lines.append("")
+    lines += _handoff_lines(results)
+    lines += _memory_lines(results)
     lines += _render_async(results)
     lines += _many_lines(results)
     lines.append(f"Whole run: {results.seconds:.0f} s.")
     return "\n".join(lines)
+
+
+def _uncontended_lines(results: Results) -> list[str]:
+    """Uncontended: every contender, per database."""
+    if not results.uncontended:
+        return []
+    o = results.options
+    lines: list[str] = []
+    lines += [
+        f"**Uncontended lock+unlock**, distinct keys, one thread: {o['rounds']} interleaved "
+        f"rounds of {o['block']} cycles per contender, shuffled each round. µs per cycle: "
+        "median of block means [p10–p90]; ratio: dblock's block over the raw driver's block "
+        "of the same round (median [p10–p90]); client CPU from `time.thread_time`.",
+        "",
+    ]
+    lines += _table(_CYCLE_HEAD, _cycle_rows(results.uncontended, results.unavailable))
+    lines.append("")
+    return lines
+
+
+def _level1_lines(results: Results) -> list[str]:
+    """Level 1 in-process costs."""
+    if not results.level1:
+        return []
+    lines: list[str] = []
+    lines += ["**Level 1**, in-process (median of 5 timed runs; no SQL may be sent)", ""]
+    lines += _table(
+        ["operation", "µs/op"],
+        [
+            row
+            for r in results.level1
+            for row in (
+                ("refusal: `acquire(key, blocking=False)`", f"{r.refusal_us:.2f}"),
+                ("refusal: `with lock(key, blocking=False)`", f"{r.refusal_with_us:.2f}"),
+                ("re-entrant `acquire(key)`", f"{r.reentrant_acquire_us:.2f}"),
+                ("re-entrant `release()`", f"{r.reentrant_release_us:.2f}"),
+                ("re-entrant `with lock(key)`", f"{r.reentrant_with_us:.2f}"),
+                ("SQL statements sent by all of the above", str(r.statements)),
+            )
+        ],
+    )
+    lines.append("")
+    return lines
+
+
+def _hotkey_lines(results: Results) -> list[str]:
+    """The hot key, every database, mode and lock."""
+    if not results.hotkey:
+        return []
+    o = results.options
+    lines: list[str] = []
+    h0 = results.hotkey[0]
+    lines += [
+        f"**Hot key**: {h0.processes} processes × {h0.threads} threads on one key, "
+        f"~{float(o['seconds']):g} s each, critical section {h0.hold * 1e3:g} ms, "
+        f"fail-fast retries after {float(o['retry_after']) * 1e3:g} ms. Waits are of "
+        "granted requests. Statements counted by an engine listener in every process.",
+        "",
+    ]
+    lines += _table(
+        [
+            "database",
+            "mode",
+            "lock",
+            "grants/s",
+            "SQL/grant",
+            "wait p50 ms",
+            "wait p99 ms",
+            "refused L1 / L2",
+            "timeouts, errors",
+        ],
+        (
+            (
+                h.database,
+                h.mode,
+                h.label,
+                _f(h.grants_per_s),
+                _f(h.statements_per_grant, 2),
+                _f(h.wait_p50_ms, 2),
+                _f(h.wait_p99_ms, 1),
+                f"{h.refused_level1:,} / {h.refused_level2:,}",
+                f"{h.timeouts}, {h.errors}",
+            )
+            for h in results.hotkey
+        ),
+    )
+    lines.append("")
+    return lines
+
+
+def _handoff_lines(results: Results) -> list[str]:
+    """The hand-off across processes."""
+    if not results.handoff:
+        return []
+    o = results.options
+    lines: list[str] = []
+    lines += [
+        "**Hand-off across processes**: from `release()` in one process to `acquire()` "
+        f"returning in another (holder keeps the key {float(o['handoff_hold']) * 1e3:g} ms).",
+        "",
+    ]
+    lines += _table(
+        ["database", "waiter learns by", "hand-offs", "p50 ms", "p90 ms", "p99 ms", "max ms"],
+        (
+            (
+                h.database,
+                h.label,
+                h.handoffs,
+                _f(h.p50_ms, 2),
+                _f(h.p90_ms, 2),
+                _f(h.p99_ms, 2),
+                _f(h.max_ms, 1),
+            )
+            for h in results.handoff
+        ),
+    )
+    lines.append("")
+    return lines
+
+
+def _memory_lines(results: Results) -> list[str]:
+    """Memory after every key came and went."""
+    if not results.memory:
+        return []
+    lines: list[str] = []
+    lines += ["**Memory** after every key came and went (in bursts held at once)", ""]
+    lines += _table(
+        [
+            "run",
+            "keys (burst)",
+            "s",
+            "registry.py bytes before → after",
+            "all traced, change",
+            "RSS change",
+            "entries left",
+            "dict bytes before → after",
+        ],
+        (
+            (
+                m.what,
+                f"{m.keys:,} ({m.burst:,})",
+                _f(m.seconds, 1),
+                f"{m.registry_before:,} → {m.registry_after:,}" if m.traced_before else "–",
+                f"{m.traced_after - m.traced_before:+,} B" if m.traced_before else "–",
+                _mib(m.rss_after - m.rss_before),
+                m.entries_after,
+                f"{m.dict_bytes_before:,} → {m.dict_bytes_after:,}",
+            )
+            for m in results.memory
+        ),
+    )
+    lines.append("")
+    return lines
 
 
 def _grouped_bars(ax: Any, results: Results, attr: str) -> None:

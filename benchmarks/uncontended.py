@@ -32,8 +32,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ..errors import LockBusy
-from ..manager import LockManager
+from dblock import LockBusy, LockManager
+from dblock._hooks import LockStatements, lock_statements
+
 from .counting import count_statements
 from .options import BenchOptions
 from .stats import percentile, spread
@@ -122,6 +123,19 @@ class Bench:
         with self.engine.connect() as conn:
             conn.exec_driver_sql(_plain_ddl(self.engine.dialect.name, self.plain))
 
+    def vacuum(self) -> None:
+        """PostgreSQL: ``VACUUM (ANALYZE)`` both tables, so that the next
+        section starts with none of the dead rows the earlier ones left (a
+        shared server may run with autovacuum off, and autovacuum visits once
+        a minute at most) and with current statistics: a number must not
+        depend on what ran before it. Plain SQL on this engine (autocommit:
+        VACUUM cannot run in a transaction). MariaDB's purge and SQLite's free
+        pages take no such step."""
+        if self.engine.dialect.name != "postgresql":
+            return
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql(f"VACUUM (ANALYZE) {self.table}, {self.plain}")
+
     def close(self) -> None:
         try:
             with self.engine.connect() as conn:
@@ -200,7 +214,9 @@ class _Driver:
     acquire_params: dict[str, Any]
     release_params: dict[str, Any]
     placeholder: str
-    release_returns: bool = True
+    release_returns: bool
+    #: Whether an acquire's answer (rows, row count, token) granted the lock.
+    granted: Callable[[Any, int, str], bool]
 
 
 def _execute_on_connection(conn: Any, sql: str, params: Any, fetch: bool) -> None:
@@ -216,7 +232,7 @@ def _execute_on_cursor(conn: Any, sql: str, params: Any, fetch: bool) -> None:
             cursor.fetchall()
 
 
-def _postgresql_driver(bench: Bench, store: Any) -> _Driver:
+def _postgresql_driver(bench: Bench, sql: LockStatements) -> _Driver:
     import psycopg
 
     conninfo = sa.make_url(bench.url).set(drivername="postgresql").render_as_string(False)
@@ -224,41 +240,53 @@ def _postgresql_driver(bench: Bench, store: Any) -> _Driver:
         name="psycopg",
         connect=lambda: psycopg.connect(conninfo, autocommit=True),
         execute=_execute_on_connection,
-        acquire=store._acquire_sql,
-        release=store._release_sql,
-        acquire_params={"ttl": TTL},
-        release_params={"channel": store._channel},
+        acquire=sql.acquire,
+        release=sql.release,
+        acquire_params=sql.acquire_params(TTL),
+        release_params=sql.release_params,
         placeholder="%s",
+        release_returns=sql.release_returns,
+        granted=sql.granted,
     )
 
 
-def _mariadb_driver(bench: Bench, store: Any) -> _Driver:
-    import pymysql
-
-    store._capabilities()  # which INSERT dblock sends depends on the server
+def _mariadb_driver(bench: Bench, sql: LockStatements) -> _Driver:
+    """The URL's own driver: PyMySQL (``mysql+pymysql://``, the default) or
+    mysqlclient (``mysql+mysqldb://``), so dblock is compared with the
+    driver it runs on."""
     url = sa.make_url(bench.url)
+    options: dict[str, Any] = {
+        "host": url.host,
+        "port": url.port or 3306,
+        "user": url.username or "",
+        "password": url.password or "",
+        "database": url.database,
+        "autocommit": True,
+        "charset": "utf8mb4",
+    }
+    if url.get_driver_name() == "mysqldb":
+        import MySQLdb
+
+        name, module = "mysqlclient", MySQLdb
+    else:
+        import pymysql
+
+        name, module = "PyMySQL", pymysql
     return _Driver(
-        name="PyMySQL",
-        connect=lambda: pymysql.connect(
-            host=url.host,
-            port=url.port or 3306,
-            user=url.username or "",
-            password=url.password or "",
-            database=url.database,
-            autocommit=True,
-            charset="utf8mb4",
-        ),
+        name=name,
+        connect=lambda: module.connect(**options),
         execute=_execute_on_cursor,
-        acquire=store._insert_returning_sql if store.returning else store._insert_sql,
-        release=store._release_sql,
-        acquire_params={"ttl_us": round(TTL * 1e6)},
-        release_params={},
+        acquire=sql.acquire,
+        release=sql.release,
+        acquire_params=sql.acquire_params(TTL),
+        release_params=sql.release_params,
         placeholder="%s",
-        release_returns=False,
+        release_returns=sql.release_returns,
+        granted=sql.granted,
     )
 
 
-def _sqlite_driver(bench: Bench, store: Any) -> _Driver:
+def _sqlite_driver(bench: Bench, sql: LockStatements) -> _Driver:
     import sqlite3
 
     path = sa.make_url(bench.url).database or ""
@@ -273,11 +301,13 @@ def _sqlite_driver(bench: Bench, store: Any) -> _Driver:
         name="sqlite3",
         connect=connect,
         execute=_execute_on_connection,
-        acquire=store._acquire_sql,
-        release=store._release_sql,
-        acquire_params={"ttl": TTL},
-        release_params={},
+        acquire=sql.acquire,
+        release=sql.release,
+        acquire_params=sql.acquire_params(TTL),
+        release_params=sql.release_params,
         placeholder="?",
+        release_returns=sql.release_returns,
+        granted=sql.granted,
     )
 
 
@@ -289,8 +319,14 @@ _DRIVERS = {
 }
 
 
+def raw_driver(bench: Bench, manager: LockManager | None = None) -> _Driver:
+    """The raw driver for ``bench``'s database, with the statements
+    ``manager`` (default: the bench's own) sends for one lock."""
+    return _DRIVERS[bench.database](bench, lock_statements(manager or bench.manager))
+
+
 def _raw_contenders(bench: Bench, run: str) -> tuple[Contender, Contender]:
-    driver = _DRIVERS[bench.database](bench, bench.manager.store)
+    driver = raw_driver(bench)
     owner = _owner()
     execute = driver.execute
     conn, plain_conn = driver.connect(), driver.connect()

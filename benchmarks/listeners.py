@@ -34,8 +34,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import LockLost, LockNotAcquired
-from ..manager import LockManager
+from dblock import LockLost, LockManager, LockNotAcquired
+from dblock._hooks import ListenerView, listener_of
+
 from .procs import Start, run_together
 from .stats import percentile
 
@@ -198,8 +199,9 @@ def _worker(spec: ListenersSpec, run: str, start: Start) -> None:
     manager = LockManager(spec.url, table=spec.table, renew=False)
     with manager.lock(f"bench:listeners:{run}:warm-up:{os.getpid()}"):
         pass
-    store: Any = manager.store
-    window = _Window(store.listener())
+    listener = listener_of(manager)
+    assert listener is not None, "PostgreSQL only"
+    window = _Window(listener)
     start.ready.put(True)
     start.go.wait()
     # Side 0 takes the key first (not before the others are ready: a
@@ -243,7 +245,7 @@ def _worker(spec: ListenersSpec, run: str, start: Start) -> None:
 class _Window:
     """One process's counters, from :meth:`start` to :meth:`report`."""
 
-    def __init__(self, listener: Any) -> None:
+    def __init__(self, listener: ListenerView) -> None:
         self.listener = listener
         self.open = False
         self.events = 0
@@ -257,7 +259,7 @@ class _Window:
         self.latencies.clear()
         self._since = time.monotonic()
         self._received = self.listener.received
-        self._cpu = _thread_cpu(self.listener._thread)
+        self._cpu = _thread_cpu(self.listener.thread)
         self._process = time.process_time()
 
     def report(self) -> ProcessReport:
@@ -265,10 +267,10 @@ class _Window:
             seconds=time.monotonic() - self._since,
             received=int(self.listener.received - self._received),
             events=self.events,
-            listener_cpu=_thread_cpu(self.listener._thread) - self._cpu,
+            listener_cpu=_thread_cpu(self.listener.thread) - self._cpu,
             process_cpu=time.process_time() - self._process,
             latencies=list(self.latencies),
-            buckets=len(getattr(self.listener, "_listened", ())),
+            buckets=self.listener.buckets,
         )
 
 

@@ -18,7 +18,8 @@ import os
 import time
 import uuid
 
-from ..manager import LockManager
+from dblock import LockManager
+
 from .procs import Start, run_together
 from .stats import percentile
 
@@ -40,6 +41,7 @@ class HandoffSpec:
 class HandoffResult:
     database: str
     label: str
+    notify: bool  # the waiters were woken (True) or polled (False)
     handoffs: int
     p50_ms: float
     p90_ms: float
@@ -66,6 +68,7 @@ def run_handoff(spec: HandoffSpec) -> HandoffResult:
     return HandoffResult(
         database=spec.database,
         label=spec.label,
+        notify=spec.notify,
         handoffs=len(latencies),
         p50_ms=percentile(latencies, 50) * 1e3,
         p90_ms=percentile(latencies, 90) * 1e3,

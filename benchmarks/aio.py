@@ -3,7 +3,7 @@
 * uncontended lock+unlock on distinct keys, against the raw asyncio driver
   (psycopg's ``AsyncConnection``, aiomysql, aiosqlite) sending the statements
   dblock sends, interleaved block by block with the same shuffle as the
-  blocking comparison (:func:`~dblock.bench.uncontended.measure_interleaved`):
+  blocking comparison (:func:`~benchmarks.uncontended.measure_interleaved`):
   each contender runs a whole block in one turn of a shared event loop;
 * level 1 for tasks: a second task of the loop asking fail-fast for a key a
   first task holds, per operation, and the statements that sent (none);
@@ -30,20 +30,20 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .._store.aio import AsyncStore
-from ..aio import AsyncLockManager
-from ..errors import BackendError, LockBusy, LockTimeout
+from dblock import AsyncLockManager, BackendError, LockBusy, LockTimeout
+from dblock._hooks import async_statements_sent
+
 from .counting import Counter, count_statements
 from .hotkey import HotKeyResult, HotKeySpec, _combine
 from .procs import Start, run_together
 from .stats import percentile
 from .uncontended import (
-    _DRIVERS,
     Bench,
     Contender,
     Unavailable,
     _owner,
     _reason,
+    raw_driver,
 )
 
 __all__ = [
@@ -87,26 +87,26 @@ class _Statements:
     slower observed path), and what its blocking engine sent (renewals,
     orphans), counted by a listener there."""
 
-    __slots__ = ("_base", "_other", "_store")
+    __slots__ = ("_base", "_manager", "_other")
 
-    def __init__(self, store: AsyncStore, other: Counter) -> None:
-        self._store = store
+    def __init__(self, manager: AsyncLockManager, other: Counter) -> None:
+        self._manager = manager
         self._other = other
-        self._base = store.statements
+        self._base = async_statements_sent(manager)
 
     @property
     def count(self) -> int:
-        return self._store.statements - self._base + self._other.count
+        return async_statements_sent(self._manager) - self._base + self._other.count
 
     def reset(self) -> None:
-        self._base = self._store.statements
+        self._base = async_statements_sent(self._manager)
         self._other.reset()
 
 
 @contextlib.contextmanager
 def _counting(alocks: AsyncLockManager) -> Iterator[_Statements]:
     with count_statements(alocks.sync.engine) as other:
-        yield _Statements(alocks._astore, other)
+        yield _Statements(alocks, other)
 
 
 # -- uncontended -------------------------------------------------------------
@@ -220,7 +220,7 @@ def make_async_contenders(
             async with lock(prefix + str(i)):
                 pass
 
-    sql = _DRIVERS[db](bench, bench.manager.store)
+    sql = raw_driver(bench)
     owner = _owner()
     execute = driver.execute
     acquire, release = sql.acquire, sql.release

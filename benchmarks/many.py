@@ -33,7 +33,7 @@ with fewer, each thread has its own. The default budget, 80, keeps a run under P
 
 Per window and contender: grants, refusals, timeouts, errors; the acquire
 latency of every grant (request to granted); statements and commits, counted
-in every process at the driver (:mod:`dblock.bench.dbapi`); client CPU of the
+in every process at the driver (:mod:`benchmarks.dbapi`); client CPU of the
 whole process (``time.process_time``: every thread, dblock's renewal and
 listener threads included).
 """
@@ -50,14 +50,15 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from ..errors import LockBusy, LockTimeout
+from dblock import LockBusy, LockTimeout
+
 from .stats import percentile
-from .uncontended import _DRIVERS, TTL, Bench, _owner, _reason
+from .uncontended import TTL, Bench, _Driver, _owner, _reason, raw_driver
 
 __all__ = ["Group", "ManyResult", "ManySpec", "make_specs", "run_many", "summarise"]
 
@@ -245,7 +246,14 @@ def run_many(spec: ManySpec, tick: Callable[[], None]) -> list[dict[str, Any]]:
                 w.kill()
 
 
-# -- the contenders, blocking ------------------------------------------------
+# -- one body for both faces --------------------------------------------------
+#
+# A worker process, a window and the raw driver's cycle are each written once,
+# as a generator of steps: it yields what is to be done (an operation below,
+# a statement, a pause) and is sent the outcome (or has the failure thrown
+# in). The threads face drives the steps with blocking calls (:func:`_drive`,
+# :class:`_Threads`), the asyncio face awaits them (:func:`_adrive`,
+# :class:`_Tasks`); only the doing differs.
 
 
 @dataclasses.dataclass
@@ -255,6 +263,232 @@ class _Tally:
     timeouts: int = 0
     errors: int = 0
     error: str = ""
+
+    def failed(self, exc: Exception) -> bool:
+        """Count a cycle that raised ``exc``; true when it was an error
+        (the loop pauses a little before the next cycle)."""
+        if isinstance(exc, _REFUSED):
+            self.refused += 1
+            return False
+        if isinstance(exc, _TIMED_OUT):
+            self.timeouts += 1
+            return False
+        self.errors += 1
+        self.error = self.error or _reason(exc)
+        return True
+
+
+@dataclasses.dataclass
+class _Window:
+    """What every thread (task) of one process's window shares."""
+
+    prefix: str  # of this contender's keys
+    keys: int
+    deadline: float = 0.0
+
+    def key(self, randrange: Callable[[int], int]) -> str:
+        return self.prefix + str(randrange(self.keys))
+
+    def warm_key(self) -> str:
+        return f"{self.prefix}warm:{uuid.uuid4().hex}"
+
+
+@dataclasses.dataclass
+class _Wait:
+    """Wait at the barrier shared with the parent and the other workers."""
+
+    seconds: float
+
+
+@dataclasses.dataclass
+class _Open:
+    """Open (and connect) a contender; the answer is the contender."""
+
+    contender: str
+    group: Group
+
+
+@dataclasses.dataclass
+class _Warm:
+    """One cycle per thread (task) to warm its connection, each ready to
+    run its loop with its own seed once measuring starts."""
+
+    contender: Any  # _SyncContender or _AsyncContender, None if it failed to open
+    tallies: list[_Tally]
+    win: _Window
+    seeds: list[float]
+
+
+@dataclasses.dataclass
+class _Measure:
+    """Run every thread's (task's) loop until the window's deadline."""
+
+
+@dataclasses.dataclass
+class _Close:
+    contender: Any
+
+
+_Op = _Wait | _Open | _Warm | _Measure | _Close
+
+
+def _worker_steps(spec: ManySpec, counter: Any) -> Generator[_Op, Any, list[dict[str, Any]]]:
+    """A worker process: set up, then every window, in step with the others."""
+    rng = random.Random()
+    out: list[dict[str, Any]] = []
+    yield _Wait(_BARRIER_SECONDS)  # every process set up
+    for w in spec.windows:
+        out.append((yield from _window_steps(spec, w, counter, rng)))
+        yield _Wait(_BARRIER_SECONDS + spec.seconds)  # measured, and closed
+    return out
+
+
+def _window_steps(
+    spec: ManySpec, w: Window, counter: Any, rng: random.Random
+) -> Generator[_Op, Any, dict[str, Any]]:
+    """One window in this process: open, warm, (barrier), measure, close."""
+    group = spec.groups[w.group]
+    tallies = [_Tally() for _ in range(group.threads)]
+    win = _Window(f"bench:many:{spec.run}:{w.contender}:", spec.keys)
+    contender, error = None, ""
+    try:
+        contender = yield _Open(w.contender, group)
+    except Exception as exc:
+        error = _reason(exc)
+    yield _Warm(contender, tallies, win, [rng.random() for _ in tallies])
+    yield _Wait(_BARRIER_SECONDS)  # every process's contender open, warm
+    counter.reset()
+    cpu0, began = time.process_time(), _monotonic()
+    win.deadline = began + spec.seconds
+    yield _Measure()
+    elapsed, cpu = _monotonic() - began, time.process_time() - cpu0
+    statements, commits = counter.read()
+    if contender is not None:
+        try:
+            yield _Close(contender)
+        except Exception as exc:
+            error = error or _reason(exc)
+    return {
+        "group": w.group,
+        "round": w.round,
+        "contender": w.contender,
+        "name": contender.name if contender is not None else w.contender,
+        "latencies": [x for t in tallies for x in t.latencies],
+        "refused": sum(t.refused for t in tallies),
+        "timeouts": sum(t.timeouts for t in tallies),
+        "errors": sum(t.errors for t in tallies),
+        "error": error or next((t.error for t in tallies if t.error), ""),
+        "elapsed": elapsed,
+        "cpu": cpu,
+        "statements": statements,
+        "commits": commits,
+    }
+
+
+#: A statement of the raw driver's cycle: (SQL, parameters, fetch the rows);
+#: answered with (rows, row count). A float is a pause, in seconds.
+_Statement = tuple[str, dict[str, Any], bool]
+
+
+def _raw_steps(
+    d: _Driver, owner: str, blocking: bool, timeout: float, key: str
+) -> Generator[_Statement | float, Any, float]:
+    """The raw driver's lock+unlock of ``key``: dblock's acquire statement,
+    then its release; a refused waiting request tries again after a capped,
+    doubling pause. Returns the acquire latency; raises a refusal or a timeout."""
+    t0 = _perf()
+    token = _urandom(16).hex()
+    params = {"key": key, "owner": owner, "token": token, **d.acquire_params}
+    pause = 0.001
+    while True:
+        rows, rowcount = yield d.acquire, params, True
+        if d.granted(rows, rowcount, token):
+            break
+        if not blocking:
+            raise _Refused(key)
+        left = t0 + timeout - _perf()
+        if left <= 0:
+            raise _TimedOut(key)
+        yield min(pause, left)
+        pause = min(pause * 2, 0.05)
+    t1 = _perf()
+    yield d.release, {"key": key, "token": token, **d.release_params}, d.release_returns
+    return t1 - t0
+
+
+_T = TypeVar("_T")
+
+
+def _drive(steps: Generator[Any, Any, _T], do: Callable[[Any], Any]) -> _T:
+    """Run ``steps`` to its end: each step done by ``do``, its answer sent
+    back, its failure thrown in."""
+    answer: Any = None
+    failure: Exception | None = None
+    while True:
+        try:
+            step = steps.send(answer) if failure is None else steps.throw(failure)
+        except StopIteration as done:
+            result: _T = done.value
+            return result
+        answer, failure = None, None
+        try:
+            answer = do(step)
+        except Exception as exc:
+            failure = exc
+
+
+async def _adrive(steps: Generator[Any, Any, _T], do: Callable[[Any], Awaitable[Any]]) -> _T:
+    """:func:`_drive`, each step awaited."""
+    answer: Any = None
+    failure: Exception | None = None
+    while True:
+        try:
+            step = steps.send(answer) if failure is None else steps.throw(failure)
+        except StopIteration as done:
+            result: _T = done.value
+            return result
+        answer, failure = None, None
+        try:
+            answer = await do(step)
+        except Exception as exc:
+            failure = exc
+
+
+def _raw_cycle(
+    d: _Driver, owner: str, group: Group, timeout: float, statement: Callable[..., Any]
+) -> Callable[[str], float]:
+    """:func:`_raw_steps` on blocking connections (``statement(sql, params, fetch)``)."""
+    blocking = group.blocking
+
+    def do(step: _Statement | float) -> Any:
+        if isinstance(step, float):
+            return time.sleep(step)
+        return statement(*step)
+
+    def cycle(key: str) -> float:
+        return _drive(_raw_steps(d, owner, blocking, timeout, key), do)
+
+    return cycle
+
+
+def _raw_acycle(
+    d: _Driver, owner: str, group: Group, timeout: float, statement: Callable[..., Awaitable[Any]]
+) -> Callable[[str], Awaitable[float]]:
+    """:func:`_raw_steps` on asyncio connections."""
+    blocking = group.blocking
+
+    async def do(step: _Statement | float) -> Any:
+        if isinstance(step, float):
+            return await asyncio.sleep(step)
+        return await statement(*step)
+
+    async def cycle(key: str) -> float:
+        return await _adrive(_raw_steps(d, owner, blocking, timeout, key), do)
+
+    return cycle
+
+
+# -- the contenders, blocking ------------------------------------------------
 
 
 class _SyncContender:
@@ -280,7 +514,7 @@ class _DblockSync(_SyncContender):
     name = "dblock"
 
     def __init__(self, spec: ManySpec, group: Group) -> None:
-        from ..manager import LockManager
+        from dblock import LockManager
 
         # PostgreSQL: one more connection for LISTEN (waiters).
         size = _budget(spec, group.threads, 1 if spec.database == "postgresql" else 0)
@@ -316,38 +550,28 @@ class _DblockSync(_SyncContender):
         self.manager.close()
 
 
-_raw_cache: dict[tuple[str, str, str], tuple[Any, Callable[[Any, int, str], bool]]] = {}
+_raw_cache: dict[tuple[str, str, str], _Driver] = {}
 
 
-def _raw_sql(spec: ManySpec) -> tuple[Any, Callable[[Any, int, str], bool]]:
+def _raw_sql(spec: ManySpec) -> _Driver:
     """dblock's statements for this database (from its store, read once per
-    process) and how to read the acquire's answer: granted or not."""
+    process), on the raw driver."""
     key = (spec.database, spec.url, spec.table)
     if key not in _raw_cache:
         _raw_cache[key] = _read_raw_sql(spec)
     return _raw_cache[key]
 
 
-def _read_raw_sql(spec: ManySpec) -> tuple[Any, Callable[[Any, int, str], bool]]:
-    from ..manager import LockManager
+def _read_raw_sql(spec: ManySpec) -> _Driver:
+    from dblock import LockManager
 
     manager = LockManager(spec.url, table=spec.table)
     try:
-        bench = Bench.__new__(Bench)  # only .url is read by the driver makers
-        bench.url = spec.url
-        driver = _DRIVERS[spec.database](bench, manager.store)
-        returning = getattr(manager.store, "returning", True)
+        bench = Bench.__new__(Bench)  # only .database and .url are read by the driver makers
+        bench.database, bench.url = spec.database, spec.url
+        return raw_driver(bench, manager)
     finally:
         manager.close()
-
-    def granted(rows: Any, rowcount: int, token: str) -> bool:
-        if spec.database == "postgresql":
-            return bool(rows) and rows[0][0] == token
-        if spec.database == "sqlite" or returning:
-            return bool(rows)
-        return rowcount == 1
-
-    return driver, granted
 
 
 def _run_cursor(conn: Any, sql: str, params: Any, fetch: bool) -> tuple[Any, int]:
@@ -418,68 +642,40 @@ class _AsyncFairPool:
 
 
 class _RawSync(_SyncContender):
-    """The driver alone: dblock's acquire statement, then its release; a
-    refused waiting request tries again after a capped, doubling pause."""
+    """The driver alone (:func:`_raw_steps`), one connection per thread or
+    a fair share of them."""
 
     def __init__(self, spec: ManySpec, group: Group) -> None:
-        driver, granted = _raw_sql(spec)
+        driver = _raw_sql(spec)
         self.name = f"raw {driver.name}, same SQL"
         n = _budget(spec, group.threads)
         self.conns = [driver.connect() for _ in range(n)]
         self.shared = n < group.threads
         self.pool = _FairPool(self.conns)
         self.run = _run_cursor if spec.database in ("mariadb", "galera") else _run_connection
-        self.driver, self.granted, self.group, self.spec = driver, granted, group, spec
+        self.driver, self.group, self.spec = driver, group, spec
         self.owner = _owner()
 
     def cycle_for(self, i: int) -> Callable[[str], float]:
-        d, run, granted = self.driver, self.run, self.granted
-        acquire, release = d.acquire, d.release
-        acquire_params, release_params = d.acquire_params, d.release_params
-        fetch_release, owner = d.release_returns, self.owner
-        blocking, timeout = self.group.blocking, self.spec.timeout
-        get: Callable[[], Any]
-        put: Callable[[Any], None]
+        run = self.run
+        statement: Callable[[str, Any, bool], tuple[Any, int]]
         if self.shared:
             get, put = self.pool.get, self.pool.put
+
+            def statement(sql: str, params: Any, fetch: bool) -> tuple[Any, int]:
+                conn = get()
+                try:
+                    return run(conn, sql, params, fetch)
+                finally:
+                    put(conn)
+
         else:
             mine = self.conns[i]
 
-            def get() -> Any:
-                return mine
+            def statement(sql: str, params: Any, fetch: bool) -> tuple[Any, int]:
+                return run(mine, sql, params, fetch)
 
-            def put(conn: Any) -> None:
-                pass
-
-        def cycle(key: str) -> float:
-            t0 = _perf()
-            token = _urandom(16).hex()
-            params = {"key": key, "owner": owner, "token": token, **acquire_params}
-            pause = 0.001
-            while True:
-                conn = get()
-                try:
-                    rows, rowcount = run(conn, acquire, params, True)
-                finally:
-                    put(conn)
-                if granted(rows, rowcount, token):
-                    break
-                if not blocking:
-                    raise _Refused(key)
-                left = t0 + timeout - _perf()
-                if left <= 0:
-                    raise _TimedOut(key)
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.05)
-            t1 = _perf()
-            conn = get()
-            try:
-                run(conn, release, {"key": key, "token": token, **release_params}, fetch_release)
-            finally:
-                put(conn)
-            return t1 - t0
-
-        return cycle
+        return _raw_cycle(self.driver, self.owner, self.group, self.spec.timeout, statement)
 
     def close(self) -> None:
         for conn in self.conns:
@@ -570,115 +766,76 @@ _SYNC: dict[str, Callable[[ManySpec, Group], _SyncContender]] = {
 }
 
 
-@dataclasses.dataclass
-class _Window:
-    """What every thread (task) of one process's window shares."""
-
-    prefix: str  # of this contender's keys
-    keys: int
-    deadline: float = 0.0
-
-    def key(self, randrange: Callable[[int], int]) -> str:
-        return self.prefix + str(randrange(self.keys))
-
-
 def _loop(cycle: Callable[[str], float], tally: _Tally, win: _Window, rng: random.Random) -> None:
     latencies, randrange, key = tally.latencies, rng.randrange, win.key
     deadline = win.deadline
     while _monotonic() < deadline:
         try:
             latencies.append(cycle(key(randrange)))
-        except _REFUSED:
-            tally.refused += 1
-        except _TIMED_OUT:
-            tally.timeouts += 1
         except Exception as exc:
-            tally.errors += 1
-            tally.error = tally.error or _reason(exc)
-            time.sleep(0.01)
+            if tally.failed(exc):
+                time.sleep(0.01)
+
+
+class _Threads:
+    """The steps of :func:`_worker_steps`, done with threads: a window's
+    threads warm up and wait; measuring lets them go and joins them."""
+
+    def __init__(self, spec: ManySpec, barrier: Any) -> None:
+        self.spec, self.barrier = spec, barrier
+        self.go = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def do(self, op: _Op) -> Any:
+        if isinstance(op, _Wait):
+            return self.barrier.wait(op.seconds)
+        if isinstance(op, _Open):
+            return _SYNC[op.contender](self.spec, op.group)
+        if isinstance(op, _Warm):
+            return self._warm(op)
+        if isinstance(op, _Measure):
+            self.go.set()
+            for t in self.threads:
+                t.join()
+            return None
+        return op.contender.close()
+
+    def _warm(self, op: _Warm) -> None:
+        self.go = go = threading.Event()
+        self.threads = []
+        if op.contender is None:
+            return
+        ready = threading.Barrier(len(op.tallies) + 1)
+        win = op.win
+
+        def body(tally: _Tally, cycle: Callable[[str], float], seed: float) -> None:
+            try:  # warm: this thread's connection (or the pool's next one)
+                cycle(win.warm_key())
+            except Exception as exc:  # shown; the window counts its own errors
+                tally.error = f"warm-up: {_reason(exc)}"
+            ready.wait()
+            go.wait()
+            _loop(cycle, tally, win, random.Random(seed))
+
+        self.threads = [
+            threading.Thread(
+                target=body,
+                args=(t, op.contender.cycle_for(i), seed),
+                name=f"many-{i}",
+                daemon=True,
+            )
+            for i, (t, seed) in enumerate(zip(op.tallies, op.seeds, strict=True))
+        ]
+        for t in self.threads:
+            t.start()
+        ready.wait()
 
 
 def _thread_worker(spec: ManySpec, barrier: Any, results: Any) -> None:
     from .dbapi import install
 
     counter = install()
-    out: list[dict[str, Any]] = []
-    rng = random.Random()
-    barrier.wait(_BARRIER_SECONDS)
-    for w in spec.windows:
-        out.append(_thread_window(spec, w, barrier, counter, rng))
-        barrier.wait(_BARRIER_SECONDS + spec.seconds)
-    results.put(out)
-
-
-def _thread_window(
-    spec: ManySpec, w: Window, barrier: Any, counter: Any, rng: random.Random
-) -> dict[str, Any]:
-    """One window in this process: open, warm, (barrier), measure, close."""
-    group = spec.groups[w.group]
-    contender: _SyncContender | None = None
-    error = ""
-    tallies = [_Tally() for _ in range(group.threads)]
-    win = _Window(f"bench:many:{spec.run}:{w.contender}:", spec.keys)
-    go = threading.Event()
-    ready = threading.Barrier(group.threads + 1)
-    threads: list[threading.Thread] = []
-    try:
-        contender = _SYNC[w.contender](spec, group)
-    except Exception as exc:
-        error = _reason(exc)
-
-    def body(tally: _Tally, cycle: Callable[[str], float], seed: float) -> None:
-        try:  # warm: this thread's connection (or the pool's next one)
-            cycle(f"{win.prefix}warm:{uuid.uuid4().hex}")
-        except Exception as exc:  # shown; the window counts its own errors
-            tally.error = f"warm-up: {_reason(exc)}"
-        ready.wait()
-        go.wait()
-        _loop(cycle, tally, win, random.Random(seed))
-
-    if contender is not None:
-        threads = [
-            threading.Thread(
-                target=body,
-                args=(t, contender.cycle_for(i), rng.random()),
-                name=f"many-{i}",
-                daemon=True,
-            )
-            for i, t in enumerate(tallies)
-        ]
-        for t in threads:
-            t.start()
-        ready.wait()
-    barrier.wait(_BARRIER_SECONDS)
-    counter.reset()
-    cpu0, began = time.process_time(), _monotonic()
-    win.deadline = began + spec.seconds
-    go.set()
-    for t in threads:
-        t.join()
-    elapsed, cpu = _monotonic() - began, time.process_time() - cpu0
-    statements, commits = counter.read()
-    if contender is not None:
-        try:
-            contender.close()
-        except Exception as exc:
-            error = error or _reason(exc)
-    return {
-        "group": w.group,
-        "round": w.round,
-        "contender": w.contender,
-        "name": contender.name if contender is not None else w.contender,
-        "latencies": [x for t in tallies for x in t.latencies],
-        "refused": sum(t.refused for t in tallies),
-        "timeouts": sum(t.timeouts for t in tallies),
-        "errors": sum(t.errors for t in tallies),
-        "error": error or next((t.error for t in tallies if t.error), ""),
-        "elapsed": elapsed,
-        "cpu": cpu,
-        "statements": statements,
-        "commits": commits,
-    }
+    results.put(_drive(_worker_steps(spec, counter), _Threads(spec, barrier).do))
 
 
 # -- the contenders, asyncio -------------------------------------------------
@@ -698,7 +855,7 @@ class _DblockAsync(_AsyncContender):
     name = "dblock asyncio"
 
     def __init__(self, spec: ManySpec, group: Group) -> None:
-        from ..aio import AsyncLockManager
+        from dblock import AsyncLockManager
 
         # Reserved: the blocking engine's connection (renewal), and LISTEN on PostgreSQL.
         size = _budget(spec, group.threads, 2 if spec.database == "postgresql" else 1)
@@ -741,7 +898,7 @@ class _RawAsync(_AsyncContender):
     def __init__(self, spec: ManySpec, group: Group) -> None:
         from .aio import _ASYNC_DRIVERS
 
-        self.sql, self.granted = _raw_sql(spec)
+        self.sql = _raw_sql(spec)
         self.driver = _ASYNC_DRIVERS[spec.database](spec.url)
         self.name = f"raw {self.driver.name}, same SQL"
         self.size = _budget(spec, group.threads)
@@ -757,12 +914,7 @@ class _RawAsync(_AsyncContender):
             self.pool.put(conn)
 
     def cycle_for(self, i: int) -> Callable[[str], Awaitable[float]]:
-        d, granted = self.sql, self.granted
-        acquire, release = d.acquire, d.release
-        acquire_params, release_params = d.acquire_params, d.release_params
-        fetch_release, owner = d.release_returns, self.owner
-        blocking, timeout = self.group.blocking, self.spec.timeout
-        run = _arun_cursor if self.spec.database == "mariadb" else _arun_connection
+        run = _arun_cursor if self.spec.database in ("mariadb", "galera") else _arun_connection
         pool, shared = self.pool, self.shared
         mine = None if shared else self.conns[i]
 
@@ -775,27 +927,7 @@ class _RawAsync(_AsyncContender):
             finally:
                 pool.put(conn)
 
-        async def cycle(key: str) -> float:
-            t0 = _perf()
-            token = _urandom(16).hex()
-            params = {"key": key, "owner": owner, "token": token, **acquire_params}
-            pause = 0.001
-            while True:
-                rows, rowcount = await statement(acquire, params, True)
-                if granted(rows, rowcount, token):
-                    break
-                if not blocking:
-                    raise _Refused(key)
-                left = t0 + timeout - _perf()
-                if left <= 0:
-                    raise _TimedOut(key)
-                await asyncio.sleep(min(pause, left))
-                pause = min(pause * 2, 0.05)
-            t1 = _perf()
-            await statement(release, {"key": key, "token": token, **release_params}, fetch_release)
-            return t1 - t0
-
-        return cycle
+        return _raw_acycle(self.sql, self.owner, self.group, self.spec.timeout, statement)
 
     async def close(self) -> None:
         for conn in self.conns:
@@ -824,12 +956,12 @@ class _SadlockAsync(_AsyncContender):
         from sqlalchemy.ext.asyncio import create_async_engine
         from sqlalchemy_dlock.factory import create_async_sadlock
 
-        from .._store.aio import async_url
+        from dblock._hooks import async_url
 
         self.name = f"sqlalchemy-dlock async ({_sadlock_kind(spec.database)})"
         n = _budget(spec, group.threads)
         self.engine = engine = create_async_engine(
-            async_url(sa.make_url(spec.url)),
+            async_url(spec.url),
             isolation_level="AUTOCOMMIT",
             pool_size=n,
             max_overflow=0,
@@ -917,89 +1049,59 @@ async def _aloop(
     while _monotonic() < deadline:
         try:
             latencies.append(await cycle(key(randrange)))
-        except _REFUSED:
-            tally.refused += 1
-        except _TIMED_OUT:
-            tally.timeouts += 1
         except Exception as exc:
-            tally.errors += 1
-            tally.error = tally.error or _reason(exc)
-            await asyncio.sleep(0.01)
+            if tally.failed(exc):
+                await asyncio.sleep(0.01)
+
+
+async def _warm(cycle: Callable[[str], Awaitable[float]], tally: _Tally, win: _Window) -> None:
+    try:
+        await cycle(win.warm_key())
+    except Exception as exc:  # shown; the window counts its own errors
+        tally.error = f"warm-up: {_reason(exc)}"
+
+
+class _Tasks:
+    """The steps of :func:`_worker_steps`, done with tasks of this process's
+    event loop (the barrier waited for in a thread)."""
+
+    def __init__(self, spec: ManySpec, barrier: Any) -> None:
+        self.spec, self.barrier = spec, barrier
+        self.loops: list[tuple[Callable[[str], Awaitable[float]], _Tally, float]] = []
+        self.win: _Window | None = None
+
+    async def do(self, op: _Op) -> Any:
+        if isinstance(op, _Wait):
+            return await asyncio.to_thread(self.barrier.wait, op.seconds)
+        if isinstance(op, _Open):
+            return await _open_async(op.contender, self.spec, op.group)
+        if isinstance(op, _Warm):
+            return await self._warm(op)
+        if isinstance(op, _Measure):
+            loops, win, self.loops = self.loops, self.win, []
+            if win is None:
+                return None
+            return await asyncio.gather(
+                *(_aloop(c, t, win, random.Random(seed)) for c, t, seed in loops)
+            )
+        return await op.contender.close()
+
+    async def _warm(self, op: _Warm) -> None:
+        self.loops, self.win = [], op.win
+        if op.contender is None:
+            return
+        cycles = [op.contender.cycle_for(i) for i in range(len(op.tallies))]
+        await asyncio.gather(
+            *(_warm(c, t, op.win) for c, t in zip(cycles, op.tallies, strict=True))
+        )
+        self.loops = list(zip(cycles, op.tallies, op.seeds, strict=True))
 
 
 def _async_worker(spec: ManySpec, barrier: Any, results: Any) -> None:
     from .dbapi import install
 
     counter = install()
-    results.put(asyncio.run(_async_main(spec, barrier, counter)))
-
-
-async def _async_main(spec: ManySpec, barrier: Any, counter: Any) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    rng = random.Random()
-    await asyncio.to_thread(barrier.wait, _BARRIER_SECONDS)
-    for w in spec.windows:
-        out.append(await _async_window(spec, w, barrier, counter, rng))
-        await asyncio.to_thread(barrier.wait, _BARRIER_SECONDS + spec.seconds)
-    return out
-
-
-async def _warm(cycle: Callable[[str], Awaitable[float]], tally: _Tally, win: _Window) -> None:
-    try:
-        await cycle(f"{win.prefix}warm:{uuid.uuid4().hex}")
-    except Exception as exc:  # shown; the window counts its own errors
-        tally.error = f"warm-up: {_reason(exc)}"
-
-
-async def _async_window(
-    spec: ManySpec, w: Window, barrier: Any, counter: Any, rng: random.Random
-) -> dict[str, Any]:
-    """One window in this process's event loop, as :func:`_thread_window`."""
-    group = spec.groups[w.group]
-    contender: _AsyncContender | None = None
-    error = ""
-    tallies = [_Tally() for _ in range(group.threads)]
-    win = _Window(f"bench:many:{spec.run}:{w.contender}:", spec.keys)
-    try:
-        contender = await _open_async(w.contender, spec, group)
-    except Exception as exc:
-        error = _reason(exc)
-    cycles = []
-    if contender is not None:
-        cycles = [contender.cycle_for(i) for i in range(group.threads)]
-        await asyncio.gather(*(_warm(c, t, win) for c, t in zip(cycles, tallies, strict=True)))
-    await asyncio.to_thread(barrier.wait, _BARRIER_SECONDS)
-    counter.reset()
-    cpu0, began = time.process_time(), _monotonic()
-    win.deadline = began + spec.seconds
-    await asyncio.gather(
-        *(
-            _aloop(c, t, win, random.Random(rng.random()))
-            for c, t in zip(cycles, tallies, strict=True)
-        )
-    )
-    elapsed, cpu = _monotonic() - began, time.process_time() - cpu0
-    statements, commits = counter.read()
-    if contender is not None:
-        try:
-            await contender.close()
-        except Exception as exc:
-            error = error or _reason(exc)
-    return {
-        "group": w.group,
-        "round": w.round,
-        "contender": w.contender,
-        "name": contender.name if contender is not None else w.contender,
-        "latencies": [x for t in tallies for x in t.latencies],
-        "refused": sum(t.refused for t in tallies),
-        "timeouts": sum(t.timeouts for t in tallies),
-        "errors": sum(t.errors for t in tallies),
-        "error": error or next((t.error for t in tallies if t.error), ""),
-        "elapsed": elapsed,
-        "cpu": cpu,
-        "statements": statements,
-        "commits": commits,
-    }
+    results.put(asyncio.run(_adrive(_worker_steps(spec, counter), _Tasks(spec, barrier).do)))
 
 
 # -- summary ---------------------------------------------------------------

@@ -1,9 +1,9 @@
-"""What ``dblock bench`` measures and where: one frozen options object.
+"""What ``scripts/bench`` measures and where: one frozen options object.
 
-The command-line arguments are defined here (and added to the ``dblock``
-parser by :mod:`dblock.cli`), so ``dblock bench`` and ``scripts/bench`` read
-exactly the same options. This module imports nothing heavy: the benchmark's
-own dependencies (the ``bench`` extra) are imported only when it runs.
+The command-line arguments are defined here (:func:`add_arguments`, used by
+:func:`benchmarks.suite.build_parser`). This module imports nothing heavy:
+the benchmark's own dependencies (the ``bench`` dependency group) are
+imported only when it runs.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
-from ..errors import LockArgumentError
+from dblock import Config, LockArgumentError
 
 __all__ = ["CLUSTERS", "DATABASES", "SECTIONS", "BenchOptions", "Variant", "add_arguments"]
 
@@ -291,7 +290,7 @@ def _shapes(text: str) -> tuple[tuple[int, int], ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``dblock bench`` arguments."""
+    """The ``scripts/bench`` arguments."""
     where = parser.add_argument_group("where")
     where.add_argument(
         "--postgresql", metavar="URL", help="PostgreSQL URL ($DBLOCK_BENCH_POSTGRESQL_URL)"

@@ -20,14 +20,13 @@ import gc
 import multiprocessing
 import os
 import resource
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
-from ..manager import LockManager
-from ..registry import Registry
+from dblock import LockManager
+from dblock._hooks import Registry, new_registry, registry_dict_bytes, registry_of
 
 __all__ = ["MemoryResult", "run_memory"]
 
@@ -87,7 +86,7 @@ def _bursts(keys: int, burst: int, step: Callable[[list[str]], None]) -> None:
 
 
 def _registry_run(keys: int, burst: int) -> MemoryResult:
-    registry = Registry()
+    registry = new_registry()
     me = object()
 
     def step(names: list[str]) -> None:
@@ -101,7 +100,7 @@ def _registry_run(keys: int, burst: int) -> MemoryResult:
     gc.collect()
     before = tracemalloc.take_snapshot()
     traced_before = tracemalloc.get_traced_memory()[0]
-    dict_before = sys.getsizeof(registry._entries)
+    dict_before = registry_dict_bytes(registry)
     rss_before = _rss()
     tracemalloc.reset_peak()
     t0 = time.monotonic()
@@ -133,7 +132,7 @@ def _after(registry: Registry) -> dict[str, int]:
         "rss_after": _rss(),
         "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "entries_after": len(registry),
-        "dict_bytes_after": sys.getsizeof(registry._entries),
+        "dict_bytes_after": registry_dict_bytes(registry),
     }
 
 
@@ -144,7 +143,7 @@ def _registry_bytes(snapshot: tracemalloc.Snapshot) -> int:
 
 def _lock_run(keys: int, burst: int, url: str | None, table: str | None) -> MemoryResult:
     manager = LockManager(url, table=table or "dblock_locks")
-    registry = manager._locker.registry
+    registry = registry_of(manager)
     acquire = manager.acquire
 
     def step(names: list[str]) -> None:
@@ -155,7 +154,7 @@ def _lock_run(keys: int, burst: int, url: str | None, table: str | None) -> Memo
     step([f"warm-up:{j}" for j in range(burst)])
     gc.collect()
     rss_before = _rss()
-    dict_before = sys.getsizeof(registry._entries)
+    dict_before = registry_dict_bytes(registry)
     t0 = time.monotonic()
     _bursts(keys, burst, step)
     seconds = time.monotonic() - t0

@@ -1,0 +1,99 @@
+"""Interrupting code where CPython would run a signal handler.
+
+A signal handler's exception (``KeyboardInterrupt``, a SIGALRM timeout,
+Celery's soft time limit) is raised in the main thread at the next point
+where the interpreter looks for pending signals. In CPython 3.11 and 3.12
+those points are: right after a call returns, at a backward jump, and as a
+frame starts or resumes after a plain ``yield`` (not after ``yield from``
+or ``await``). :func:`interrupt_at` arms a tracer that raises
+:class:`Interrupt` at the ``n``-th such point inside chosen source files,
+so a test can walk ``n`` = 1, 2, ... through every one of them.
+
+A tracer sees an instruction just before it runs, so "right after a call"
+is raised at the next instruction; where that instruction lies in another
+``try`` region than the call (a ``return f()`` inside ``try``/``finally``
+continues in an inlined copy of the ``finally``), the real exception would
+belong to the call's region, which a tracer cannot reproduce: such points
+are not counted.
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import CodeType, FrameType
+from typing import Any
+
+_AFTER = frozenset(("CALL", "CALL_FUNCTION_EX"))
+_AT = frozenset(("JUMP_BACKWARD",))
+
+
+class Interrupt(Exception):
+    """What a signal handler raises (a SIGALRM timeout, say)."""
+
+
+@functools.cache
+def _regions(code: CodeType) -> tuple[tuple[int, int, int], ...]:
+    return tuple((e.start, e.end, e.target) for e in dis.Bytecode(code).exception_entries)
+
+
+def _region(code: CodeType, offset: int) -> int | None:
+    for start, end, target in _regions(code):
+        if start <= offset < end:
+            return target
+    return None
+
+
+class Armed:
+    """What :func:`interrupt_at` saw: the points passed, and where it raised."""
+
+    def __init__(self) -> None:
+        self.points = 0
+        self.where: str | None = None
+
+
+@contextmanager
+def interrupt_at(n: int, *files: str) -> Iterator[Armed]:
+    """Raise :class:`Interrupt` at the ``n``-th point (see the module's
+    docstring) in a frame of any of ``files`` (path endings) on this thread."""
+    armed = Armed()
+    last: dict[int, int] = {}  # frame id -> offset of its previous instruction
+
+    def local(frame: FrameType, event: str, arg: Any) -> Any:
+        if event != "opcode":
+            return local
+        code = frame.f_code
+        offset = frame.f_lasti
+        op = dis.opname[code.co_code[offset]]
+        previous = last.get(id(frame))
+        last[id(frame)] = offset
+        if op in _AT or (op == "RESUME" and code.co_code[offset + 1] < 2):
+            eligible = True
+        elif previous is not None and dis.opname[code.co_code[previous]] in _AFTER:
+            eligible = _region(code, previous) == _region(code, offset)
+        else:
+            eligible = False
+        if eligible:
+            armed.points += 1
+            if armed.points == n:
+                armed.where = (
+                    f"{code.co_name} ({code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+                )
+                raise Interrupt  # (tracing ends here: CPython unsets a tracer that raises)
+        return local
+
+    def start(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
+        last.pop(id(frame), None)  # (a new frame may have a dead one's id)
+        if frame.f_code.co_filename.endswith(files):
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    sys.settrace(start)
+    try:
+        yield armed
+    finally:
+        sys.settrace(None)
