@@ -15,6 +15,7 @@ import pytest
 
 from dblock import LockArgumentError, LockBusy, LockLost, LockManager, LockTimeout
 from tests.support import fair_procs
+from tests.support.interrupts import raise_in
 
 ctx = multiprocessing.get_context("spawn")
 
@@ -189,11 +190,7 @@ class _Interrupt(Exception):
 
 
 def _interrupt(thread: threading.Thread) -> None:
-    import ctypes
-
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread.ident or 0), ctypes.py_object(_Interrupt)
-    )
+    raise_in(thread, _Interrupt)
 
 
 def test_lost_fair_lock_raises_lock_lost(db_url: str, key: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,11 @@ def test_dblocks_threads_block_the_signals_and_the_caller_keeps_its_mask(
         ]
         assert ours, [t.name for t in threading.enumerate()]
         for thread in ours:
-            assert thread.native_id is not None
+            # One may be in the middle of starting (its id comes as it runs).
+            deadline = time.monotonic() + 10
+            while thread.native_id is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert thread.native_id is not None, f"{thread!r} never started"
             blocked = _blocked(thread.native_id)
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGCHLD):
                 assert int(sig) in blocked, (thread.name, sig)

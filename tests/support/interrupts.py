@@ -19,9 +19,12 @@ are not counted.
 
 from __future__ import annotations
 
+import ctypes
 import dis
 import functools
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import CodeType, FrameType
@@ -97,3 +100,30 @@ def interrupt_at(n: int, *files: str) -> Iterator[Armed]:
         yield armed
     finally:
         sys.settrace(None)
+
+
+def raise_in(thread: threading.Thread, exc: type[BaseException]) -> None:
+    """Raise ``exc`` in ``thread`` at its next bytecode, as a signal handler's
+    exception would be raised in the thread that runs handlers.
+
+    ``PyThreadState_SetAsyncExc`` finds its target by thread id and stops at
+    the first match, newest first; in CPython 3.11 a thread being started
+    carries its creator's id until it runs. Fired while ``thread`` starts a
+    thread of its own (dblock starting its listener, say), the exception
+    kills the newborn before it reports it started, and ``thread`` waits in
+    ``Thread.start()`` forever. Every thread being started sits in
+    ``threading._limbo`` for all of that window, and entering it takes
+    ``_active_limbo_lock``: fired under that lock with nothing in limbo, the
+    id can only be ``thread``'s."""
+    ident = thread.ident
+    assert ident is not None, "not started"
+    deadline = time.monotonic() + 10.0
+    while True:
+        with threading._active_limbo_lock:  # type: ignore[attr-defined]
+            if not threading._limbo:  # type: ignore[attr-defined]
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(ident), ctypes.py_object(exc)
+                )
+                return
+        assert time.monotonic() < deadline, "a thread stayed in the middle of starting"
+        time.sleep(0.001)
