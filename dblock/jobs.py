@@ -332,7 +332,7 @@ def current_run() -> JobRun | None:
 _warned_missing: set[str] = set()
 
 
-def run_steps(  # noqa: PLR0912 - one frame owns the run from key to finish (see below)
+def run_steps(
     locker: Locker,
     name: str,
     key: str,
@@ -366,13 +366,35 @@ def run_steps(  # noqa: PLR0912 - one frame owns the run from key to finish (see
     held = yield from _take_steps(locker, key, options, me, waiter_type, fire_time)
     if isinstance(held, _Skip):
         return held
+    # (Interrupted before the next frame's ``try``, the lock is released
+    # when collected, as any dropped HeldLock is.)
+    return (
+        yield from _held_run(
+            locker, held, name, options, call, fire_time=fire_time, next_fire=next_fire, me=me
+        )
+    )
+
+
+def _held_run(  # noqa: PLR0912 - one frame owns the run from key to finish (see below)
+    locker: Locker,
+    held: HeldLock,
+    name: str,
+    options: JobOptions,
+    call: Callable[[], Any],
+    *,
+    fire_time: datetime | None,
+    next_fire: datetime | None,
+    me: object,
+) -> Op[Any]:
+    """:func:`run_steps` once the job's key is ours: from here one ``try``
+    owns it (see there)."""
     run: JobRun | _Skip | None = None
     detail: str | None = None  # how the run failed (None: it did not, or not yet)
     closing = False
     began = True  # False: the call says it never started what it runs
     try:
         if fire_time is None and not options.record:
-            run = JobRun(name, key, None, None, held)
+            run = JobRun(name, held.key, None, None, held)
         else:
             run = yield from _record_steps(locker, held, name, options, fire_time, next_fire, me)
             if isinstance(run, _Skip):

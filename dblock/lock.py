@@ -194,6 +194,24 @@ class Claimed(NamedTuple):
     first: FirstTry
 
 
+class _Custody:
+    """What one acquire owns at each moment, so that whatever interrupts it
+    gives back exactly that (:meth:`Locker._undo`): the key at level 1
+    (``entry``), a place in its queue (``waiter``) or the row too
+    (``held``); with what a predecessor passed on with the key (the row's
+    ``token``, a fair-queue ``seat``) and the owner label its ticket carried."""
+
+    __slots__ = ("entry", "held", "owner", "seat", "token", "waiter")
+
+    def __init__(self) -> None:
+        self.entry: Entry | None = None
+        self.waiter: Waiter | None = None
+        self.held: HeldLock | None = None
+        self.token: str | None = None
+        self.seat: Seat | None = None
+        self.owner: str | None = None
+
+
 class _Ref(weakref.ref["HeldLock"]):
     """How the registry and the renewer refer to a held lock: weakly, with
     what it takes to release the lock once nobody can reach it any more."""
@@ -830,7 +848,7 @@ class Locker:
             raise LockBusy(entry.key, level=1)
         return None
 
-    def acquire_steps(  # noqa: PLR0912, PLR0915 - one function, so one `except` owns the clean-up
+    def acquire_steps(
         self,
         key: str,
         me: object,
@@ -849,110 +867,170 @@ class Locker:
         wait for and which statement to send are yielded as :data:`Op`
         tuples, carried out by :meth:`run` (blocking) or by the asyncio
         driver, whose answers come back here. What this request owns at each
-        moment is in ``entry`` (the key at level 1), ``waiter`` (a place in
-        its queue) or ``held`` (the row too); the one ``except`` below gives
+        moment is in its :class:`_Custody`; the one ``except`` below gives
         back exactly that. ``level2`` replaces the row's acquire loop (the
         fair queue's, :func:`dblock.kinds.fair.queued_loop`). ``claimed``:
         what :meth:`_acquire_alone` did before it handed the request on (the
         key claimed at level 1, the token and owner, when the first try was
         sent and what it answered or raised)."""
         start = _monotonic() if start is None else start
-        entry: Entry | None = None
-        waiter: Waiter | None = None
-        held: HeldLock | None = None
-        token: str | None = None
-        seat: Seat | None = None  # a place in the fair queue taken for us
-        owner: str | None = None
+        c = _Custody()
         telemetry = self.telemetry
         watch = None if telemetry is None else Watch(telemetry, key)
         try:
             if claimed is not None:
-                entry, token, owner = claimed.entry, claimed.token, claimed.owner
-            elif self._local:
-                # (``seen``: the caller's own look-up of the key, not made twice.)
-                mine = self.registry.get(key) if seen is UNSET else seen
-                if mine is not None and mine.owner is me:
-                    entry = yield from self._take_back(mine, me, blocking, timeout, start)
-            if entry is not None:
-                pass  # ours at level 1 already: on to level 2
-            elif not self._local:
-                entry = Entry(key, me)
-            elif not blocking:
-                entry = self.registry.claim(key, me)
-                if entry is None:
-                    raise LockBusy(key, level=1)
+                c.entry, c.token, c.owner = claimed.entry, claimed.token, claimed.owner
             else:
-                # A free key needs no ticket (what a queued request asks its
-                # predecessor for): take it first, and queue only if that fails.
-                got: Entry | Waiter | None = self.registry.claim(key, me)
-                if got is None:
-                    seats = bool(getattr(level2, "seats", False))
-                    ticket = _Ticket(self.owner_label(me), ttl, opts, seats)
-                    owner = ticket.owner
-                    got = self.registry.join(key, me, ticket, waiter_type)
-                if isinstance(got, Entry):
-                    entry = got
-                else:
-                    waiter = got
-                    # Its passes hand on what a dead owner left (see _reap).
-                    self.renewer.ensure_running()
-                    if watch is not None:
-                        watch.waiting(1)
-                    grant = yield (TURN, waiter, timeout)
-                    if grant is CLOSED:
-                        waiter = None
-                        raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
-                    if isinstance(grant, HeldLock):
-                        held, waiter = grant, None  # the previous holder handed us the row
-                    else:
-                        entry, waiter = waiter.entry, None
-                        token = grant if isinstance(grant, str) else None
-                        seat = grant if isinstance(grant, Seat) else None
-                        if isinstance(grant, _GiveWay):
-                            # The run of hand-offs ended: another process's
-                            # waiter gets the chance to take the row first.
-                            pause = grant.grace
-                            if timeout is not None:
-                                pause = min(pause, start + timeout - _monotonic())
-                            if pause > 0:
-                                yield (SLEEP, pause)
-            if held is None:
-                assert entry is not None
-                held = yield from (level2 or Locker._acquire_loop)(
+                yield from self._level1(
+                    c,
+                    key,
+                    me,
+                    blocking=blocking,
+                    timeout=timeout,
+                    start=start,
+                    ttl=ttl,
+                    opts=opts,
+                    waiter_type=waiter_type,
+                    level2=level2,
+                    seen=seen,
+                    watch=watch,
+                )
+            if c.held is None:
+                assert c.entry is not None
+                c.held = yield from (level2 or Locker._acquire_loop)(
                     self,
-                    entry,
+                    c.entry,
                     blocking=blocking,
                     timeout=timeout,
                     ttl=ttl,
                     start=start,
                     opts=opts,
-                    owner=owner or self.owner_label(me),
-                    token=token,
+                    owner=c.owner or self.owner_label(me),
+                    token=c.token,
                     watch=watch,
-                    seat=seat,
+                    seat=c.seat,
                     **({} if claimed is None else {"first": claimed.first}),
                 )
-                self._keep(entry, held)
+                self._keep(c.entry, c.held)
             if self._closing:
                 raise ManagerClosed(f"the LockManager was closed while acquiring {key!r}")
             if watch is not None:
-                watch.done(GRANTED, held.fence)
-            return held
+                watch.done(GRANTED, c.held.fence)
+            return c.held
         except BaseException as exc:
             if watch is not None:
                 watch.done(*outcome_of(exc))
-            if waiter is not None:
-                yield from self._withdraw(waiter)
-            elif held is not None:
-                yield from self._give_back(held)
-            elif entry is not None:
-                if entry.owner is me:
-                    # (Not ours any more: evicted as an owner that could never run
-                    # again, its coroutine now closed by the garbage collector.)
-                    self._leave(entry)
-            else:
-                yield from self._forget_left_behind(key, me)
+            yield from self._undo(key, me, c)
             raise
+
+    def _level1(
+        self,
+        c: _Custody,
+        key: str,
+        me: object,
+        *,
+        blocking: bool,
+        timeout: float | None,
+        start: float,
+        ttl: float,
+        opts: LockOptions,
+        waiter_type: type[Waiter],
+        level2: Level2 | None,
+        seen: Entry | Unset | None,
+        watch: Watch | None,
+    ) -> Op[None]:
+        """Level 1 of :meth:`acquire_steps`: the key's entry in ``c`` (ours
+        again, free, or passed on to us after a wait in its queue), or the
+        row too when the previous holder handed it over. Everything taken is
+        recorded in ``c`` the moment it is ours, for the caller's ``except``."""
+        if self._local:
+            # (``seen``: the caller's own look-up of the key, not made twice.)
+            mine = self.registry.get(key) if seen is UNSET else seen
+            if mine is not None and mine.owner is me:
+                c.entry = yield from self._take_back(mine, me, blocking, timeout, start)
+                if c.entry is not None:
+                    return  # ours at level 1 already: on to level 2
+        if not self._local:
+            c.entry = Entry(key, me)
+            return
+        if not blocking:
+            c.entry = self.registry.claim(key, me)
+            if c.entry is None:
+                raise LockBusy(key, level=1)
+            return
+        got, c.owner = self._claim_or_join(
+            key, me, ttl=ttl, opts=opts, waiter_type=waiter_type, level2=level2
+        )
+        if isinstance(got, Entry):
+            c.entry = got
+            return
+        c.waiter = got
+        # Its passes hand on what a dead owner left (see _reap).
+        self.renewer.ensure_running()
+        if watch is not None:
+            watch.waiting(1)
+        grant = yield (TURN, got, timeout)
+        if grant is CLOSED:
+            c.waiter = None
+            raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
+        if isinstance(grant, HeldLock):
+            c.held, c.waiter = grant, None  # the previous holder handed us the row
+            return
+        c.entry, c.waiter = got.entry, None
+        c.token = grant if isinstance(grant, str) else None
+        c.seat = grant if isinstance(grant, Seat) else None
+        if isinstance(grant, _GiveWay):
+            yield from self._give_way(grant, start, timeout)
+
+    def _claim_or_join(
+        self,
+        key: str,
+        me: object,
+        *,
+        ttl: float,
+        opts: LockOptions,
+        waiter_type: type[Waiter],
+        level2: Level2 | None,
+    ) -> tuple[Entry | Waiter, str | None]:
+        """Level 1 for a request that may wait: the key's entry if it was
+        free, else a place in its queue (and the owner label its ticket
+        carries). A free key needs no ticket (what a queued request asks its
+        predecessor for): take it first, and queue only if that fails.
+        Interrupted between the two, :meth:`_forget_left_behind` finds what
+        either left."""
+        got = self.registry.claim(key, me)
+        if got is not None:
+            return got, None
+        seats = bool(getattr(level2, "seats", False))
+        ticket = _Ticket(self.owner_label(me), ttl, opts, seats)
+        return self.registry.join(key, me, ticket, waiter_type), ticket.owner
+
+    @staticmethod
+    def _give_way(grant: _GiveWay, start: float, timeout: float | None) -> Op[None]:
+        """The run of hand-offs ended: another process's waiter gets the
+        chance to take the row first (the key is ours at level 1 already)."""
+        pause = grant.grace
+        if timeout is not None:
+            pause = min(pause, start + timeout - _monotonic())
+        if pause > 0:
+            yield (SLEEP, pause)
+
+    def _undo(self, key: str, me: object, c: _Custody) -> Op[None]:
+        """Give back exactly what an acquire that raised owned: its place in
+        the queue, the row too, or the key at level 1 (else what an
+        interrupted claim or join left behind)."""
+        entry = c.entry
+        if c.waiter is not None:
+            yield from self._withdraw(c.waiter)
+        elif c.held is not None:
+            yield from self._give_back(c.held)
+        elif entry is not None:
+            if entry.owner is me:
+                # (Not ours any more: evicted as an owner that could never run
+                # again, its coroutine now closed by the garbage collector.)
+                self._leave(entry)
+        else:
+            yield from self._forget_left_behind(key, me)
 
     def _forget_left_behind(self, key: str, me: object) -> Op[None]:
         """Give back what an interrupted claim or join left in the registry
@@ -1487,22 +1565,7 @@ class Locker:
             waiter = self.registry.pop_waiter(entry)
         if waiter is not None:
             return (yield from self._hand_off(entry, held, waiter))
-        # A run of hand-offs ends here while local threads still wait: the
-        # next gives way to other processes (see _GIVE_WAY_RTTS). Without
-        # hand-off (MySQL) a run of local grants ends so only when another
-        # process is known to wait: the pause would be idle time otherwise.
-        limit = self._handoff_limit or self._run_limit
-        # Local grants in the run so far: the row's own and its hand-offs, or
-        # (without hand-off) each a row of its own, counted in _keep.
-        run = entry.handoffs + 1 if self._handoff_limit else entry.handoffs
-        run_ended = bool(
-            limit
-            and run >= limit
-            and entry.queue
-            and not held._fair
-            and not keep
-            and (self._handoff_limit or self.store.others_wait(held.key))
-        )
+        run_ended = self._run_ended(entry, held, keep)
         grace: float | None = None
         try:
             # A lost lock's row is deleted too if it is still ours (renewal
@@ -1535,6 +1598,25 @@ class Locker:
         if not deleted:
             raise LockLost(held.key, "its row was gone or held by another owner at release")
         return True
+
+    def _run_ended(self, entry: Entry, held: HeldLock, keep: float) -> bool:
+        """Whether a release ends a run of local grants while local threads
+        still wait: the next gives way to other processes (see
+        _GIVE_WAY_RTTS). Without hand-off (MySQL) a run ends so only when
+        another process is known to wait: the pause would be idle time
+        otherwise."""
+        limit = self._handoff_limit or self._run_limit
+        # Local grants in the run so far: the row's own and its hand-offs, or
+        # (without hand-off) each a row of its own, counted in _keep.
+        run = entry.handoffs + 1 if self._handoff_limit else entry.handoffs
+        return bool(
+            limit
+            and run >= limit
+            and entry.queue
+            and not held._fair
+            and not keep
+            and (self._handoff_limit or self.store.others_wait(held.key))
+        )
 
     def handed_on(self, held: HeldLock) -> None:
         """``held`` was taken by a task that ran nothing but the acquire and
