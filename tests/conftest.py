@@ -56,6 +56,25 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         drop_own_databases(name)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """``DBLOCK_TEST_TIMELINE=FILE``: one JSON line per test phase (worker,
+    test, phase, when it ended, how long it took), to see which worker
+    carries what and where a run's time goes (the suite's balance)."""
+    path = os.environ.get("DBLOCK_TEST_TIMELINE")
+    if path:
+        import json
+
+        line = {
+            "worker": worker() or "solo",
+            "test": report.nodeid,
+            "phase": report.when,
+            "end": time.time(),
+            "seconds": round(report.duration, 3),
+        }
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     group(items)
 
