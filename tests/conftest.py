@@ -61,7 +61,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     test, phase, when it ended, how long it took), to see which worker
     carries what and where a run's time goes (the suite's balance)."""
     path = os.environ.get("DBLOCK_TEST_TIMELINE")
-    if path:
+    # (Under xdist the controller sees every worker's reports again, with
+    # the worker as ``node``: each is written once, by its worker.)
+    if path and getattr(report, "node", None) is None:
         import json
 
         line = {

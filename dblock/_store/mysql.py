@@ -62,7 +62,7 @@ from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, TableHealth, lock_row
 from .base import Grant, Holder, Interrupted, Lease, Result, Steps, log
-from .wake import NamedLockWaker, WokenStore
+from .wake import PROBE_SQL, NamedLockWaker, WokenStore
 
 _NO_SUCH_TABLE = 1146
 # Chosen as a deadlock victim (1213), a lock wait timed out (1205), or either
@@ -93,6 +93,10 @@ class MySQLStore(WokenStore):
     @staticmethod
     def server_thread(dbapi_connection: Any) -> int:
         return int(dbapi_connection.thread_id())  # PyMySQL's and aiomysql's alike
+
+    #: A waiting process's probe of a key's named lock (see dblock._store.wake),
+    #: here beside the store's other statements, which the docs' SQL is checked against.
+    _probe_sql: ClassVar[str] = PROBE_SQL
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         super().__init__(engine, config=config, owns_engine=owns_engine)
