@@ -268,12 +268,18 @@ class WokenWait(Wait):
 
 # -- MySQL/MariaDB: named locks ------------------------------------------------
 
-#: A waiting process's probe of a key's name: -1 if nobody holds the name
-#: (no evidence of a holder: look again, then poll), 1 once its holder let
-#: it go (a release), 0 at the timeout. The name, if got, is let go at once
-#: (left to right in the select list), so a new holder can take it.
+#: A waiting process's probe of a key's name ``n``: -1 if nobody holds the
+#: name (no evidence of a holder: look again, then poll), 1 once its holder
+#: let it go (a release), 0 at the timeout. Before it blocks it takes the
+#: key's waiter name ``w`` (without waiting: one waiter of the key holds it
+#: at a time), so a holder letting ``n`` go sees that somebody waits (see
+#: NamedLockWaker.others_wait). Both are let go at once, left to right in the
+#: select list (``IF`` fixes the order within the first), so a new holder
+#: can take ``n``.
 PROBE_SQL = (
-    "SELECT IF(IS_USED_LOCK(%(n)s) IS NULL, -1, GET_LOCK(%(n)s, %(t)s)), RELEASE_LOCK(%(n)s)"
+    "SELECT IF(IS_USED_LOCK(%(n)s) IS NULL, -1,"
+    " IF(GET_LOCK(%(w)s, 0) IS NULL, GET_LOCK(%(n)s, %(t)s), GET_LOCK(%(n)s, %(t)s))),"
+    " RELEASE_LOCK(%(n)s), RELEASE_LOCK(%(w)s)"
 )
 
 
@@ -346,12 +352,19 @@ class NamedLockWaker(Waker):
         self.statements = 0
 
     def name(self, key: str) -> str:
+        """``key``'s name, held by its holder's process (server-wide, so
+        the database and table are in the hash; 47 characters of MySQL's 64)."""
         name = self._names.get(key)
         if name is None:
             if len(self._names) > 10_000:
                 self._names.clear()
             name = self._names[key] = "dblock:" + name_hash(self._scope, key)[:40]
         return name
+
+    @staticmethod
+    def waiter_name(name: str) -> str:
+        """The name a waiter of another process holds while it blocks on ``name``."""
+        return "dblock;" + name[7:]
 
     # -- holder side -----------------------------------------------------------
 
@@ -385,9 +398,9 @@ class NamedLockWaker(Waker):
 
     def others_wait(self, key: str) -> bool:
         """Whether a session of another process was seen waiting for
-        ``key``'s name in the last :attr:`HOT` seconds: the server granted
-        the name to it as ours was let go (``IS_USED_LOCK`` right after
-        ``RELEASE_LOCK`` in the same statement, which costs nothing more)."""
+        ``key``'s name in the last :attr:`HOT` seconds: its waiter name was
+        held as ours was let go (``IS_USED_LOCK`` in the statement of the
+        ``RELEASE_LOCK``, which costs nothing more)."""
         seen = self._waited.get(key)
         return seen is not None and _monotonic() - seen < self.HOT
 
@@ -427,14 +440,16 @@ class NamedLockWaker(Waker):
                             conn.close()
                     return
                 self._drop -= drop
-            # Each name let go is asked for its new owner in the same
-            # statement: a session blocked on it was granted it by then (the
-            # server hands a released name to its waiter at once), so a
-            # non-NULL IS_USED_LOCK means another process waits for the key.
-            names = [n for k in drop for n in (self.name(k),) * 2]
+            # Each name let go is preceded, in the same statement, by a look
+            # at the key's waiter name: held, it says a session of another
+            # process blocks on the name (PROBE_SQL takes it first). Asking
+            # for the name's new owner after RELEASE_LOCK instead raced the
+            # woken waiter, which lets the name go at once: on a loaded
+            # machine it sometimes did so first, and the waiter went unseen.
+            names = [n for k in drop for n in (self.waiter_name(self.name(k)), self.name(k))]
             names += [self.name(k) for k in take]
             sql = "SELECT " + ", ".join(
-                ["RELEASE_LOCK(%s), IS_USED_LOCK(%s)"] * len(drop) + ["GET_LOCK(%s, 0)"] * len(take)
+                ["IS_USED_LOCK(%s), RELEASE_LOCK(%s)"] * len(drop) + ["GET_LOCK(%s, 0)"] * len(take)
             )
             try:
                 if conn is None:
@@ -461,7 +476,7 @@ class NamedLockWaker(Waker):
             with self._hmutex:
                 self._have -= set(drop)
                 now = _monotonic()
-                for key, owner in zip(drop, row[1 : 2 * len(drop) : 2], strict=True):
+                for key, owner in zip(drop, row[0 : 2 * len(drop) : 2], strict=True):
                     if owner is not None:
                         if len(self._waited) > 10_000:
                             self._waited.clear()
@@ -524,8 +539,11 @@ class NamedLockWaker(Waker):
                         slot.thread_id = conn.thread_id()
                     self.statements += 1
                     with conn.cursor() as cursor:
-                        cursor.execute(PROBE_SQL, {"n": name, "t": self._timeout})
-                        (got, _) = cursor.fetchone()
+                        cursor.execute(
+                            PROBE_SQL,
+                            {"n": name, "w": self.waiter_name(name), "t": self._timeout},
+                        )
+                        got = cursor.fetchone()[0]
                 except Exception as exc:
                     if not self.listening:  # closed
                         return
