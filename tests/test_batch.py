@@ -162,7 +162,12 @@ class Runner:
                 self.results[name] = call()
             except BaseException as exc:
                 self.results[name] = exc
-            self._done.wait(5)
+            # Alive until finish() (60 s at most, for a test that failed
+            # before it): a thread that ended would be its locks' dead
+            # owner, and dblock releases those itself (5 s was once too
+            # short for a test's wait on a loaded machine: finish() then
+            # found the lock released by dblock).
+            self._done.wait(60)
 
         t = threading.Thread(target=run, name=name, daemon=True)
         t.start()
