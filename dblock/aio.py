@@ -117,6 +117,8 @@ class AsyncWaiter(Waiter):
     def wake(self, grant: Any) -> None:
         self.grant = grant
         self.ready = True
+        if self.entry.heir is self:
+            self.entry.heir = None
         if _running_loop() is self._loop:
             # Handed over by a task of the same loop (the usual case): no
             # self-pipe write and extra turn of the loop per hand-off.

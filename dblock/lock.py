@@ -55,6 +55,7 @@ from ._store.jobs import statements as job_statements
 from .config import UNSET, Config, OnLost, Unset, check_lease
 from .errors import (
     BackendError,
+    DBLockError,
     KindMismatch,
     LockBusy,
     LockLost,
@@ -276,6 +277,7 @@ class HeldLock:
         grant: Grant,
         sent_at: float,
         options: LockOptions,
+        live: bool = True,
     ) -> None:
         # (Positional parameters: a class called with keywords gets them as a dict.)
         self._locker = locker
@@ -296,7 +298,7 @@ class HeldLock:
         ref.entry = entry
         ref.key = entry.key
         ref.token = token
-        ref.live = True
+        ref.live = live  # (a hand-off's is not until delivered: see Locker._handed)
         ref.tracked = False
         self.key = entry.key
         self.token = token
@@ -1053,7 +1055,12 @@ class Locker:
         wait: Wait | None = None
         waiting_for: tuple[Any, ...] = ()
         try:
-            op = next(steps)
+            try:
+                op = next(steps)
+            except StopIteration:
+                raise
+            except BaseException as exc:
+                op = _thrown_in(steps, exc)
             while True:
                 try:
                     tag = op[0]
@@ -1099,9 +1106,19 @@ class Locker:
                         store.clean_orphans()
                         answer = None
                 except BaseException as exc:
-                    op = steps.throw(exc)
+                    try:
+                        op = steps.throw(exc)
+                    except StopIteration:
+                        raise
+                    except BaseException as again:
+                        op = _thrown_in(steps, again)
                 else:
-                    op = steps.send(answer)
+                    try:
+                        op = steps.send(answer)
+                    except StopIteration:
+                        raise
+                    except BaseException as exc:
+                        op = _thrown_in(steps, exc)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         finally:
@@ -1228,13 +1245,20 @@ class Locker:
         request.deadline = deadline
         outage: Backoff | None = None
         waiting = False
+        # The token a row of ours may carry, from the try on until we know
+        # (refused) or the lock holds it: a signal handler's exception in
+        # between deletes the row at once, not at its lease's end.
+        unsettled: str | None = None
         try:
             while True:
+                unsettled = token
                 if first is not None:
                     sent_at, answer = first
                     first = None
                 else:
                     sent_at, answer = yield from self._try_row(key, token, owner, ttl, deadline)
+                # (A failed try's retries settle it: see _attempt.)
+                unsettled = None if isinstance(answer, BaseException) else token
                 try:
                     result = yield from self._answer(
                         key, answer, token=token, owner=owner, ttl=ttl, deadline=deadline,
@@ -1250,31 +1274,38 @@ class Locker:
                 if isinstance(result, Grant):
                     if result.sent_at is not None:
                         sent_at = result.sent_at  # a grouped statement's, sent after we queued
-                    if sent_at + result.expires_in - _monotonic() < ttl * _LIVE_LEASE:
-                        # The answer came back after the lease it set had run
-                        # out (or nearly), by our clock: the row is not worth
-                        # handing back. Delete it, and go on as if refused.
-                        yield from self._delete_row(key, token)
-                        token, handed = _urandom(16).hex(), None
-                        if not blocking or (deadline is not None and _monotonic() >= deadline):
-                            raise self._out_of_time(key, blocking, timeout)
-                        continue
-                    try:
-                        return self.held_type(self, entry, token, owner, ttl, result, sent_at, opts)
-                    except BaseException:
-                        # Interrupted before the held lock existed: delete the
-                        # row at once rather than leave it for its lease.
-                        store.add_orphan(key, token)
-                        self.renewer.post(noop)
-                        raise
+                    if sent_at + result.expires_in - _monotonic() >= ttl * _LIVE_LEASE:
+                        held = self.held_type(self, entry, token, owner, ttl, result, sent_at, opts)
+                        unsettled = None
+                        return held
+                    yield from self._stale_grant(key, token, blocking, deadline, timeout)
+                    token, handed = _urandom(16).hex(), None
+                    continue
+                unsettled = None  # refused: the row is another's
                 limit = self._refused(key, result, blocking, deadline, timeout)
                 if not waiting:
                     waiting = True
                     if watch is not None:
                         watch.waiting(2)
                 yield (WAIT, key, limit, sent_at)
+        except BaseException as exc:
+            # (dblock's own errors have settled the row already, if any.)
+            if unsettled is not None and not isinstance(exc, DBLockError):
+                store.add_orphan(key, unsettled)
+                self.renewer.post(noop)
+            raise
         finally:
             request.deadline = None
+
+    def _stale_grant(
+        self, key: str, token: str, blocking: bool, deadline: float | None, timeout: float | None
+    ) -> Op[None]:
+        """The answer came back after the lease it set had run out (or
+        nearly), by our clock: the row is not worth handing back. Delete it,
+        and go on as if refused (out of time if no time is left)."""
+        yield from self._delete_row(key, token)
+        if not blocking or (deadline is not None and _monotonic() >= deadline):
+            raise self._out_of_time(key, blocking, timeout)
 
     def _answer(
         self,
@@ -1453,8 +1484,17 @@ class Locker:
             # The common release (this thread's lock, held once, nobody of
             # this process waiting for the key): release_steps's own path,
             # without the step machinery (see _acquire_alone).
-            self._let_go(held, entry)
+            ref = held._ref
+            if not ref.live:
+                raise LockLost(held.key, held._lost or "dblock released it meanwhile")
+            # Claimed, and marked released, with no call in between nor
+            # before the try: see _let_go.
+            ref.live = False
+            held._released = True
+            entry.leaving = True
+            entry.held = None
             try:
+                self._let_go(held)
                 deleted = self._rows.release(held.key, held.token)
             except BaseException as exc:
                 return self._release_failed(held, exc)
@@ -1483,21 +1523,25 @@ class Locker:
             self.telemetry.released(_monotonic() - held._acquired_mono)
         self.renewer.post(functools.partial(self._let_revoked_go, held))
 
-    def _let_go(self, held: HeldLock, entry: Entry) -> None:
-        """Take ``held`` from renewal and mark it released, before its DELETE;
-        :class:`LockLost` if dblock released it meanwhile (owner gone, closed)."""
-        # self._claim(held), inlined.
-        ref = held._ref
-        if not self.renewer.untrack(held) and (ref.tracked or not ref.live):
-            raise LockLost(held.key, held._lost or "dblock released it meanwhile")
-        ref.live = False
-        held._released = True
-        # Leaving first, then no lock: at no instant does the entry look
-        # stranded (no lock, not leaving) to a renewal pass (_reap), which
-        # would pass the key on while our DELETE is still to come and say
-        # the owner (a task ended since, a deferred release's) never released it.
-        entry.leaving = True  # until _leave or a hand-off passes it on
-        entry.held = None
+    def _let_go(self, held: HeldLock) -> None:
+        """The rest of a release's bookkeeping, once its caller has claimed
+        ``held`` and marked it released, before its DELETE.
+
+        The caller does that inline, as ``_claim`` does: test ``ref.live``,
+        set it false, set ``held._released``, then ``entry.leaving`` and
+        only then ``entry.held = None`` (leaving first: at no instant does
+        the entry look stranded to a renewal pass, which would pass the key
+        on while our DELETE is still to come). Those are attribute loads and
+        stores with no call between them and the ``try`` whose ``finally``
+        passes the key on: CPython switches threads and runs signal
+        handlers only at calls, backward jumps and function starts, so of
+        the holder, the renewal thread and ``close()`` exactly one claims
+        the lock, and a signal handler's exception lands either before the
+        claim (nothing changed: the lock is still held) or inside that
+        ``try``. Before, the claim and the marks were a call of their own:
+        an exception landing as it returned left the key being let go, in
+        this process, for as long as the process lived."""
+        self.renewer.untrack(held)
         if self.telemetry is not None:
             self.telemetry.released(_monotonic() - held._acquired_mono)
 
@@ -1547,57 +1591,82 @@ class Locker:
         if entry.depth > 1 and not force and entry.held is held._ref:
             entry.depth -= 1
             return True
-        self._let_go(held, entry)
-        waiter = None
-        if held._fair:
-            if held._lost is None and fair_sql(self.store).seats_on_release:
-                waiter = self.registry.pop_waiter(entry)
-            if waiter is not None:
-                return (yield from self._release_seating(held, waiter))
-        elif (
-            # A run is handoff_limit local grants: the row's own, then
-            # handoff_limit - 1 hand-offs (entry.handoffs of them so far).
-            entry.queue
-            and entry.handoffs + 1 < self._handoff_limit
-            and held._lost is None
-            and not keep
-        ):
-            waiter = self.registry.pop_waiter(entry)
-        if waiter is not None:
-            return (yield from self._hand_off(entry, held, waiter))
-        run_ended = self._run_ended(entry, held, keep)
+        ref = held._ref
+        if not ref.live:
+            raise LockLost(held.key, held._lost or "dblock released it meanwhile")
+        ref.live = False  # claimed and marked with no call before the try: see _let_go
+        held._released = True
+        entry.leaving = True
+        entry.held = None
+        waiter: Waiter | None = None
         grace: float | None = None
         try:
-            # A lost lock's row is deleted too if it is still ours (renewal
-            # may have failed only because the database was unreachable).
-            if held._fair:  # wakes the next waiter of the queue, and only it
-                deleted = yield (
-                    STEPS,
-                    fair_sql(self.store).release_steps(held.key, held.token),
-                )
-            elif keep:
-                deleted = yield (
-                    STEPS,
-                    job_statements(self.store).keep_steps(held.key, held.token, keep, held.owner),
-                )
-            else:
-                if entry.queue:  # local threads wait: others likely do too
-                    self.store.hot(held.key)
-                sent_at = _monotonic()
-                deleted = yield (RELEASE, held.key, held.token)
-                if run_ended and deleted:
-                    took = (_monotonic() - sent_at) * _GIVE_WAY_RTTS
-                    grace = min(max(took, _GIVE_WAY_MIN), _GIVE_WAY_MAX)
-                    entry.handoffs = 0
+            self._let_go(held)
+            if held._fair:
+                if held._lost is None and fair_sql(self.store).seats_on_release:
+                    waiter = self.registry.pop_waiter(entry)
+                if waiter is not None:
+                    return (yield from self._release_seating(held, waiter))
+            elif (
+                # A run is handoff_limit local grants: the row's own, then
+                # handoff_limit - 1 hand-offs (entry.handoffs of them so far).
+                entry.queue
+                and entry.handoffs + 1 < self._handoff_limit
+                and held._lost is None
+                and not keep
+            ):
+                waiter = self.registry.pop_waiter(entry)
+            if waiter is not None:
+                return (yield from self._hand_off(entry, held, waiter))
+            deleted, grace = yield from self._release_row(entry, held, keep)
         except BaseException as exc:
-            return self._release_failed(held, exc, keep)
+            if waiter is None and entry.heir is not None and not entry.heir.ready:
+                waiter = entry.heir  # interrupted as pop_waiter returned it
+            if waiter is None:
+                return self._release_failed(held, exc, keep)
+            if not waiter.ready:
+                # Interrupted after the next local thread was made the key's
+                # owner and before it was told: it acquires the row itself,
+                # once ours is deleted.
+                self.store.add_orphan(held.key, held.token, released=True)
+                self.renewer.post(noop)
+                waiter.wake(None)
+            raise
         finally:
-            self._leave(entry, grace)
+            if waiter is None:
+                self._leave(entry, grace)
         if held._lost is not None:
             raise LockLost(held.key, held._lost)
         if not deleted:
             raise LockLost(held.key, "its row was gone or held by another owner at release")
         return True
+
+    def _release_row(
+        self, entry: Entry, held: HeldLock, keep: float
+    ) -> Op[tuple[bool, float | None]]:
+        """The release's statement: (deleted, the give-way's grace if this
+        ends a run of local grants: see _run_ended)."""
+        run_ended = self._run_ended(entry, held, keep)
+        # A lost lock's row is deleted too if it is still ours (renewal
+        # may have failed only because the database was unreachable).
+        if held._fair:  # wakes the next waiter of the queue, and only it
+            deleted = yield (STEPS, fair_sql(self.store).release_steps(held.key, held.token))
+            return deleted, None
+        if keep:
+            deleted = yield (
+                STEPS,
+                job_statements(self.store).keep_steps(held.key, held.token, keep, held.owner),
+            )
+            return deleted, None
+        if entry.queue:  # local threads wait: others likely do too
+            self.store.hot(held.key)
+        sent_at = _monotonic()
+        deleted = yield (RELEASE, held.key, held.token)
+        if run_ended and deleted:
+            took = (_monotonic() - sent_at) * _GIVE_WAY_RTTS
+            entry.handoffs = 0
+            return deleted, min(max(took, _GIVE_WAY_MIN), _GIVE_WAY_MAX)
+        return deleted, None
 
     def _run_ended(self, entry: Entry, held: HeldLock, keep: float) -> bool:
         """Whether a release ends a run of local grants while local threads
@@ -1658,14 +1727,13 @@ class Locker:
             )
 
     def _claim(self, held: HeldLock) -> bool:
-        """Take the job of releasing ``held``: True for exactly one caller.
-        The renewer's ``dict.pop`` is atomic, so the holder, the renewal
-        thread and ``close()`` can race for it; an untracked lock is known
-        only to the thread acquiring it."""
+        """Take the job of releasing ``held``: True for exactly one of the
+        holder, the renewal thread and ``close()`` (see _let_go)."""
         ref = held._ref
-        if not self.renewer.untrack(held) and (ref.tracked or not ref.live):
-            return False  # somebody else untracked it first
-        ref.live = False
+        if not ref.live:
+            return False  # somebody else claimed it first
+        ref.live = False  # (no call since the test: see _let_go)
+        self.renewer.untrack(held)
         return True
 
     def _abandon(self, held: HeldLock, reason: str, *, closing: bool = False) -> None:
@@ -1779,9 +1847,8 @@ class Locker:
         key (one atomic pop, ``untrack``, decides)."""
         if not ref.live:
             return False
-        ref.live = False
-        if not self.renewer.untrack_token(ref.token) and ref.tracked:
-            return False  # released by another meanwhile
+        ref.live = False  # (no call since the test: see _let_go)
+        self.renewer.untrack_token(ref.token)
         log.warning("dblock: lock %r was never released by its holder; releasing it", ref.key)
         return True
 
@@ -1930,13 +1997,21 @@ class Locker:
             return False
         except BaseException:
             # Interrupted with the UPDATE perhaps committed: as above, the
-            # waiter's attempt with the new token settles it.
+            # waiter's attempt with the new token settles it; if it was not,
+            # our row goes as soon as the database answers (not at its lease's end).
+            self.store.add_orphan(held.key, held.token, released=True)
+            self.renewer.post(noop)
             waiter.wake(new_token)
             raise
         if grant is None:
             waiter.wake(None)  # it acquires the row itself
             raise LockLost(held.key, "its row was gone or held by another owner at release")
-        return self._handed(entry, waiter, token=new_token, grant=grant, sent_at=sent_at)
+        try:
+            return self._handed(entry, waiter, token=new_token, grant=grant, sent_at=sent_at)
+        except BaseException:
+            if not waiter.ready:  # interrupted: the row carries the new token
+                waiter.wake(new_token)
+            raise
 
     def _handed(
         self, entry: Entry, waiter: Waiter, *, token: str, grant: Grant, sent_at: float
@@ -1952,14 +2027,27 @@ class Locker:
             grant=grant,
             sent_at=sent_at,
             options=ticket.options,
+            live=False,
         )
-        entry.held = successor._ref
+        # Not live until delivered: one a signal handler's exception strands
+        # here is never released when collected (its row is the waiter's,
+        # woken with its token instead: see _hand_off).
+        ref = successor._ref
+        entry.held = ref
         entry.handoffs += 1
-        if self.telemetry is not None:
-            self.telemetry.handoff()
-        self.renewer.track(successor)
-        successor._ref.tracked = True
-        waiter.wake(successor)
+        try:
+            if self.telemetry is not None:
+                self.telemetry.handoff()
+            self.renewer.track(successor)
+            ref.tracked = True
+            ref.live = True
+            waiter.wake(successor)
+        except BaseException:
+            if not waiter.ready:
+                ref.live = False
+                self.renewer.untrack(successor)
+                entry.held = None
+            raise
         return True
 
     def _leave(self, entry: Entry, grace: float | None = None) -> None:
@@ -1967,9 +2055,42 @@ class Locker:
         ``grace`` seconds if given: see _GiveWay) or forget the key."""
         if not self._local:
             return
-        waiter = self.registry.leave(entry)
-        if waiter is not None:
-            waiter.wake(None if grace is None else _GiveWay(grace))
+        grant = None if grace is None else _GiveWay(grace)
+        owner = entry.owner
+        try:
+            waiter = self.registry.leave(entry)
+            if waiter is not None:
+                waiter.wake(grant)
+        except BaseException:
+            # A signal handler's exception cut this short: finish it, or the
+            # key stays ours for as long as the process lives, or the thread
+            # it was passed to sleeps until its timeout (for ever by default).
+            if self.registry.get(entry.key) is entry and entry.owner is owner:
+                waiter = self.registry.leave(entry)  # not passed on yet
+                if waiter is not None:
+                    waiter.wake(grant)
+            elif entry.heir is not None and not entry.heir.ready:
+                entry.heir.wake(grant)
+            raise
+
+
+def _thrown_in(steps: Op[T], exc: BaseException) -> Any:
+    """``exc`` came out of resuming ``steps``: raised by them (they are done),
+    or a signal handler's, landing as they yielded their next step. That one
+    is thrown in at that step, as if the step had raised it: else the steps
+    stayed suspended, their clean-up for an interrupted statement (a waiter
+    to wake, a row to delete) waiting for the garbage collector."""
+    while getattr(steps, "gi_frame", None) is not None:  # suspended at a yield: not done
+        try:
+            return steps.throw(exc)
+        except StopIteration:
+            raise
+        except BaseException as again:
+            exc = again
+    try:
+        raise exc
+    finally:
+        del exc  # (the traceback holds this frame: no cycle keeping the locks alive)
 
 
 def release_at_close(

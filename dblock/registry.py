@@ -196,6 +196,8 @@ class Waiter:
     def wake(self, grant: Any) -> None:
         self.grant = grant
         self.ready = True
+        if self.entry.heir is self:
+            self.entry.heir = None
         self._signal.release()
 
     def settle(self) -> BaseException | None:
@@ -218,7 +220,7 @@ _NO_QUEUE: deque[Waiter] = deque(maxlen=0)
 
 
 class Entry:
-    __slots__ = ("depth", "handoffs", "held", "key", "leaving", "owner", "queue")
+    __slots__ = ("depth", "handoffs", "heir", "held", "key", "leaving", "owner", "queue")
 
     def __init__(self, key: str, owner: object) -> None:
         self.key = key
@@ -234,6 +236,10 @@ class Entry:
         # the releasing thread passes the key on when it returns, whatever
         # became of the owner (a deferred release may outlive it).
         self.leaving = False
+        # The waiter the key was last passed to, until it is woken: the
+        # passer's own clean-up wakes it if a signal handler's exception
+        # lands between the two (see Locker._leave), or it would wait for ever.
+        self.heir: Waiter | None = None
 
 
 class Registry:
@@ -394,19 +400,25 @@ class Registry:
     def _pass(self, entry: Entry) -> Waiter | None:
         queue = entry.queue
         while queue:
-            waiter = queue.popleft()
+            waiter = queue[0]
             if waiter.alive():
                 break
             # Its event loop is closed: the key handed to it would stay
             # with a task nobody will ever run, and every waiter behind it.
             # (Dropped as if it had given up: if its coroutine is ever
             # closed, abandon() finds it gone from the queue.)
+            queue.popleft()
         else:
             return None
+        # All of it marked before the one call (the pop): a signal handler's
+        # exception can land after it, and the caller then finds the waiter
+        # as the entry's heir (see Entry.heir).
         entry.owner = waiter.owner
         entry.depth = 1
         entry.leaving = False
+        entry.heir = waiter
         waiter.granted = True
+        queue.popleft()
         return waiter
 
     def _grew(self) -> None:

@@ -88,8 +88,9 @@ def _rows(driver: WebDriver) -> dict[str, str]:
 def test_operator_sees_filters_and_force_releases_in_a_browser(
     live_server: object, browser: WebDriver, holder: LockManager
 ) -> None:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 
     base = str(live_server)
     tag = uuid.uuid4().hex[:6]
@@ -121,7 +122,11 @@ def test_operator_sees_filters_and_force_releases_in_a_browser(
     browser.find_element(By.CSS_SELECTOR, f"input[name=_selected_action][value='{live}']").click()
     Select(browser.find_element(By.NAME, "action")).select_by_value("force_release")
     browser.find_element(By.NAME, "index").click()
-    message = browser.find_element(By.CSS_SELECTOR, "ul.messagelist").text
+    # The action posts, then follows a redirect: a message list found as the
+    # next page replaces it goes stale (seen once in a full run); look again.
+    message = WebDriverWait(
+        browser, 10, ignored_exceptions=(StaleElementReferenceException,)
+    ).until(lambda b: b.find_element(By.CSS_SELECTOR, "ul.messagelist").text)
     assert f"Released 1 lock(s): {live}" in message
     assert live not in _rows(browser)
     with pytest.raises(LockLost):

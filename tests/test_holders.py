@@ -1074,3 +1074,94 @@ def _free_elsewhere(other: LockManager, key: str) -> bool:
     except LockBusy:
         return False
     return True
+
+
+@pytest.mark.parametrize("waiting", [False, True], ids=["alone", "handed-on"])
+def test_a_release_interrupted_anywhere_leaves_nothing_taken(
+    manager: LockManager, make_manager: Any, key: str, waiting: bool
+) -> None:
+    """A signal handler's exception at every point of the release's own code
+    (lock.py, and the registry, renewal and telemetry code it calls) where
+    CPython can raise it: the key comes free for the thread's next request
+    and for other processes, and a local thread waiting for it gets it (as a
+    hand-off or by acquiring the row itself), at once or through the renewal
+    thread. Before: one landing just after the release marked the key as
+    being let go, and before the DELETE's ``try``, left it so for as long as
+    the process lived (the renewal pass leaves such a key to its releaser);
+    one landing after the next local thread was made the key's owner, and
+    before it was woken, left that thread waiting for ever."""
+    checker = make_manager()
+    files = ("dblock/lock.py", "dblock/registry.py", "dblock/renewal.py", "dblock/telemetry.py")
+    n = 0
+    while True:
+        n += 1
+        held = manager.acquire(key, timeout=10)
+        waiter: tuple[threading.Thread, dict[str, Any]] | None = None
+        if waiting:
+            waiter = _start(lambda: manager.acquire(key, timeout=30).release())
+            _wait_for(lambda: _queued(manager, key))
+        with interrupt_at(n, *files) as armed, contextlib.suppress(Interrupted):
+            held.release()
+        del held  # (a lock nobody can reach is released by the renewal thread)
+        if waiter is not None:
+            thread, out = waiter
+            thread.join(30)
+            assert not thread.is_alive(), f"interrupted in {armed.where}: the waiter waits on"
+            assert "error" not in out, f"interrupted in {armed.where}: {out.get('error')!r}"
+        deadline = time.monotonic() + 10
+        while manager._locker.registry.get(key) is not None or not _free_elsewhere(checker, key):
+            assert time.monotonic() < deadline, f"interrupted in {armed.where}: the key stayed"
+            time.sleep(0.01)
+        manager.acquire(key, timeout=5).release()  # the thread's own next request
+        if armed.points < n:
+            break  # a release went by without reaching point n
+    assert n > 5
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["alone", "queued"])
+def test_an_acquire_interrupted_anywhere_leaves_nothing_taken(
+    manager: LockManager, make_manager: Any, key: str, queued: bool
+) -> None:
+    """As above, for an acquire: alone, and queued behind a local thread that
+    then hands the key on. Wherever the exception lands in the lock's own
+    code, the key comes free for other processes and for the thread's next
+    request, and the thread that held it finishes its release. Before: one
+    landing as the acquire loop read a granted try's answer (MariaDB, where
+    the queued thread tries the row itself) left the row for its lease."""
+    checker = make_manager()
+    files = ("dblock/lock.py", "dblock/registry.py", "dblock/renewal.py", "dblock/telemetry.py")
+    n = 0
+    while True:
+        n += 1
+        holder: tuple[threading.Thread, dict[str, Any]] | None = None
+        gave_up = threading.Event()
+        if queued:
+            taken = threading.Event()
+
+            def hold(taken: threading.Event, gave_up: threading.Event) -> None:
+                with manager.lock(key, timeout=10):
+                    taken.set()
+                    _wait_for(lambda: _queued(manager, key) or gave_up.is_set(), seconds=20)
+
+            holder = _start(functools.partial(hold, taken, gave_up))
+            assert taken.wait(10)
+        held = None
+        with interrupt_at(n, *files) as armed, contextlib.suppress(Interrupted):
+            held = manager.acquire(key, timeout=10)
+        gave_up.set()
+        if held is not None:
+            held.release()
+        del held
+        if holder is not None:
+            thread, out = holder
+            thread.join(30)
+            assert not thread.is_alive(), f"interrupted in {armed.where}: the holder hangs"
+            assert "error" not in out, f"interrupted in {armed.where}: {out.get('error')!r}"
+        deadline = time.monotonic() + 10
+        while manager._locker.registry.get(key) is not None or not _free_elsewhere(checker, key):
+            assert time.monotonic() < deadline, f"interrupted in {armed.where}: the key stayed"
+            time.sleep(0.01)
+        manager.acquire(key, timeout=5).release()  # the thread's own next request
+        if armed.points < n:
+            break  # an acquire went by without reaching point n
+    assert n > 5
