@@ -411,6 +411,47 @@ def test_close_sends_waiting_readers_and_writers_away(make_manager: Any, key: st
 
 
 @pytest.mark.databases("postgresql", "mariadb")
+def test_a_writer_whose_intent_statement_loses_its_connection_waits_on(
+    db_url: str, key: str, make_manager: Any
+) -> None:
+    """The connection cut as the write intent's answer comes back (the row
+    written, the writer told nothing): the writer rides it out as it does
+    an outage of its grant statement, and is granted once the reader goes.
+    Before: ``ConnectionLost`` went out of ``write_lock`` (seen in a full run,
+    the reader's look at the intent row racing the outage test's cut)."""
+    from tests.support.proxy import Proxy
+
+    url = sa.make_url(db_url)
+    proxy = Proxy(url.host or "127.0.0.1", url.port or 0)
+    reader_side = make_manager()
+    writer_side = LockManager(proxy.url_for(db_url), poll_max=0.1)
+    try:
+        r = reader_side.read_lock(key).__enter__()
+        cut = proxy.cut_after(b"'rw', 'waiting', 0,")
+        got: list[Any] = []
+
+        def write() -> None:
+            try:
+                with writer_side.write_lock(key, timeout=60) as w:
+                    got.append(w.fence)
+            except BaseException as exc:
+                got.append(exc)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        assert cut.wait(10), "the intent statement was not sent"
+        time.sleep(0.3)
+        assert got == []  # still waiting, not failed
+        r.release()
+        writer.join(60)
+        assert len(got) == 1
+        assert isinstance(got[0], int), got[0]
+    finally:
+        writer_side.close()
+        proxy.close()
+
+
+@pytest.mark.databases("postgresql", "mariadb")
 def test_waiting_writer_rides_out_an_outage(db_url: str, key: str, make_manager: Any) -> None:
     """A writer waiting for readers keeps trying while its database
     connections fail (cut, then refused at its proxy), and is granted the key

@@ -549,7 +549,17 @@ class RwLocker:
                     limit = min(limit, ttl * _INTENT_RENEW)
                     if intent_at is None or _monotonic() - intent_at > ttl * _INTENT_RENEW:
                         intent_at = _monotonic()
-                        store.drive(statements.intent_steps(key, intent, owner, ttl))
+                        try:
+                            store.drive(statements.intent_steps(key, intent, owner, ttl))
+                        except BackendError as exc:
+                            # Written or not, we wait: ride it out as the grant
+                            # statement's outage, and write it again next time.
+                            # (Seen in a full run: the connection cut as the
+                            # intent's answer was on its way, the writer failed.)
+                            intent_at = float("-inf")
+                            outage = outage or Backoff(OUTAGE_INITIAL, OUTAGE_MAX)
+                            self._ride_out(key, exc, deadline, outage, waiting=True)
+                            continue
                 if wait is None:
                     refuse_on_event_loop(key)
                     wait = store.waiter(key, sent_at)
