@@ -1060,6 +1060,8 @@ class Locker:
             except StopIteration:
                 raise
             except BaseException as exc:
+                if getattr(steps, "gi_frame", None) is None:
+                    raise  # theirs: they are done
                 op = _thrown_in(steps, exc)
             while True:
                 try:
@@ -1111,6 +1113,8 @@ class Locker:
                     except StopIteration:
                         raise
                     except BaseException as again:
+                        if getattr(steps, "gi_frame", None) is None:
+                            raise  # theirs: they are done
                         op = _thrown_in(steps, again)
                 else:
                     try:
@@ -1118,6 +1122,8 @@ class Locker:
                     except StopIteration:
                         raise
                     except BaseException as exc:
+                        if getattr(steps, "gi_frame", None) is None:
+                            raise  # theirs: they are done
                         op = _thrown_in(steps, exc)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
