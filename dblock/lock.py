@@ -1054,16 +1054,24 @@ class Locker:
         batcher = self.batcher
         wait: Wait | None = None
         waiting_for: tuple[Any, ...] = ()
+        # How the steps go on: sent the last step's answer, or thrown what it raised.
+        resume: Callable[[Any], Any] = steps.send
+        value: Any = None
         try:
-            try:
-                op = next(steps)
-            except StopIteration:
-                raise
-            except BaseException as exc:
-                if getattr(steps, "gi_frame", None) is None:
-                    raise  # theirs: they are done
-                op = _thrown_in(steps, exc)
             while True:
+                try:
+                    op = resume(value)
+                except StopIteration:
+                    raise
+                except BaseException as exc:
+                    if getattr(steps, "gi_frame", None) is None:
+                        raise  # theirs: they are done
+                    op = _thrown_in(steps, exc)
+                finally:
+                    # (An exception kept here would hold this frame through
+                    # its traceback, and with it the steps' locks, until the
+                    # garbage collector came by.)
+                    value = None
                 try:
                     tag = op[0]
                     if tag is TRY:
@@ -1108,23 +1116,9 @@ class Locker:
                         store.clean_orphans()
                         answer = None
                 except BaseException as exc:
-                    try:
-                        op = steps.throw(exc)
-                    except StopIteration:
-                        raise
-                    except BaseException as again:
-                        if getattr(steps, "gi_frame", None) is None:
-                            raise  # theirs: they are done
-                        op = _thrown_in(steps, again)
+                    resume, value = steps.throw, exc
                 else:
-                    try:
-                        op = steps.send(answer)
-                    except StopIteration:
-                        raise
-                    except BaseException as exc:
-                        if getattr(steps, "gi_frame", None) is None:
-                            raise  # theirs: they are done
-                        op = _thrown_in(steps, exc)
+                    resume, value = steps.send, answer
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         finally:

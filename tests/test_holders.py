@@ -1103,16 +1103,7 @@ def test_a_release_interrupted_anywhere_leaves_nothing_taken(
         with interrupt_at(n, *files) as armed, contextlib.suppress(Interrupted):
             held.release()
         del held  # (a lock nobody can reach is released by the renewal thread)
-        if waiter is not None:
-            thread, out = waiter
-            thread.join(30)
-            assert not thread.is_alive(), f"interrupted in {armed.where}: the waiter waits on"
-            assert "error" not in out, f"interrupted in {armed.where}: {out.get('error')!r}"
-        deadline = time.monotonic() + 10
-        while manager._locker.registry.get(key) is not None or not _free_elsewhere(checker, key):
-            assert time.monotonic() < deadline, f"interrupted in {armed.where}: the key stayed"
-            time.sleep(0.01)
-        manager.acquire(key, timeout=5).release()  # the thread's own next request
+        _left_nothing(manager, checker, key, armed.where, waiter, "the waiter waits on")
         if armed.points < n:
             break  # a release went by without reaching point n
     assert n > 5
@@ -1152,16 +1143,30 @@ def test_an_acquire_interrupted_anywhere_leaves_nothing_taken(
         if held is not None:
             held.release()
         del held
-        if holder is not None:
-            thread, out = holder
-            thread.join(30)
-            assert not thread.is_alive(), f"interrupted in {armed.where}: the holder hangs"
-            assert "error" not in out, f"interrupted in {armed.where}: {out.get('error')!r}"
-        deadline = time.monotonic() + 10
-        while manager._locker.registry.get(key) is not None or not _free_elsewhere(checker, key):
-            assert time.monotonic() < deadline, f"interrupted in {armed.where}: the key stayed"
-            time.sleep(0.01)
-        manager.acquire(key, timeout=5).release()  # the thread's own next request
+        _left_nothing(manager, checker, key, armed.where, holder, "the holder hangs")
         if armed.points < n:
             break  # an acquire went by without reaching point n
     assert n > 5
+
+
+def _left_nothing(
+    manager: LockManager,
+    checker: LockManager,
+    key: str,
+    where: str | None,
+    other: tuple[threading.Thread, dict[str, Any]] | None,
+    hang: str,
+) -> None:
+    """After an interrupted request: the other local thread (if any) ended
+    well, the key comes free for another manager, and this thread's next
+    request gets it."""
+    if other is not None:
+        thread, out = other
+        thread.join(30)
+        assert not thread.is_alive(), f"interrupted in {where}: {hang}"
+        assert "error" not in out, f"interrupted in {where}: {out.get('error')!r}"
+    deadline = time.monotonic() + 10
+    while manager._locker.registry.get(key) is not None or not _free_elsewhere(checker, key):
+        assert time.monotonic() < deadline, f"interrupted in {where}: the key stayed"
+        time.sleep(0.01)
+    manager.acquire(key, timeout=5).release()

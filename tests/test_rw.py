@@ -411,51 +411,17 @@ def test_close_sends_waiting_readers_and_writers_away(make_manager: Any, key: st
 
 
 @pytest.mark.databases("postgresql", "mariadb")
-def test_a_writer_whose_intent_statement_loses_its_connection_waits_on(
-    db_url: str, key: str, make_manager: Any
+@pytest.mark.parametrize("fault", ["outage", "cut-after-intent"])
+def test_waiting_writer_rides_out_an_outage(
+    db_url: str, key: str, make_manager: Any, fault: str
 ) -> None:
-    """The connection cut as the write intent's answer comes back (the row
-    written, the writer told nothing): the writer rides it out as it does
-    an outage of its grant statement, and is granted once the reader goes.
-    Before: ``ConnectionLost`` went out of ``write_lock`` (seen in a full run,
-    the reader's look at the intent row racing the outage test's cut)."""
-    from tests.support.proxy import Proxy
-
-    url = sa.make_url(db_url)
-    proxy = Proxy(url.host or "127.0.0.1", url.port or 0)
-    reader_side = make_manager()
-    writer_side = LockManager(proxy.url_for(db_url), poll_max=0.1)
-    try:
-        r = reader_side.read_lock(key).__enter__()
-        cut = proxy.cut_after(b"'rw', 'waiting', 0,")
-        got: list[Any] = []
-
-        def write() -> None:
-            try:
-                with writer_side.write_lock(key, timeout=60) as w:
-                    got.append(w.fence)
-            except BaseException as exc:
-                got.append(exc)
-
-        writer = threading.Thread(target=write)
-        writer.start()
-        assert cut.wait(10), "the intent statement was not sent"
-        time.sleep(0.3)
-        assert got == []  # still waiting, not failed
-        r.release()
-        writer.join(60)
-        assert len(got) == 1
-        assert isinstance(got[0], int), got[0]
-    finally:
-        writer_side.close()
-        proxy.close()
-
-
-@pytest.mark.databases("postgresql", "mariadb")
-def test_waiting_writer_rides_out_an_outage(db_url: str, key: str, make_manager: Any) -> None:
     """A writer waiting for readers keeps trying while its database
     connections fail (cut, then refused at its proxy), and is granted the key
-    once they work again and the readers are gone."""
+    once they work again and the readers are gone. ``cut-after-intent``: the
+    connection cut as the write intent's answer comes back (the row written,
+    the writer told nothing), ridden out the same way. Before:
+    ``ConnectionLost`` went out of ``write_lock`` (seen in a full run, the
+    outage's cut racing the intent statement's answer)."""
     from tests.support.proxy import Proxy
 
     url = sa.make_url(db_url)
@@ -464,6 +430,7 @@ def test_waiting_writer_rides_out_an_outage(db_url: str, key: str, make_manager:
     writer_side = LockManager(proxy.url_for(db_url), poll_max=0.1)
     try:
         r = reader_side.read_lock(key).__enter__()
+        cut = proxy.cut_after(b"'rw', 'waiting', 0,") if fault == "cut-after-intent" else None
         got: list[Any] = []
 
         def write() -> None:
@@ -475,11 +442,15 @@ def test_waiting_writer_rides_out_an_outage(db_url: str, key: str, make_manager:
 
         writer = threading.Thread(target=write)
         writer.start()
-        wait_for(lambda: any(row.mode == "waiting" for row in rows(reader_side, key)), "intent")
-        proxy.refuse(True)
-        proxy.cut_all()
-        tried = proxy.accepted
-        wait_for(lambda: proxy.accepted >= tried + 3 or got, "attempts through the outage")
+        if cut is not None:
+            assert cut.wait(10), "the intent statement was not sent"
+            time.sleep(0.3)
+        else:
+            wait_for(lambda: any(row.mode == "waiting" for row in rows(reader_side, key)), "intent")
+            proxy.refuse(True)
+            proxy.cut_all()
+            tried = proxy.accepted
+            wait_for(lambda: proxy.accepted >= tried + 3 or got, "attempts through the outage")
         assert got == []  # still waiting, not failed
         proxy.refuse(False)
         r.release()
