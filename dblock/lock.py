@@ -1647,6 +1647,11 @@ class Locker:
         """The release's statement: (deleted, the give-way's grace if this
         ends a run of local grants: see _run_ended)."""
         run_ended = self._run_ended(entry, held, keep)
+        if run_ended is None:  # nobody seen lately: ask (MySQL's waiter names)
+            asking = self.store.others_wait_steps(held.key)
+            run_ended = asking is not None and bool((yield (STEPS, asking)))
+            if not run_ended:
+                entry.handoffs = 0  # a new run: asked again at its end, not at every grant
         # A lost lock's row is deleted too if it is still ours (renewal
         # may have failed only because the database was unreachable).
         if held._fair:  # wakes the next waiter of the queue, and only it
@@ -1659,7 +1664,7 @@ class Locker:
             )
             return deleted, None
         if entry.queue:  # local threads wait: others likely do too
-            self.store.hot(held.key)
+            self.store.hot(held.key, run_ended)
         sent_at = _monotonic()
         deleted = yield (RELEASE, held.key, held.token)
         if run_ended and deleted:
@@ -1668,24 +1673,21 @@ class Locker:
             return deleted, min(max(took, _GIVE_WAY_MIN), _GIVE_WAY_MAX)
         return deleted, None
 
-    def _run_ended(self, entry: Entry, held: HeldLock, keep: float) -> bool:
+    def _run_ended(self, entry: Entry, held: HeldLock, keep: float) -> bool | None:
         """Whether a release ends a run of local grants while local threads
         still wait: the next gives way to other processes (see
         _GIVE_WAY_RTTS). Without hand-off (MySQL) a run ends so only when
-        another process is known to wait: the pause would be idle time
-        otherwise."""
+        another process waits: the pause would be idle time otherwise.
+        None: it would if another process waits, and none was seen lately."""
         limit = self._handoff_limit or self._run_limit
         # Local grants in the run so far: the row's own and its hand-offs, or
         # (without hand-off) each a row of its own, counted in _keep.
         run = entry.handoffs + 1 if self._handoff_limit else entry.handoffs
-        return bool(
-            limit
-            and run >= limit
-            and entry.queue
-            and not held._fair
-            and not keep
-            and (self._handoff_limit or self.store.others_wait(held.key))
-        )
+        if not limit or run < limit or not entry.queue or held._fair or keep:
+            return False
+        if self._handoff_limit or self.store.others_wait(held.key):
+            return True
+        return None
 
     def handed_on(self, held: HeldLock) -> None:
         """``held`` was taken by a task that ran nothing but the acquire and

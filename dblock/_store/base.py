@@ -862,11 +862,12 @@ class Store:
         woken by wake-ups sent to its ``address``."""
         return Backoff(self.config.poll_initial, self.config.poll_max)
 
-    def hot(self, key: str) -> None:
+    def hot(self, key: str, ends_run: bool = False) -> None:
         """``key`` is released while local threads wait for it (dblock.lock):
         other processes likely wait for it too. A store whose wake-ups cost a
-        statement per held key (MySQL's named locks) names the key's next
-        hold at once."""
+        statement per held key (MySQL's named locks) keeps the key named for
+        the next local grant, which follows at once, unless the release
+        ``ends_run`` (gives way to other processes: they are woken)."""
 
     def lost_contention(self, exc: BackendError) -> bool:
         """Whether the database rolled ``exc``'s statement back as a loser of
@@ -880,6 +881,12 @@ class Store:
         false), whose threads end a long run of local grants only when
         somebody else waits; False where nobody can tell."""
         return False
+
+    def others_wait_steps(self, key: str) -> Steps[bool] | None:
+        """A statement asking whether a waiter of another process waits for
+        ``key`` now, for a run's end that :meth:`others_wait` knows nothing
+        of; None where nobody can tell."""
+        return None
 
     def is_missing_table(self, exc: BaseException) -> bool:
         raise NotImplementedError

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 
 from .. import _threads
 from ..config import Config
-from .base import Backoff, Store, Wait
+from .base import Backoff, Steps, Store, Wait
 
 log = logging.getLogger("dblock")
 
@@ -77,12 +77,17 @@ class Waker:
 
     RECENT = 2.0
 
-    def hot(self, key: str) -> None:
+    def hot(self, key: str, ends_run: bool = False) -> None:
         """``key`` is released while local threads wait (see Store.hot)."""
 
     def others_wait(self, key: str) -> bool:
         """Whether another process was seen waiting for ``key`` (see Store.others_wait)."""
         return False
+
+    def waiting_steps(self, key: str) -> Steps[bool] | None:
+        """A statement asking whether another process waits for ``key`` now
+        (see Store.others_wait_steps); None where nobody can tell."""
+        return None
 
     def __init__(self, config: Config) -> None:
         self._poll_initial = config.poll_initial
@@ -315,6 +320,9 @@ class NamedLockWaker(Waker):
     #: ... unless it was released while local threads waited less than this long ago.
     HOT = 1.0
     LINGER = 30.0  # a slot's idle connection is closed after this long
+    #: A hot key's name kept through a release is let go if no local grant
+    #: took the key again within this long (its waiters gave up).
+    KEEP = 0.05
     #: The longest pause between probes that found the name free, while the
     #: key's holders are known to name it (see _serve): a few GRACEs.
     RACE_CAP = 0.02
@@ -337,6 +345,8 @@ class NamedLockWaker(Waker):
         self._want: dict[str, float] = {}  # key -> when to take its name (monotonic)
         self._have: set[str] = set()
         self._drop: set[str] = set()
+        # key -> when to let its kept name go (0.0: not let go yet): see hot().
+        self._keep: dict[str, float] = {}
         # key -> when it was last released while local threads waited (hot()).
         self._hot: dict[str, float] = {}
         # key -> when a waiter of another process last had its name granted
@@ -383,6 +393,7 @@ class NamedLockWaker(Waker):
             hot = key in self._subs or now - self._hot.get(key, -self.HOT) < self.HOT
             self._want[key] = now + (0.0 if hot else self.GRACE)
             self._drop.discard(key)
+            self._keep.pop(key, None)  # named still: taken again by its next grant
             if self._holder is None:
                 self._holder = threading.Thread(
                     target=self._run_holder, name="dblock-names", daemon=True
@@ -390,11 +401,40 @@ class NamedLockWaker(Waker):
                 _threads.start(self._holder)
             self._hmutex.notify()
 
-    def hot(self, key: str) -> None:
+    def hot(self, key: str, ends_run: bool = False) -> None:
         with self._hmutex:
             if len(self._hot) > 10_000:
                 self._hot.clear()
             self._hot[key] = _monotonic()
+            # The next local grant follows at once: the name stays ours
+            # through this release (see let_go), unless the release gives
+            # way to the other processes, whose waiters block on the name.
+            # Dropped at each release and taken again at each grant, a hot
+            # key's name was free at most moments a waiter looked (the
+            # names thread starved of the GIL by the local threads), the
+            # waiter fell back to polling, and it missed runs by the hundred.
+            if ends_run:
+                self._keep.pop(key, None)
+            else:
+                self._keep[key] = 0.0  # (due once let go: see let_go)
+
+    def waiting_steps(self, key: str) -> Steps[bool] | None:
+        # A hot key's name stays ours across local grants, so no release of
+        # it shows a waiter for as long: ask for its waiter name directly,
+        # on the store's connection (names are server-wide).
+        if not self.listening:
+            return None
+        return self._waiting_steps(key)
+
+    def _waiting_steps(self, key: str) -> Steps[bool]:
+        w = self.waiter_name(self.name(key))
+        (owner,) = (yield "SELECT IS_USED_LOCK(%(w)s)", {"w": w}, True, False).rows[0]
+        if owner is None:
+            return False
+        if len(self._waited) > 10_000:
+            self._waited.clear()
+        self._waited[key] = _monotonic()
+        return True
 
     def others_wait(self, key: str) -> bool:
         """Whether a session of another process was seen waiting for
@@ -406,6 +446,12 @@ class NamedLockWaker(Waker):
 
     def let_go(self, key: str) -> None:
         with self._hmutex:
+            if key in self._keep:
+                # Kept (or still to be taken) for the next local grant (see
+                # hot); let go after all if none comes within KEEP (it gave up).
+                self._keep[key] = _monotonic() + self.KEEP
+                self._hmutex.notify()
+                return
             self._want.pop(key, None)
             if key in self._have:
                 self._drop.add(key)
@@ -418,12 +464,19 @@ class NamedLockWaker(Waker):
             with self._hmutex:
                 while not self._closed:
                     now = _monotonic()
+                    for k, due in list(self._keep.items()):
+                        if due and due <= now:  # kept, and no local grant came
+                            del self._keep[k]
+                            self._want.pop(k, None)
+                            if k in self._have:
+                                self._drop.add(k)
                     drop = self._drop & self._have
                     kept = self._have - drop
                     take = [k for k, due in self._want.items() if due <= now and k not in kept]
                     if drop or take:
                         break
                     later = [due for k, due in self._want.items() if k not in kept]
+                    later += [due for due in self._keep.values() if due]
                     wait = max(min(later) - now, 0.0) if later else None
                     if not later and not self._have:
                         wait = self.LINGER if conn is not None else None
@@ -468,6 +521,7 @@ class NamedLockWaker(Waker):
                     # The server let every name of that session go.
                     self._have.clear()
                     self._drop.clear()
+                    self._keep.clear()
                     for key in self._want:
                         self._want[key] = _monotonic() + delay
                 delay = min(delay * 2, 1.0)
@@ -897,14 +951,18 @@ class WokenStore(Store):
         """The waker, for asyncio waiters (see ``dblock.aio``)."""
         return self._waker
 
-    def hot(self, key: str) -> None:
+    def hot(self, key: str, ends_run: bool = False) -> None:
         waker = self._waker
         if waker is not None:
-            waker.hot(key)
+            waker.hot(key, ends_run)
 
     def others_wait(self, key: str) -> bool:
         waker = self._waker
         return waker is not None and waker.others_wait(key)
+
+    def others_wait_steps(self, key: str) -> Steps[bool] | None:
+        waker = self._waker
+        return None if waker is None else waker.waiting_steps(key)
 
     def close(self) -> None:
         with self._waker_lock:
