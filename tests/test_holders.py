@@ -103,6 +103,10 @@ class Interrupt(Exception):
     """What our signal handler raises (as a SIGALRM timeout handler would)."""
 
 
+#: Where an exception goes nowhere (see interrupt_when).
+_SWALLOWING = ("weakref.py", "_weakrefset.py")
+
+
 @contextmanager
 def interrupt_when(where: Callable[[types.FrameType], bool]) -> Iterator[threading.Event]:
     """Raise :class:`Interrupt` from a SIGALRM handler in the main thread the
@@ -116,6 +120,11 @@ def interrupt_when(where: Callable[[types.FrameType], bool]) -> Iterator[threadi
             return
         f = frame
         while f is not None:
+            if f.f_code.co_filename.endswith(_SWALLOWING) or f.f_code.co_name == "__del__":
+                # A weakref callback or finalizer the collector runs: Python
+                # prints and drops what it raises (seen once in a full run:
+                # the test's acquire then waited on). The next tick, then.
+                return
             if where(f):
                 done.append(True)
                 signal.setitimer(signal.ITIMER_REAL, 0, 0)
