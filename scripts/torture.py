@@ -514,13 +514,45 @@ class Run:
         # A worker spends only part of its time inside a section: try a few
         # holders in a row rather than one per --fault-every, or a loaded
         # machine's short run can end without a single pause (seen in CI).
-        give_up = time.monotonic() + max(3.0, self.args.fault_every)
+        # A thread stopped between reading the clock for its section's end and
+        # writing it (a WAL commit: milliseconds under load) ran no part of its
+        # section past the lease: such a pause made no stale holder, so it is
+        # kept as a fault and another is tried while time allows.
+        give_up = time.monotonic() + max(3.0, self.args.fault_every) + 2 * self.args.ttl
+        fault = None
         while time.monotonic() < give_up:
-            fault = self._pause_once()
-            if fault is not None:
-                return fault
+            tried = self._pause_once()
+            if tried is not None:
+                if fault is not None:
+                    self.faults.append(fault)
+                fault = tried
+                if self._made_stale(tried):
+                    return fault
             time.sleep(0.02)
-        return None
+        return fault
+
+    def _made_stale(self, fault: Fault) -> bool:
+        """Whether a section of the paused worker ran past its lease."""
+        path = self.run_dir / f"ledger-{fault.pid}.sqlite3"
+        until = time.monotonic() + 2.0
+        while True:
+            try:
+                conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)
+                try:
+                    rows = conn.execute(
+                        "SELECT t_end, max(lease_end, coalesce(lease_end_at_end, lease_end))"
+                        " FROM sections WHERE t_start <= ? AND (t_end IS NULL OR t_end >= ?)",
+                        (fault.t, fault.t),
+                    ).fetchall()
+                finally:
+                    conn.close()
+            except sqlite3.Error:
+                return False
+            if any(end is not None and end > lease + EPSILON for end, lease in rows):
+                return True
+            if all(end is not None for end, _ in rows) or time.monotonic() > until:
+                return False
+            time.sleep(0.05)
 
     def _pause_once(self) -> Fault | None:
         picked = self._pick_holder()
