@@ -495,10 +495,6 @@ class Locker:
         self.config = config
         self.registry = Registry()
         self._local = config.local_filter
-        self._handoff_limit = config.handoff_limit if store.can_transfer else 0
-        # Without hand-off (MySQL) every local grant is a row of its own, and
-        # a run of them is counted in grants (see _keep and release).
-        self._run_limit = 0 if store.can_transfer else config.handoff_limit
         self.defaults = LockOptions(
             renew=config.renew, max_hold=config.max_hold, on_lost=config.on_lost
         )
@@ -807,6 +803,17 @@ class Locker:
         # is collected), not before its row is gone.
         if entry.owner is me and entry.held is None:
             self._leave(entry)
+
+    @property
+    def _handoff_limit(self) -> int:
+        # Read from the store each time: MariaDB's is known once its server answered.
+        return self.config.handoff_limit if self.store.can_transfer else 0
+
+    @property
+    def _run_limit(self) -> int:
+        """Without hand-off (MySQL) every local grant is a row of its own, and
+        a run of them is counted in grants (see _keep and release)."""
+        return 0 if self.store.can_transfer else self.config.handoff_limit
 
     def _keep(self, entry: Entry, held: HeldLock) -> None:
         """A granted row becomes the key's at level 1, and renewal watches it."""

@@ -184,7 +184,9 @@ def test_a_dropped_trigger_releases(manager: LockManager, key: str) -> None:
 
 def test_renewal_keeps_a_deferred_lock(manager: LockManager, key: str) -> None:
     kept: list[object] = []
-    held = manager.acquire(key, ttl=0.3)
+    # A lease of 1 s, renewed about every third of it: 0.3 s was lost now and
+    # then on a loaded machine (the renewal thread late past the lease's end).
+    held = manager.acquire(key, ttl=1.0)
     exit_deferring(held, lambda d, r: kept.append(d.trigger()), None, None)
     first = held.expires_at
     deadline = time.monotonic() + 30
@@ -206,7 +208,7 @@ def test_a_deferred_lock_outlives_the_thread_that_took_it(
     taken: list[HeldLock] = []
 
     def worker() -> None:
-        held = manager.acquire(key, ttl=0.3)
+        held = manager.acquire(key, ttl=1.0)
         exit_deferring(held, lambda d, r: kept.append(d.trigger()), None, None)
         taken.append(held)
 

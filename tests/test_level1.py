@@ -7,9 +7,12 @@ import threading
 import time
 import tracemalloc
 
-from dblock import LockBusy, LockManager
+import pytest
+import sqlalchemy as sa
+
+from dblock import LockBusy, LockLost, LockManager
 from dblock.registry import Entry, Registry
-from tests.conftest import wait_queued
+from tests.conftest import row_of, wait_queued
 from tests.support.counting import StatementCounter
 
 
@@ -161,3 +164,34 @@ def test_manager_memory_after_many_distinct_keys(manager: LockManager, keys: obj
             pass
     assert len(manager._locker.registry) == 0
     assert manager._locker.registry._entries == {}
+
+
+def test_a_hand_off_of_a_row_that_was_gone_tells_the_holder_and_leaves_no_row(
+    manager: LockManager, key: str
+) -> None:
+    """The holder's row was deleted under it (``dblock release --force``) while a
+    local thread queued: the release says the lock was lost, and the next
+    thread acquires the key by itself (on MariaDB the hand-off's INSERT had
+    written a row for it, which goes again), with a greater fence; once it
+    releases, no row is left."""
+    held = manager.acquire(key, ttl=30)
+    got: list[int] = []
+
+    def second() -> None:
+        with manager.lock(key, timeout=30, ttl=30) as next_held:
+            got.append(next_held.fence)
+            assert row_of(manager, key) is not None
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    wait_queued(manager, key, 1)
+    table = manager.store.table
+    with manager.engine.begin() as conn:
+        conn.execute(sa.delete(table).where(table.c.lock_key == key))
+    with pytest.raises(LockLost):
+        held.release()
+    thread.join(30)
+    assert got
+    assert got[0] > held.fence
+    assert row_of(manager, key) is None
+    assert len(manager._locker.registry) == 0

@@ -230,8 +230,10 @@ def _hold_and_record(manager: LockManager, key: str, order: list[int], i: int) -
 def test_handoff_gives_each_thread_a_new_fence(manager: LockManager, key: str) -> None:
     """Each local hand-off is a new acquisition: a fence greater than every
     earlier one of the key. The row keeps the token of the run's database
-    acquisition (hand-offs from a fence reserve send no SQL) and its fence is
-    never ahead of the holder's."""
+    acquisition (hand-offs from a fence reserve send no SQL). Its fence is
+    never ahead of the holder's on PostgreSQL and SQLite; on MariaDB the
+    reserve is drawn by the rows of one INSERT, each of which wrote its fence
+    into the row, which so keeps the run's last one (never behind)."""
     seen: list[tuple[str, int]] = []
     lock = threading.Lock()
 
@@ -243,7 +245,10 @@ def test_handoff_gives_each_thread_a_new_fence(manager: LockManager, key: str) -
                 row = row_of(manager, key)
                 assert row is not None
                 assert row.token == held.token
-                assert row.fence <= held.fence
+                if manager.engine.dialect.name == "mysql":
+                    assert row.fence >= held.fence
+                else:
+                    assert row.fence <= held.fence
                 if not manager.store.reserves_fences:
                     assert row.fence == held.fence
 

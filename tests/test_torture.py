@@ -28,7 +28,7 @@ SCRIPT = ROOT / "scripts" / "torture.py"
 # every 1.6 s from the 2nd second, none in the last 2.1 s. The run ends once
 # every kind came round (--cycles 1, ~11-13 s on an idle machine), or at
 # --seconds, the cap a loaded machine may need.
-SHORT = ["--seconds", "20", "--cycles", "1", "--processes", "3", "--threads", "3",
+SHORT = ["--seconds", "30", "--cycles", "1", "--processes", "3", "--threads", "3",
          "--keys", "2", "--ttl", "1.0", "--poll-max", "0.1", "--fault-every", "1.6"]  # fmt: skip
 
 

@@ -727,10 +727,11 @@ class Store:
     :func:`dblock._store.register` under the SQLAlchemy dialect name."""
 
     #: The dialect can hand a held row to a new token and fence in one statement.
-    can_transfer: ClassVar[bool] = False
+    #: (Read at each release: a dialect may know it only once it met its server.)
+    can_transfer: bool = False
     #: Its transfer can also draw fences for the hand-offs after it
     #: (``transfer_steps(extra=n)``), all under the row's lock.
-    reserves_fences: ClassVar[bool] = False
+    reserves_fences: bool = False
     #: The dialect can wake waiters when a key is released.
     can_notify: ClassVar[bool] = False
 

@@ -84,7 +84,11 @@ _GALERA_READ = "SET STATEMENT wsrep_sync_wait=1 FOR "
 
 @register("mysql", "mariadb")
 class MySQLStore(WokenStore):
-    can_transfer: ClassVar[bool] = False
+    # MariaDB (RETURNING) hands a held row to the next local thread with
+    # fences in reserve, as PostgreSQL does (see transfer_steps); set once
+    # the server is known. MySQL proper: every local grant is a row of its own.
+    can_transfer = False
+    reserves_fences = False
     # PROCESSLIST shows a user its own threads (see Store.settle_later).
     alive_sql: ClassVar[str | None] = (
         "SELECT 1 FROM information_schema.PROCESSLIST WHERE ID = %(id)s"
@@ -137,6 +141,7 @@ class MySQLStore(WokenStore):
         self._galera_writes: set[str] = set()
         # Writes of for_galera(once=True): never run again after a garbled answer.
         self._once: set[str] = set()
+        self._transfers: dict[int, str] = {}  # by the number of fences drawn beyond the first
         # Wake-ups by named locks (see dblock._store.wake): not through a
         # pooler (a session-moving proxy), and not on Galera (GET_LOCK is
         # not replicated), where waiters poll.
@@ -167,6 +172,7 @@ class MySQLStore(WokenStore):
                 self.executor.engine.url.render_as_string(hide_password=True),
             )
         self.returning = _mariadb_returning(str(version))
+        self.can_transfer = self.reserves_fences = self.returning
 
     def for_galera(
         self,
@@ -249,6 +255,67 @@ class MySQLStore(WokenStore):
                     self._expect(key)
                 return holder
         return Holder(None, None, None)
+
+    def transfer_steps(
+        self, key: str, token: str, new_token: str, owner: str, ttl: float, *, extra: int = 0
+    ) -> Steps[Grant | None]:
+        # AUTO_INCREMENT only advances on INSERT: so the hand-off is an INSERT
+        # of 1 + extra rows for the key, each meeting our row and, through
+        # ON DUPLICATE KEY UPDATE, giving it the value that row drew
+        # (VALUES(fence)), with RETURNING after each. The first turns our
+        # token into the new one; the others (the run's reserve) find the new
+        # token. Every fence is drawn while the row is ours, so each is above
+        # every earlier fence of the key and below any drawn after it leaves us.
+        # The row ends with the largest; the grant takes the smallest.
+        params = {
+            "key": key,
+            "token": token,
+            "new_token": new_token,
+            "owner": owner,
+            "ttl_us": round(ttl * 1e6),
+        }
+        rows = (yield self._transfer_sql(extra), params, True, False).rows
+        if not rows or rows[0][1] != new_token:
+            return None  # held by another owner: nothing written
+        _, _, acquired_at, _, now = rows[0]
+        if acquired_at != now:
+            # The first row was inserted (its acquired_at is a microsecond
+            # early): ours was gone. That row is not the next thread's to
+            # keep; the next thread acquires the key itself.
+            yield self._release_sql, {"key": key, "token": new_token}, False, False
+            return None
+        fences = sorted(row[0] for row in rows if row[1] == new_token)
+        expires_at = rows[-1][3]
+        return Grant(
+            fences[0],
+            expires_at.replace(tzinfo=_UTC),
+            (expires_at - now).total_seconds(),
+            reserve=tuple(fences[1:]),
+        )
+
+    def _transfer_sql(self, extra: int) -> str:
+        sql = self._transfers.get(extra)
+        if sql is None:
+            now = "UTC_TIMESTAMP(6)"
+            row = (
+                f"(%(key)s, '', %(owner)s, %(new_token)s, {now} - INTERVAL 1 MICROSECOND, "
+                f"{now} + INTERVAL %(ttl_us)s MICROSECOND)"
+            )
+            mine = "token IN (%(token)s, %(new_token)s)"
+            sql = (
+                f"INSERT INTO {self._t} (lock_key, slot, owner, token, acquired_at, expires_at) "
+                f"VALUES {', '.join([row] * (1 + extra))} ON DUPLICATE KEY UPDATE "
+                f"fence = IF({mine}, VALUES(fence), fence), "
+                f"owner = IF({mine}, VALUES(owner), owner), "
+                f"acquired_at = IF({mine}, {now}, acquired_at), "
+                f"expires_at = IF({mine}, VALUES(expires_at), expires_at), "
+                # Last: the assignments are made left to right, and those
+                # above must still see the row's token as it was.
+                f"token = IF({mine}, VALUES(token), token) "
+                f"RETURNING fence, token, acquired_at, expires_at, {now}"
+            )
+            sql = self._transfers[extra] = self.for_galera(sql, write=True)
+        return sql
 
     def _holder_steps(self, key: str, token: str) -> Steps[Grant | Holder | None]:
         """Who holds ``key``; None when it is free (or was just freed) to try again."""

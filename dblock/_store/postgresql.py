@@ -87,8 +87,8 @@ def _acquired(rows: Sequence[tuple[Any, ...]], token: str) -> Grant | Holder:
 
 @register("postgresql")
 class PostgresStore(Store):
-    can_transfer: ClassVar[bool] = True
-    reserves_fences: ClassVar[bool] = True
+    can_transfer = True
+    reserves_fences = True
     can_notify: ClassVar[bool] = True
     # psycopg, interrupted by KeyboardInterrupt or a cancellation, cancels
     # the statement and waits for its end itself; any other exception (a

@@ -33,7 +33,7 @@ _UTC = timezone.utc
 
 @register("sqlite")
 class SQLiteStore(WokenStore):
-    can_transfer: ClassVar[bool] = True
+    can_transfer = True
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         super().__init__(engine, config=config, owns_engine=owns_engine)
