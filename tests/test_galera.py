@@ -20,6 +20,7 @@ import pytest
 
 from dblock import LockBusy, LockLost, LockManager
 from tests.support.servers import PrivateGalera
+from tests.support.stall import AutoIncrementStall, unavailable
 
 pytestmark = pytest.mark.cluster
 
@@ -459,3 +460,42 @@ def test_batches_racing_across_nodes(node_managers: list[LockManager]) -> None:
         assert all(a < b for a, b in itertools.pairwise(seen)), (k, seen)
     batches = sum("UNION ALL" in s and "INSERT IGNORE" in s for c in counters for s in c.statements)
     assert batches > 0
+
+
+def test_a_fence_drawn_before_a_stall_is_drawn_again_once_the_row_is_ours(
+    galera: PrivateGalera, key: str
+) -> None:
+    """Galera runs InnoDB with innodb_autoinc_lock_mode=2: an INSERT draws its
+    AUTO_INCREMENT before it finds the key free, with no lock over the two.
+    An acquire on node 1 is held right after its draw (gdb, as a descheduled
+    server thread would be) while node 0 takes and lets go of the key; once
+    it goes on, the key is free and its row is written: its grant must still
+    carry a fence above node 0's (before the re-draw it carried the smaller
+    one, drawn first)."""
+    reason = unavailable()
+    if reason is not None:  # like a missing database: fail, never skip
+        pytest.fail(f"cannot hold a server thread: {reason} (install gdb and binutils)")
+    slow = LockManager(galera.nodes[1].url, client_id="slow", renew=False)
+    fast = LockManager(galera.nodes[0].url, client_id="fast", renew=False)
+    got: list[int] = []
+    try:
+        for m in (slow, fast):
+            m.acquire(key + ":warm-up").release()  # capabilities read before the stall
+
+        def take() -> None:
+            with slow.lock(key, timeout=60) as held:
+                got.append(held.fence)
+
+        with AutoIncrementStall(galera.nodes[1].pid) as stall:
+            first = threading.Thread(target=take)
+            first.start()
+            stall.wait_stalled()  # slow drew its fence and has not looked at the key
+            with fast.lock(key, timeout=30) as held:
+                fast_fence = held.fence
+            stall.release()
+            first.join(60)
+        assert got, "the stalled acquire never returned"
+        assert got[0] > fast_fence, f"fence went backwards: {fast_fence} then {got[0]}"
+    finally:
+        slow.close()
+        fast.close()

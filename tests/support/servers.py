@@ -400,6 +400,13 @@ class GaleraNode(PrivateServer):
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def pid(self) -> int:
+        """The running node's server process (for tests/support/stall.py)."""
+        assert self._proc is not None, "the node was never started"
+        assert self._proc.poll() is None, "the node is not running"
+        return self._proc.pid
+
+    @property
     def url(self) -> str:
         return f"mysql+pymysql://root@127.0.0.1:{self.port}/test"
 
