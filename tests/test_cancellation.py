@@ -64,6 +64,28 @@ def statements_held(db_url: str, keys: list[str], table: str = "dblock_locks") -
         engine.dispose()
 
 
+def _inserts_waiting(db_url: str, table: str) -> int:
+    """INSERTs into ``table`` waiting for a row lock in the server (of any
+    test: another's only makes the caller go on as early as it used to)."""
+    pattern = f"%INSERT%{table}%"
+    if "postgresql" in db_url:
+        sql = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query ILIKE :pattern"
+        )
+    else:
+        sql = (
+            "SELECT count(*) FROM information_schema.INNODB_TRX "
+            "WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE :pattern"
+        )
+    engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.text(sql), {"pattern": pattern}).scalar_one())
+    finally:
+        engine.dispose()
+
+
 def mentions(caplog: pytest.LogCaptureFixture, text: str, level: int) -> list[str]:
     return [r.getMessage() for r in caplog.records if text in r.getMessage() and r.levelno == level]
 
@@ -183,7 +205,11 @@ def test_a_cancellation_while_the_database_is_unreachable_warns(
     async def main() -> None:
         with statements_held(db_url, [key]):
             task = asyncio.create_task(alocks.acquire(key, timeout=60))
+            # Cancelled once its INSERT waits in the server (a fixed 0.5 s was
+            # too short for a loaded machine: still queued, nothing was sent).
             await asyncio.sleep(0.5)
+            table = alocks.sync.config.table
+            await until(lambda: _inserts_waiting(db_url, table) > 0)
             task.cancel()
             proxy.refuse(True)
             proxy.cut_all()
