@@ -262,8 +262,16 @@ def test_a_lease_of_the_minimum_is_kept_by_renewal(make_manager: object, key: st
     holder, other = make_manager(), make_manager()  # type: ignore[operator]
     held = holder.acquire(key, ttl=MIN_TTL)
     first = held.expires_at
-    with pytest.raises(LockBusy):
-        other.acquire(key, blocking=False)
+    try:
+        taken = other.acquire(key, blocking=False)
+    except LockBusy:
+        pass
+    else:
+        # Overloaded (seen in a fresh-clone run): the lease ran out before
+        # this look, and its holder must know it by then (its clock ends a
+        # lease before the database's does).
+        taken.release()
+        assert held.lost
     deadline = time.monotonic() + 5.0
     while held.expires_at == first and not held.lost and time.monotonic() < deadline:
         time.sleep(MIN_TTL / 4)
