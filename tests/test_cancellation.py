@@ -34,15 +34,17 @@ def _nothing(*args: Any) -> None:
 
 
 @contextlib.contextmanager
-def statements_held(db_url: str, keys: list[str], table: str = "dblock_locks") -> Iterator[None]:
+def statements_held(db_url: str, keys: list[str], table: str = "dblock_locks") -> Iterator[int]:
     """While inside, a statement acquiring one of ``keys`` (rows some other
-    manager holds) waits in the database."""
+    manager holds) waits in the database. Yields the server's id of the
+    session holding the rows (PostgreSQL's backend pid, MySQL's connection
+    id; 0 on SQLite), for :func:`blocked_by`."""
     url = sa.make_url(db_url)
     if url.get_backend_name() == "sqlite":
         conn = sqlite3.connect(url.database or "", isolation_level=None)
         conn.execute("BEGIN IMMEDIATE")  # the file's write lock
         try:
-            yield
+            yield 0
         finally:
             conn.execute("ROLLBACK")
             conn.close()
@@ -58,30 +60,31 @@ def statements_held(db_url: str, keys: list[str], table: str = "dblock_locks") -
                 {"keys": keys},
             ).all()
             assert len(rows) == len(keys)  # each row is there, and locked
-            yield
+            session = (
+                "SELECT pg_backend_pid()" if "postgresql" in db_url else "SELECT CONNECTION_ID()"
+            )
+            yield int(sa_conn.exec_driver_sql(session).scalar_one())
             tx.rollback()
     finally:
         engine.dispose()
 
 
-def _inserts_waiting(db_url: str, table: str) -> int:
-    """INSERTs into ``table`` waiting for a row lock in the server (of any
-    test: another's only makes the caller go on as early as it used to)."""
-    pattern = f"%INSERT%{table}%"
+def blocked_by(db_url: str, session: int) -> int:
+    """How many sessions wait in the server for row locks ``session`` holds
+    (asked on a connection of its own: PostgreSQL keeps one transaction's
+    view of its activity for the whole transaction)."""
     if "postgresql" in db_url:
-        sql = (
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND query ILIKE :pattern"
-        )
+        sql = "SELECT count(*) FROM pg_stat_activity WHERE :s = ANY(pg_blocking_pids(pid))"
     else:
         sql = (
-            "SELECT count(*) FROM information_schema.INNODB_TRX "
-            "WHERE trx_state = 'LOCK WAIT' AND trx_query LIKE :pattern"
+            "SELECT count(*) FROM information_schema.INNODB_LOCK_WAITS w "
+            "JOIN information_schema.INNODB_TRX b ON b.trx_id = w.blocking_trx_id "
+            "WHERE b.trx_mysql_thread_id = :s"
         )
     engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
     try:
         with engine.connect() as conn:
-            return int(conn.execute(sa.text(sql), {"pattern": pattern}).scalar_one())
+            return int(conn.execute(sa.text(sql), {"s": session}).scalar_one())
     finally:
         engine.dispose()
 
@@ -203,13 +206,11 @@ def test_a_cancellation_while_the_database_is_unreachable_warns(
     alocks = AsyncLockManager(proxy.url_for(db_url), ttl=1.0)  # renewal passes every 1/3 s
 
     async def main() -> None:
-        with statements_held(db_url, [key]):
+        with statements_held(db_url, [key]) as session:
             task = asyncio.create_task(alocks.acquire(key, timeout=60))
             # Cancelled once its INSERT waits in the server (a fixed 0.5 s was
             # too short for a loaded machine: still queued, nothing was sent).
-            await asyncio.sleep(0.5)
-            table = alocks.sync.config.table
-            await until(lambda: _inserts_waiting(db_url, table) > 0)
+            await until(lambda: blocked_by(db_url, session) > 0)
             task.cancel()
             proxy.refuse(True)
             proxy.cut_all()

@@ -176,11 +176,12 @@ def test_a_hand_off_of_a_row_that_was_gone_tells_the_holder_and_leaves_no_row(
     releases, no row is left."""
     held = manager.acquire(key, ttl=30)
     got: list[int] = []
+    rows: list[object] = []  # (asserted here: an assert in the thread would fail unseen)
 
     def second() -> None:
         with manager.lock(key, timeout=30, ttl=30) as next_held:
             got.append(next_held.fence)
-            assert row_of(manager, key) is not None
+            rows.append(row_of(manager, key))
 
     thread = threading.Thread(target=second)
     thread.start()
@@ -193,5 +194,6 @@ def test_a_hand_off_of_a_row_that_was_gone_tells_the_holder_and_leaves_no_row(
     thread.join(30)
     assert got
     assert got[0] > held.fence
+    assert rows[0] is not None  # it held a row of its own
     assert row_of(manager, key) is None
     assert len(manager._locker.registry) == 0

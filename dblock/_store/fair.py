@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import KindMismatch
 from .base import Grant, Holder, Steps
-from .sqlparts import SQLITE_NOW, lock_class, notify, sqlite_grant
+from .sqlparts import SQLITE_NOW, lock_class, mysql_grant, notify, sqlite_grant
 
 if TYPE_CHECKING:
     from .base import Store
@@ -574,10 +574,7 @@ class MySQLFair(FairSQL):
         if store.returning:
             rows = (yield returning, params, True, False).rows
             if rows:
-                fence, expires_at, now = rows[0]
-                return Grant(
-                    fence, expires_at.replace(tzinfo=_UTC), (expires_at - now).total_seconds()
-                )
+                return mysql_grant(*rows[0])
         else:
             sent = time.time()
             result = yield plain, params, False, True

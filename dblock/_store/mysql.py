@@ -65,6 +65,7 @@ from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, TableHealth, lock_row
 from .base import Grant, Holder, Interrupted, Lease, Result, Steps, log
+from .sqlparts import mysql_grant
 from .wake import PROBE_SQL, NamedLockWaker, WokenStore
 
 _NO_SUCH_TABLE = 1146
@@ -235,11 +236,7 @@ class MySQLStore(WokenStore):
             if self.returning:
                 rows = (yield self._insert_returning_sql, params, True, False).rows
                 if rows:
-                    fence, expires_at, now = rows[0]
-                    grant = Grant(
-                        fence, expires_at.replace(tzinfo=_UTC), (expires_at - now).total_seconds()
-                    )
-                    settled = yield from self._ours(key, token, owner, ttl, grant)
+                    settled = yield from self._ours(key, token, owner, ttl, mysql_grant(*rows[0]))
                     if settled is None:
                         continue  # gone at once (swept, or released by force): again
                     return settled
@@ -294,13 +291,7 @@ class MySQLStore(WokenStore):
             yield self._release_sql, {"key": key, "token": new_token}, False, False
             return None
         fences = sorted(row[0] for row in rows if row[1] == new_token)
-        expires_at = rows[-1][3]
-        return Grant(
-            fences[0],
-            expires_at.replace(tzinfo=_UTC),
-            (expires_at - now).total_seconds(),
-            reserve=tuple(fences[1:]),
-        )
+        return mysql_grant(fences[0], rows[-1][3], now, tuple(fences[1:]))
 
     def _transfer_sql(self, extra: int) -> str:
         sql = self._transfers.get(extra)
@@ -448,11 +439,7 @@ class MySQLStore(WokenStore):
             if row is None:  # not inserted: held, expired or freed meanwhile
                 answers.append((yield from self.acquire_steps(key, token, owner, ttl)))
                 continue
-            fence, expires_at, acquired_at = row
-            grant = Grant(
-                fence, expires_at.replace(tzinfo=_UTC), (expires_at - acquired_at).total_seconds()
-            )
-            settled = yield from self._ours(key, token, owner, ttl, grant)
+            settled = yield from self._ours(key, token, owner, ttl, mysql_grant(*row))
             answers.append(
                 settled
                 if settled is not None

@@ -16,6 +16,7 @@ __all__ = [
     "SQLITE_CLOCK_STEP",
     "SQLITE_NOW",
     "lock_class",
+    "mysql_grant",
     "notify",
     "sqlite_grant",
     "unnest",
@@ -78,6 +79,16 @@ SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 # end) up to this much before the client sent its statement; the holder's
 # view of the lease is shortened by as much, so it never outlasts the row's.
 SQLITE_CLOCK_STEP = 0.001
+
+
+def mysql_grant(
+    fence: int, expires_at: datetime, now: datetime, reserve: tuple[int, ...] = ()
+) -> Grant:
+    """A grant from a MySQL/MariaDB row: its ``DATETIME(6)`` columns come back
+    naive (they hold UTC), the lease measured against the statement's own now."""
+    return Grant(
+        fence, expires_at.replace(tzinfo=_UTC), (expires_at - now).total_seconds(), reserve=reserve
+    )
 
 
 def sqlite_grant(row: tuple[object, ...]) -> Grant:
