@@ -21,7 +21,15 @@ import pytest
 from dblock import LockManager
 from dblock._store.postgresql import Listener
 from dblock._store.sqlparts import waiters_class
-from tests.support.notify import Heard, bucket_of, conninfo, registered, start_waiter, until
+from tests.support.notify import (
+    Heard,
+    bucket_of,
+    conninfo,
+    registered,
+    registered_on_server,
+    start_waiter,
+    until,
+)
 from tests.support.servers import PgBouncer
 
 pytestmark = pytest.mark.databases("postgresql")
@@ -78,6 +86,7 @@ def test_a_waiter_registered_before_the_release_is_notified(
     held = holder.acquire(key)
     t, got = start_waiter(waiter, key)
     until(lambda: registered(waiter, key), "the waiter's registration")
+    assert registered_on_server(db_url, waiter, key)
     time.sleep(0.1)  # its attempt after the registration is made and found the key held
     released = time.monotonic()
     assert held.release() is True
@@ -90,7 +99,10 @@ def test_a_waiter_registered_before_the_release_is_notified(
     t.join(10)
     # Its wait over, the waiter's listener drops the registration: the next
     # release of the key notifies nobody.
-    until(lambda: not registered(waiter, key), "the registration dropped")
+    until(
+        lambda: not registered(waiter, key) and not registered_on_server(db_url, waiter, key),
+        "the registration dropped",
+    )
     with holder.lock(key, blocking=False):
         pass
     assert key not in ear.payloads()

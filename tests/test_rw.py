@@ -411,7 +411,7 @@ def test_close_sends_waiting_readers_and_writers_away(make_manager: Any, key: st
 
 
 @pytest.mark.databases("postgresql", "mariadb")
-@pytest.mark.parametrize("fault", ["outage", "cut-after-intent"])
+@pytest.mark.parametrize("fault", ["outage", "cut-after-intent", "outage-from-the-intent"])
 def test_waiting_writer_rides_out_an_outage(
     db_url: str, key: str, make_manager: Any, fault: str
 ) -> None:
@@ -421,7 +421,11 @@ def test_waiting_writer_rides_out_an_outage(
     connection cut as the write intent's answer comes back (the row written,
     the writer told nothing), ridden out the same way. Before:
     ``ConnectionLost`` went out of ``write_lock`` (seen in a full run, the
-    outage's cut racing the intent statement's answer)."""
+    outage's cut racing the intent statement's answer).
+    ``outage-from-the-intent``: that cut begins an outage, so the writer has
+    not made its waiter yet when the next grant cannot connect. Before:
+    ``DatabaseUnreachable`` went out of ``write_lock`` (seen in CI: the
+    outage's cut came as the intent's answer was on its way)."""
     from tests.support.proxy import Proxy
 
     url = sa.make_url(db_url)
@@ -430,7 +434,9 @@ def test_waiting_writer_rides_out_an_outage(
     writer_side = LockManager(proxy.url_for(db_url), poll_max=0.1)
     try:
         r = reader_side.read_lock(key).__enter__()
-        cut = proxy.cut_after(b"'rw', 'waiting', 0,") if fault == "cut-after-intent" else None
+        cut = None
+        if fault != "outage":
+            cut = proxy.cut_after(b"'rw', 'waiting', 0,", refuse=fault == "outage-from-the-intent")
         got: list[Any] = []
 
         def write() -> None:
@@ -444,7 +450,11 @@ def test_waiting_writer_rides_out_an_outage(
         writer.start()
         if cut is not None:
             assert cut.wait(10), "the intent statement was not sent"
-            time.sleep(0.3)
+            if fault == "outage-from-the-intent":
+                tried = proxy.accepted
+                wait_for(lambda: proxy.accepted >= tried + 3 or got, "attempts through the outage")
+            else:
+                time.sleep(0.3)
         else:
             wait_for(lambda: any(row.mode == "waiting" for row in rows(reader_side, key)), "intent")
             proxy.refuse(True)

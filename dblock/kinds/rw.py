@@ -503,6 +503,9 @@ class RwLocker:
         # driver could not decode): it may have committed. Read the head row
         # before granting again, or a second run would count us twice.
         unsure = False
+        # Refused once, we wait: an outage from then on is ridden out (the
+        # waiter may not exist yet if the intent's answer was what got cut).
+        waiting = False
         try:
             while True:
                 if self._closing:
@@ -533,7 +536,7 @@ class RwLocker:
                             self._orphan(key, token, unreachable=True)
                             token = os.urandom(16).hex()  # that one may be in the row now
                         outage = outage or Backoff(OUTAGE_INITIAL, OUTAGE_MAX)
-                        self._ride_out(key, exc, deadline, outage, waiting=wait is not None)
+                        self._ride_out(key, exc, deadline, outage, waiting=waiting)
                         continue
                 except BaseException as exc:
                     if mode == WRITE and not never_sent(exc):
@@ -545,6 +548,7 @@ class RwLocker:
                     expires_mono = sent_at + row.expires_in
                     return _Hold(mode, epoch, row.fence, row.expires_at, expires_mono)
                 limit = self._refused(key, row, blocking, deadline, timeout)
+                waiting = True
                 if mode == WRITE:  # our intent row, renewed before it runs out
                     limit = min(limit, ttl * _INTENT_RENEW)
                     if intent_at is None or _monotonic() - intent_at > ttl * _INTENT_RENEW:

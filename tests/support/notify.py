@@ -12,9 +12,17 @@ import psycopg
 import sqlalchemy as sa
 
 from dblock import LockManager
-from dblock._store.sqlparts import BUCKETS
+from dblock._store.sqlparts import BUCKETS, waiters_class
 
-__all__ = ["Heard", "bucket_of", "conninfo", "registered", "start_waiter", "until"]
+__all__ = [
+    "Heard",
+    "bucket_of",
+    "conninfo",
+    "registered",
+    "registered_on_server",
+    "start_waiter",
+    "until",
+]
 
 
 def conninfo(url: str) -> str:
@@ -66,6 +74,23 @@ def listener_of(manager: LockManager) -> Any:
 def registered(manager: LockManager, key: str) -> bool:
     listener = listener_of(manager)
     return listener is not None and key in listener._registered
+
+
+def registered_on_server(url: str, manager: LockManager, key: str) -> bool:
+    """Whether some session holds ``key``'s waiter registration (the shared
+    advisory lock a release tries). The listener forgets a key before its
+    unlock is sent, so a waiter arriving meanwhile registers again: only the
+    server says when a release stops finding it."""
+    classid = waiters_class(manager.store.names.table)
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+            " AND classid::bigint = (%s::bigint & 4294967295)"
+            " AND objid::bigint = (hashtext(%s)::bigint & 4294967295)",
+            (classid, key),
+        ).fetchone()
+    assert row is not None
+    return bool(row[0])
 
 
 def start_waiter(

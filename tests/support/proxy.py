@@ -33,6 +33,8 @@ class _Rule:
     fired: threading.Event = field(default_factory=threading.Event)
     # Set for hold(): forward the packet once this is set, instead of cutting.
     let_go: threading.Event | None = None
+    # cut_after(refuse=True): refuse new connections from the cut on.
+    refuse: bool = False
 
 
 class Proxy:
@@ -52,10 +54,11 @@ class Proxy:
 
     # -- control -----------------------------------------------------------
 
-    def cut_after(self, marker: bytes) -> threading.Event:
+    def cut_after(self, marker: bytes, *, refuse: bool = False) -> threading.Event:
         """Arm a one-shot cut after the server answers a packet with ``marker``;
-        the returned event is set once it fired."""
-        rule = _Rule(marker, after_reply=True)
+        the returned event is set once it fired. ``refuse``: an outage begins
+        with the cut (new connections refused until ``refuse(False)``)."""
+        rule = _Rule(marker, after_reply=True, refuse=refuse)
         with self._lock:
             self._rule = rule
         return rule.fired
@@ -153,6 +156,9 @@ class Proxy:
                         if rule.after_reply:
                             server.sendall(data)
                             server.recv(65536)  # the answer, swallowed
+                            if rule.refuse:
+                                with self._lock:
+                                    self._refusing = True
                         fired = rule
                         return
                     server.sendall(data)
