@@ -1279,8 +1279,8 @@ class Locker:
                     continue
                 outage = None
                 if isinstance(result, Grant):
-                    if result.sent_at is not None:
-                        sent_at = result.sent_at  # a grouped statement's, sent after we queued
+                    # A grouped statement's time, sent after we queued, if any.
+                    sent_at = sent_at if result.sent_at is None else result.sent_at
                     if sent_at + result.expires_in - _monotonic() >= ttl * _LIVE_LEASE:
                         held = self.held_type(self, entry, token, owner, ttl, result, sent_at, opts)
                         unsettled = None
@@ -1290,10 +1290,9 @@ class Locker:
                     continue
                 unsettled = None  # refused: the row is another's
                 limit = self._refused(key, result, blocking, deadline, timeout)
-                if not waiting:
-                    waiting = True
-                    if watch is not None:
-                        watch.waiting(2)
+                if not waiting and watch is not None:
+                    watch.waiting(2)
+                waiting = True
                 yield (WAIT, key, limit, sent_at)
         except BaseException as exc:
             # (dblock's own errors have settled the row already, if any.)

@@ -40,7 +40,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .. import _threads
@@ -526,22 +526,28 @@ class NamedLockWaker(Waker):
                         self._want[key] = _monotonic() + delay
                 delay = min(delay * 2, 1.0)
                 continue
-            got = row[2 * len(drop) :]
-            with self._hmutex:
-                self._have -= set(drop)
-                now = _monotonic()
-                for key, owner in zip(drop, row[0 : 2 * len(drop) : 2], strict=True):
-                    if owner is not None:
-                        if len(self._waited) > 10_000:
-                            self._waited.clear()
-                        self._waited[key] = now
-                for key, ok in zip(take, got, strict=True):
-                    if ok == 1:
-                        self._have.add(key)
-                        if key not in self._want:  # let go meanwhile
-                            self._drop.add(key)
-                    elif key in self._want:  # a probe has it for an instant: again soon
-                        self._want[key] = _monotonic() + 0.002
+            self._settle(drop, take, row)
+
+    def _settle(self, drop: set[str], take: list[str], row: Sequence[Any]) -> None:
+        """The holder thread's statement answered: the names let go (and
+        which of them a waiter of another process was blocked on), the
+        names taken, and those a probe had for an instant (again soon)."""
+        got = row[2 * len(drop) :]
+        with self._hmutex:
+            self._have -= drop
+            now = _monotonic()
+            for key, owner in zip(drop, row[0 : 2 * len(drop) : 2], strict=True):
+                if owner is not None:
+                    if len(self._waited) > 10_000:
+                        self._waited.clear()
+                    self._waited[key] = now
+            for key, ok in zip(take, got, strict=True):
+                if ok == 1:
+                    self._have.add(key)
+                    if key not in self._want:  # let go meanwhile
+                        self._drop.add(key)
+                elif key in self._want:  # a probe has it for an instant: again soon
+                    self._want[key] = now + 0.002
 
     # -- waiter side -------------------------------------------------------------
 

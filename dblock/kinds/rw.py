@@ -523,12 +523,7 @@ class RwLocker:
                 except BackendError as exc:
                     if store.lost_contention(exc):
                         row = None  # an InnoDB deadlock victim: contention, try again
-                    elif (
-                        mode == READ
-                        and isinstance(exc, Interrupted)
-                        and not unsure
-                        and (deadline is None or _monotonic() < deadline)
-                    ):
+                    elif mode == READ and _unsure_read(exc, unsure, deadline):
                         unsure = True
                         continue
                     else:
@@ -553,16 +548,9 @@ class RwLocker:
                     limit = min(limit, ttl * _INTENT_RENEW)
                     if intent_at is None or _monotonic() - intent_at > ttl * _INTENT_RENEW:
                         intent_at = _monotonic()
-                        try:
-                            store.drive(statements.intent_steps(key, intent, owner, ttl))
-                        except BackendError as exc:
-                            # Written or not, we wait: ride it out as the grant
-                            # statement's outage, and write it again next time.
-                            # (Seen in a full run: the connection cut as the
-                            # intent's answer was on its way, the writer failed.)
+                        outage = self._write_intent(key, intent, owner, ttl, deadline, outage)
+                        if outage is not None:  # written again next time
                             intent_at = float("-inf")
-                            outage = outage or Backoff(OUTAGE_INITIAL, OUTAGE_MAX)
-                            self._ride_out(key, exc, deadline, outage, waiting=True)
                             continue
                 if wait is None:
                     refuse_on_event_loop(key)
@@ -572,10 +560,35 @@ class RwLocker:
             if wait is not None:
                 wait.close()
             if intent_at is not None:
-                try:
-                    store.drive(statements.drop_intent_steps(key, intent))
-                except BackendError as exc:
-                    log.warning("dblock: could not drop the write intent on %r: %s", key, exc)
+                self._drop_intent(key, intent)
+
+    def _write_intent(  # noqa: PLR0917 - the wait loop's state, passed on
+        self,
+        key: str,
+        intent: str,
+        owner: str,
+        ttl: float,
+        deadline: float | None,
+        outage: Backoff | None,
+    ) -> Backoff | None:
+        """A waiting writer's intent row (new readers hold back), written or
+        renewed: None, or the outage it met. Written or not, the writer waits:
+        the failure is ridden out as a grant statement's outage. (Seen in a
+        full run: the connection cut as the intent's answer was on its way,
+        the writer failed.)"""
+        try:
+            self.store.drive(self.statements.intent_steps(key, intent, owner, ttl))
+        except BackendError as exc:
+            outage = outage or Backoff(OUTAGE_INITIAL, OUTAGE_MAX)
+            self._ride_out(key, exc, deadline, outage, waiting=True)
+            return outage
+        return None
+
+    def _drop_intent(self, key: str, intent: str) -> None:
+        try:
+            self.store.drive(self.statements.drop_intent_steps(key, intent))
+        except BackendError as exc:
+            log.warning("dblock: could not drop the write intent on %r: %s", key, exc)
 
     @staticmethod
     def _refused(
@@ -764,6 +777,16 @@ class RwLocker:
         self._mutex = threading.Lock()
         self._changed = threading.Condition(self._mutex)
         self.renewer.after_fork()
+
+
+def _unsure_read(exc: BackendError, unsure: bool, deadline: float | None) -> bool:
+    """A read grant interrupted (its outcome unknown), not already being
+    looked up, with time left: look up the head row before granting again."""
+    return (
+        isinstance(exc, Interrupted)
+        and not unsure
+        and (deadline is None or _monotonic() < deadline)
+    )
 
 
 def _own_read_phase(head: RwRow | None, token: str) -> RwRow | None:
