@@ -33,6 +33,7 @@ import errno
 import fcntl
 import hashlib
 import logging
+import math
 import os
 import random
 import socket
@@ -353,6 +354,11 @@ class NamedLockWaker(Waker):
         # as ours was let go (others_wait()).
         self._waited: dict[str, float] = {}
         self._holder: threading.Thread | None = None
+        # When the holder thread wakes by itself (inf: only when told; -inf:
+        # it is awake and looks at everything before it sleeps again). A new
+        # name due no earlier needs no wake-up: a loop of short lone holds
+        # woke the thread at every grant, only for it to sleep until GRACE.
+        self._wake_at = math.inf
         # Waiter side (guarded by self._mutex): key -> its slot, and the slots.
         self._slots: list[_Slot] = []
         self._max_slots = slots
@@ -399,7 +405,8 @@ class NamedLockWaker(Waker):
                     target=self._run_holder, name="dblock-names", daemon=True
                 )
                 _threads.start(self._holder)
-            self._hmutex.notify()
+            if self._want[key] < self._wake_at:
+                self._hmutex.notify()
 
     def hot(self, key: str, ends_run: bool = False) -> None:
         with self._hmutex:
@@ -480,12 +487,16 @@ class NamedLockWaker(Waker):
                     wait = max(min(later) - now, 0.0) if later else None
                     if not later and not self._have:
                         wait = self.LINGER if conn is not None else None
+                        self._wake_at = math.inf
                         if not self._hmutex.wait(wait) and conn is not None:
                             with contextlib.suppress(Exception):
                                 conn.close()
                             conn = None
+                        self._wake_at = -math.inf
                         continue
+                    self._wake_at = math.inf if wait is None else now + wait
                     self._hmutex.wait(wait)
+                    self._wake_at = -math.inf
                 else:
                     self._holder = None
                     if conn is not None:
