@@ -576,7 +576,11 @@ def test_a_signal_as_the_command_starts_never_says_nothing_ran(
         marker = tmp_path / f"ran{i}"
         proc = start_dblock(
             *on, "run", f"edge{i}", "--", "sh", "-c",
-            f"echo started > {marker}; trap 'exit 42' TERM; sleep 10 & wait",
+            # (The sleep's output away from dblock run's pipes, and killed
+            # with the shell: an orphaned sleep holding them kept the
+            # test's communicate() for its whole 10 s.)
+            f"echo started > {marker}; trap 'kill $! 2>/dev/null; exit 42' TERM; "
+            "sleep 10 </dev/null >/dev/null 2>&1 & wait",
         )  # fmt: skip
         time.sleep(max(0.0, start_at * (0.7 + 0.45 * i / tries)))
         proc.send_signal(signal.SIGTERM)
