@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -462,8 +463,17 @@ def test_batches_racing_across_nodes(node_managers: list[LockManager]) -> None:
     assert batches > 0
 
 
+def _locked(m: LockManager, kind: str, key: str, timeout: float) -> Any:
+    if kind == "write":
+        return m.write_lock(key, timeout=timeout)
+    if kind == "semaphore":
+        return m.semaphore(key, permits=1, timeout=timeout)
+    return m.lock(key, timeout=timeout, fair=kind == "fair")
+
+
+@pytest.mark.parametrize("kind", ["exclusive", "fair", "write", "semaphore"])
 def test_a_fence_drawn_before_a_stall_is_drawn_again_once_the_row_is_ours(
-    galera: PrivateGalera, key: str
+    galera: PrivateGalera, key: str, kind: str
 ) -> None:
     """Galera runs InnoDB with innodb_autoinc_lock_mode=2: an INSERT draws its
     AUTO_INCREMENT before it finds the key free, with no lock over the two.
@@ -471,7 +481,10 @@ def test_a_fence_drawn_before_a_stall_is_drawn_again_once_the_row_is_ours(
     server thread would be) while node 0 takes and lets go of the key; once
     it goes on, the key is free and its row is written: its grant must still
     carry a fence above node 0's (before the re-draw it carried the smaller
-    one, drawn first)."""
+    one, drawn first). The fair queue's head and the write lock: their
+    grants, an ``INSERT … SELECT`` and a locking read, take gap locks that
+    the other node's rows, applied here, break (the stalled statement is
+    aborted and tried again with a new draw)."""
     reason = unavailable()
     if reason is not None:  # like a missing database: fail, never skip
         pytest.fail(f"cannot hold a server thread: {reason} (install gdb and binutils)")
@@ -483,14 +496,14 @@ def test_a_fence_drawn_before_a_stall_is_drawn_again_once_the_row_is_ours(
             m.acquire(key + ":warm-up").release()  # capabilities read before the stall
 
         def take() -> None:
-            with slow.lock(key, timeout=60) as held:
+            with _locked(slow, kind, key, 60) as held:
                 got.append(held.fence)
 
         with AutoIncrementStall(galera.nodes[1].pid) as stall:
             first = threading.Thread(target=take)
             first.start()
             stall.wait_stalled()  # slow drew its fence and has not looked at the key
-            with fast.lock(key, timeout=30) as held:
+            with _locked(fast, kind, key, 30) as held:
                 fast_fence = held.fence
             stall.release()
             first.join(60)
@@ -499,3 +512,28 @@ def test_a_fence_drawn_before_a_stall_is_drawn_again_once_the_row_is_ours(
     finally:
         slow.close()
         fast.close()
+
+
+def test_a_write_grant_whose_row_was_gone_at_the_redraw_is_no_grant_and_leaves_no_row(
+    galera: PrivateGalera, key: str
+) -> None:
+    """The write grant's fence is drawn again by an upsert of our own row; if
+    the row was gone by then (its lease ran out, another took and let go of
+    the key), the upsert inserts one: that is no grant, and the row is
+    deleted at once (a dead read phase meanwhile, which nobody waits for)."""
+    from dblock._store.rw import rw_statements
+
+    m = LockManager(galera.nodes[0].url)
+    try:
+        statements: Any = rw_statements(m.store)
+        assert statements._redraw
+        params = {"key": key, "mode": "write", "token": "t" * 32, "owner": "me", "ttl_us": 10**7}
+        row = m.store.drive(statements._redraw_steps(params))
+        assert not row.granted
+        assert row.expires_in == 0.0
+        assert m.store.drive(statements.holder_steps(key)) is None
+        # And a writer takes the key at once.
+        with m.write_lock(key, blocking=False) as held:
+            assert held.fence > 0
+    finally:
+        m.close()

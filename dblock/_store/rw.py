@@ -513,6 +513,20 @@ class MySQLRw(RwStatements):
             self._write_sql = galera(self._write_sql, write=True)
             self._holder_sql = galera(self._holder_sql, read=True)
             self._waiting_sql = galera(self._waiting_statement(), read=True)
+        # Galera: a write grant's fence drawn again once the row is ours (see
+        # _redraw_steps). A row that was gone meanwhile is inserted as a dead
+        # read phase (expired, no holders: nobody waits for it) and deleted.
+        self._redraw = bool(getattr(store, "galera", False)) and galera is not None
+        if self._redraw:
+            self._redraw_sql = galera(
+                f"INSERT INTO {t} (lock_key, slot, kind, mode, holders, owner, token, "
+                f"acquired_at, expires_at) VALUES (%(key)s, '', 'rw', 'read', 0, %(owner)s, "
+                f"%(token)s, {now}, {now}) ON DUPLICATE KEY UPDATE "
+                f"fence = IF(kind = 'rw' AND mode = 'write' AND token = %(token)s, "
+                f"VALUES(fence), fence) RETURNING 0, {cols}",
+                write=True,
+            )
+            self._drop_dead_sql = f"DELETE FROM {t} WHERE {head} AND mode = 'read' AND holders <= 0"
 
     def grant_steps(
         self, mode: str, key: str, token: str, owner: str, ttl: float
@@ -536,6 +550,28 @@ class MySQLRw(RwStatements):
             row.granted = row.kind == "rw" and row.mode == READ
         else:
             row.granted = row.token == token and row.mode == WRITE
+            if row.granted and self._redraw:
+                return (yield from self._redraw_steps(params))
+        return row
+
+    def _redraw_steps(self, params: dict[str, Any]) -> Steps[RwRow]:
+        """Galera runs InnoDB with ``innodb_autoinc_lock_mode=2``: the write
+        grant's ``INSERT`` draws its ``AUTO_INCREMENT`` before it finds the
+        key free, with no lock over the two, so a statement stalled between
+        them while other nodes took and let go of the key wrote an older
+        fence (seen with the server thread held under a debugger). Drawn
+        again while the row is ours, the fence is above every earlier
+        holder's (as :meth:`MySQLStore._ours` does for the exclusive lock;
+        a read grant's ``INSERT … SELECT`` takes gap locks that the other
+        node's rows, applied here, break: it is run again, a new draw). A
+        row gone meanwhile (its lease ran out, taken and let go) is not a
+        grant: the writer waits on."""
+        rows = (yield self._redraw_sql, params, True, False).rows
+        row = _row(rows[0])
+        row.granted = row.token == params["token"] and row.mode == WRITE
+        if not row.granted and row.token == params["token"]:
+            yield self._drop_dead_sql, params, False, False
+            row.expires_in = 0.0  # look again now
         return row
 
     def release_read_steps(self, key: str, epoch: str) -> Steps[bool]:
