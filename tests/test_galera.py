@@ -466,12 +466,14 @@ def test_batches_racing_across_nodes(node_managers: list[LockManager]) -> None:
 def _locked(m: LockManager, kind: str, key: str, timeout: float) -> Any:
     if kind == "write":
         return m.write_lock(key, timeout=timeout)
+    if kind == "read":
+        return m.read_lock(key, timeout=timeout)
     if kind == "semaphore":
         return m.semaphore(key, permits=1, timeout=timeout)
     return m.lock(key, timeout=timeout, fair=kind == "fair")
 
 
-@pytest.mark.parametrize("kind", ["exclusive", "fair", "write", "semaphore"])
+@pytest.mark.parametrize("kind", ["exclusive", "fair", "write", "read", "semaphore"])
 def test_a_fence_drawn_before_a_stall_is_drawn_again_once_the_row_is_ours(
     galera: PrivateGalera, key: str, kind: str
 ) -> None:
