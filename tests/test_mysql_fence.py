@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -96,6 +97,79 @@ def test_fence_drawn_before_a_stall_is_never_granted_after_a_larger_one(
             first.join(60)
             second.join(60)
         assert [name for name, _ in grants] in (["slow", "fast"], ["fast", "slow"])
+        fences = [fence for _, fence in grants]
+        assert fences[0] < fences[1], f"granted in this order, fences going backwards: {grants}"
+    finally:
+        let_slow_go.set()
+        slow.close()
+        fast.close()
+        probe.dispose()
+
+
+@pytest.fixture(scope="module")
+def server_mode2() -> Iterator[PrivateMariaDB]:
+    """InnoDB as MySQL 8 runs it by default (and Galera must): no AUTO-INC lock."""
+    reason = unavailable()
+    if reason is not None:  # like a missing database: fail, never skip
+        pytest.fail(f"cannot hold a server thread: {reason} (install gdb and binutils)")
+    with migrated("mariadb", "--innodb-autoinc-lock-mode=2") as s:
+        assert isinstance(s, PrivateMariaDB)
+        yield s
+
+
+def _hold(m: LockManager, kind: str, key: str) -> Any:
+    if kind == "write":
+        return m.write_lock(key, timeout=60).__enter__()
+    if kind == "read":
+        return m.read_lock(key, timeout=60).__enter__()
+    if kind == "semaphore":
+        return m.semaphore(key, permits=1, timeout=60).__enter__()
+    return m.acquire(key, timeout=60, fair=kind == "fair")
+
+
+@pytest.mark.parametrize("kind", ["exclusive", "write", "read", "fair", "semaphore"])
+def test_without_the_auto_inc_lock_a_fence_drawn_before_a_stall_is_drawn_again(
+    db: str, server_mode2: PrivateMariaDB, key: str, kind: str
+) -> None:
+    """``innodb_autoinc_lock_mode=2``: nothing orders a grant's draw with
+    its look at the key. The slow grant is held after its draw while the
+    fast one takes and lets go of the key (or waits in the server, for the
+    kinds whose grant takes gap locks); the grants' fences must grow in the
+    order they were granted. Before the re-draw: the exclusive and the
+    write lock's fences went backwards."""
+    server = server_mode2
+    slow = LockManager(server.url, client_id="slow", renew=False)
+    fast = LockManager(server.url, client_id="fast", renew=False)
+    probe = sa.create_engine(server.url, poolclass=sa.pool.NullPool)
+    grants: list[tuple[str, int]] = []  # in the order the grants returned
+    let_slow_go = threading.Event()
+    record = threading.Lock()
+    try:
+        for m in (slow, fast):
+            _hold(m, kind, key + ":warm-up").release()  # capabilities read before the stall
+        assert slow.store.redraws_fences  # type: ignore[attr-defined]
+
+        def take(manager: LockManager, name: str) -> None:
+            held = _hold(manager, kind, key)
+            with record:
+                grants.append((name, held.fence))
+            if name == "slow":
+                let_slow_go.wait(60)
+            held.release()
+
+        with AutoIncrementStall(server.pid) as stall:
+            first = threading.Thread(target=take, args=(slow, "slow"))
+            first.start()
+            stall.wait_stalled()  # slow drew its fence and has not looked at the key
+            second = threading.Thread(target=take, args=(fast, "fast"))
+            second.start()
+            _until(lambda: not second.is_alive() or _lock_waits(probe) > 0, 60)
+            stall.release()
+            _until(lambda: "slow" in dict(grants) or not first.is_alive(), 60)
+            let_slow_go.set()
+            first.join(60)
+            second.join(60)
+        assert sorted(name for name, _ in grants) == ["fast", "slow"]
         fences = [fence for _, fence in grants]
         assert fences[0] < fences[1], f"granted in this order, fences going backwards: {grants}"
     finally:

@@ -93,6 +93,11 @@ class MySQLStore(WokenStore):
     # the server is known. MySQL proper: every local grant is a row of its own.
     can_transfer = False
     reserves_fences = False
+    # InnoDB without its AUTO-INC lock (innodb_autoinc_lock_mode = 2: Galera
+    # requires it, MySQL 8 defaults to it) draws a fence before it finds the
+    # key free: a granted row's fence is drawn again once the row is ours
+    # (see _ours), where the server has RETURNING. Set once the server is known.
+    redraws_fences = False
     # PROCESSLIST shows a user its own threads (see Store.settle_later).
     alive_sql: ClassVar[str | None] = (
         "SELECT 1 FROM information_schema.PROCESSLIST WHERE ID = %(id)s"
@@ -167,7 +172,8 @@ class MySQLStore(WokenStore):
             self._insert_sql, self._insert_returning_sql, self._holder_sql = self._galera_sql
         self.galera = galera
         (mode,) = (yield "SELECT @@innodb_autoinc_lock_mode", {}, True, False).rows[0]
-        if int(mode) >= 2 and self.returning is None:
+        returning = _mariadb_returning(str(version))
+        if int(mode) >= 2 and self.returning is None and not returning:
             log.warning(
                 "dblock: innodb_autoinc_lock_mode = %s on %s: InnoDB may hand out fences "
                 "out of order under load, so a fence can be smaller than the one granted "
@@ -175,7 +181,8 @@ class MySQLStore(WokenStore):
                 mode,
                 self.executor.engine.url.render_as_string(hide_password=True),
             )
-        self.returning = _mariadb_returning(str(version))
+        self.redraws_fences = returning and int(mode) >= 2
+        self.returning = returning
         self.can_transfer = self.reserves_fences = self.returning
 
     def for_galera(
@@ -451,8 +458,9 @@ class MySQLStore(WokenStore):
         self, key: str, token: str, owner: str, ttl: float, grant: Grant
     ) -> Steps[Grant | None]:
         """``grant`` (the row is ours with ``token``) as the caller gets it:
-        on Galera with a fence drawn again, now that the row is ours; None
-        if the row was gone by then.
+        with a fence drawn again, now that the row is ours, where InnoDB
+        runs without its AUTO-INC lock (Galera; MySQL 8's default); None if
+        the row was gone by then.
 
         Galera runs InnoDB with ``innodb_autoinc_lock_mode=2``, where an
         INSERT draws its ``AUTO_INCREMENT`` value before it looks for the
@@ -464,11 +472,13 @@ class MySQLStore(WokenStore):
         server thread there under a debugger). Drawn again while the row is
         ours (the hand-off's statement, with our own token), the fence is
         above every earlier holder's: this node applied each one's row
-        before it could see the key free. One more statement per acquire,
-        on Galera only; hand-offs draw under the row's lock already. (A
-        Galera of MariaDB before 10.5, without ``RETURNING``, has no such
-        statement: there the window stays.)"""
-        if self.galera and self.returning:
+        before it could see the key free. A single server in that mode has
+        the same window (another session takes and lets go of the key
+        meanwhile). One more statement per acquire, there only; hand-offs
+        draw under the row's lock already. (MySQL, and MariaDB before 10.5,
+        without ``RETURNING``, have no such statement: there the window
+        stays, and a warning says so.)"""
+        if self.redraws_fences and self.returning:
             redrawn = yield from self.transfer_steps(key, token, token, owner, ttl)
             if redrawn is None:
                 return None

@@ -513,10 +513,11 @@ class MySQLRw(RwStatements):
             self._write_sql = galera(self._write_sql, write=True)
             self._holder_sql = galera(self._holder_sql, read=True)
             self._waiting_sql = galera(self._waiting_statement(), read=True)
-        # Galera: a write grant's fence drawn again once the row is ours (see
-        # _redraw_steps). A row that was gone meanwhile is inserted as a dead
-        # read phase (expired, no holders: nobody waits for it) and deleted.
-        self._redraw = bool(getattr(store, "galera", False)) and galera is not None
+        # Galera, and InnoDB without its AUTO-INC lock: a write grant's fence
+        # drawn again once the row is ours (see _redraw_steps). A row that
+        # was gone meanwhile is inserted as a dead read phase (expired, no
+        # holders: nobody waits for it) and deleted.
+        self._redraw = bool(getattr(store, "redraws_fences", False)) and galera is not None
         if self._redraw:
             self._redraw_sql = galera(
                 f"INSERT INTO {t} (lock_key, slot, kind, mode, holders, owner, token, "

@@ -196,7 +196,8 @@ class PrivatePostgres(PrivateServer):
 class PrivateMariaDB(PrivateServer):
     name = "mariadb"
 
-    def __init__(self) -> None:
+    def __init__(self, *args: str) -> None:
+        self.args = args  # more server options, as on its command line
         self.dir = Path(tempfile.mkdtemp(prefix="dblock-maria-"))
         self.port = free_port()
         self.data = self.dir / "data"
@@ -237,7 +238,8 @@ class PrivateMariaDB(PrivateServer):
             [server, "--no-defaults", f"--datadir={self.data}", f"--port={self.port}",
              f"--socket={self.dir / 'sock'}", "--bind-address=127.0.0.1", "--user=root",
              f"--tmpdir={self.tmp}",
-             f"--pid-file={self.dir / 'pid'}", "--skip-log-bin", "--max-connections=500"],
+             f"--pid-file={self.dir / 'pid'}", "--skip-log-bin", "--max-connections=500",
+             *self.args],
             stdout=log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -713,12 +715,13 @@ class PrivatePostgresPair:
 
 
 @contextlib.contextmanager
-def migrated(kind: str) -> Iterator[PrivateServer]:
+def migrated(kind: str, *args: str) -> Iterator[PrivateServer]:
     """A private ``postgresql`` or ``mariadb`` server with the lock table
-    made, closed (and its files removed) when the block ends."""
+    made, closed (and its files removed) when the block ends. ``args``: more
+    MariaDB server options."""
     from dblock import LockManager
 
-    made: PrivateServer = PrivatePostgres() if kind == "postgresql" else PrivateMariaDB()
+    made: PrivateServer = PrivatePostgres() if kind == "postgresql" else PrivateMariaDB(*args)
     try:
         with LockManager(made.url) as m:
             m.create_schema()
