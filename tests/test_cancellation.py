@@ -24,6 +24,7 @@ import sqlalchemy as sa
 
 from dblock import AsyncLockManager, LockManager
 from tests.conftest import row_of
+from tests.support.innodb import innodb_count
 from tests.support.proxy import Proxy
 
 MAY_HAVE_COMMITTED = "may have committed while the database was unreachable"
@@ -84,7 +85,11 @@ def blocked_by(db_url: str, session: int) -> int:
     engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
     try:
         with engine.connect() as conn:
-            return int(conn.execute(sa.text(sql), {"s": session}).scalar_one())
+            if "postgresql" in db_url:
+                return int(conn.execute(sa.text(sql), {"s": session}).scalar_one())
+            # (InnoDB's lock tables stay stale while read more often than
+            # every 0.1 s: polled at 10 ms, the wait never showed.)
+            return innodb_count(conn, sql, {"s": session})
     finally:
         engine.dispose()
 

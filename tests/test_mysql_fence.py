@@ -27,6 +27,7 @@ import pytest
 import sqlalchemy as sa
 
 from dblock import LockManager
+from tests.support.innodb import innodb_count
 from tests.support.servers import PrivateMariaDB, migrated
 from tests.support.stall import AutoIncrementStall, unavailable
 
@@ -45,10 +46,8 @@ def server() -> Iterator[PrivateMariaDB]:
 
 def _lock_waits(engine: sa.Engine) -> int:
     with engine.connect() as conn:
-        return int(
-            conn.exec_driver_sql(
-                "SELECT count(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'"
-            ).scalar_one()
+        return innodb_count(
+            conn, "SELECT count(*) FROM information_schema.INNODB_TRX WHERE trx_state = 'LOCK WAIT'"
         )
 
 
