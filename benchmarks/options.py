@@ -98,6 +98,9 @@ class BenchOptions:
     hotkey_hold: float = 0.0
     # The fair queue's comparison and the event-loop lag: a 1 ms critical section.
     hold: float = 0.001
+    # The fair queue's comparison: default and fair mode alternate this many
+    # times per database (A B A B), so load that drifts touches both alike.
+    fair_rounds: int = 2
     retry_after: float = 0.001
     # asyncio: hot key tasks per process; event-loop lag: tasks in all, on lag_keys keys
     tasks: int = 50
@@ -145,6 +148,7 @@ class BenchOptions:
             "many_tasks": ((2, 3),),
             "many_rounds": 1,
             "many_seconds": 0.1,
+            "fair_rounds": 1,
         }
         small.update(overrides)
         return cls(**small)

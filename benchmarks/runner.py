@@ -122,7 +122,7 @@ def _plan(options: BenchOptions) -> float:
     if "hotkey" in options.sections:
         total += dbs * 2 * (2 + variants) * (options.seconds + 2)
     if "fair" in options.sections:
-        total += dbs * 2 * _FAIR_ROUNDS * (options.seconds + 2)
+        total += dbs * 2 * options.fair_rounds * (options.seconds + 2)
     if "handoff" in options.sections:
         total += sum(len(_handoff_ways(db)) for db in options.databases) * 3.0
     if "memory" in options.sections:
@@ -215,16 +215,11 @@ def _hotkey(
         progress.advance(spec.seconds + 2)
 
 
-# Default and fair mode alternate this many times per database (A B A B):
-# load that drifts during the run touches both alike.
-_FAIR_ROUNDS = 2
-
-
 def _fair(
     options: BenchOptions, benches: dict[str, Bench], results: Results, progress: _Progress
 ) -> None:
     for db, bench in benches.items():
-        for _ in range(_FAIR_ROUNDS):
+        for _ in range(options.fair_rounds):
             for fair in (False, True):
                 spec = HotKeySpec(
                     database=db,
