@@ -406,6 +406,38 @@ class SQLiteFair(FairSQL):
             f"SELECT :key, 'q' || printf('%020d', n), :owner, :token, n, {now}, {now} + :ttl, "
             f"'queued' FROM (SELECT {fence} AS n) RETURNING fence"
         )
+        # A waiting request's entry in one write: the head if nobody queues
+        # and it is free (or expired: taken over), else a queue row. (Two
+        # writes before, the head's try and the queue row: with SQLite's one
+        # writer at a time, each write of a contended key is a grant's cost.)
+        free = (
+            f"NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q}) AND NOT EXISTS "
+            f"(SELECT 1 FROM {t} WHERE lock_key = :key AND slot = '' AND expires_at > {now})"
+        )
+        self._enter_sql = (
+            f"INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, expires_at, mode) "
+            f"SELECT :key, CASE WHEN f THEN '' ELSE 'q' || printf('%020d', n) END, :owner, "
+            f":token, n, {now}, {now} + :ttl, CASE WHEN f THEN 'exclusive' ELSE 'queued' END "
+            f"FROM (SELECT {fence} AS n, {free} AS f) WHERE true "
+            f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
+            f"token = excluded.token, fence = excluded.fence, "
+            f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
+            f"WHERE {t}.expires_at <= excluded.acquired_at AND {t}.kind = 'exclusive' "
+            f"RETURNING slot, fence, expires_at, acquired_at"
+        )
+        # Our turn, the head free: our queue row becomes the head (a new
+        # fence; the update trigger moves the counter), in one write instead
+        # of the head's INSERT and the queue row's DELETE. A head there
+        # (expired, or taken by a barging plain request since our look)
+        # makes the rename a conflict: OR IGNORE skips it, nothing is
+        # written, and the two-step path below runs.
+        self._rename_sql = (
+            f"UPDATE OR IGNORE {t} SET slot = '', mode = 'exclusive', holders = 1, "
+            f"fence = {fence}, acquired_at = {now}, expires_at = {now} + :ttl "
+            f"WHERE {me} AND expires_at > {now} "
+            f"AND NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q} AND fence < :ticket) "
+            f"RETURNING fence, expires_at, acquired_at"
+        )
         self._renew_sql = (
             f"UPDATE {t} SET expires_at = {now} + :ttl WHERE {me} AND expires_at > {now}"
         )
@@ -429,6 +461,14 @@ class SQLiteFair(FairSQL):
     ) -> Steps[Grant | Holder | Queued]:
 
         params: dict[str, Any] = {"key": key, "owner": owner, "token": token, "ttl": ttl}
+        if enqueue:
+            entered = (yield self._enter_sql, params, True, False).rows
+            if entered:
+                slot, ticket, expires_at, now = entered[0]
+                if slot == "":
+                    return sqlite_grant((ticket, expires_at, now))
+                return (yield from self._queued_steps(key, token, ticket, params))
+            # Nothing written: an expired head of another kind. The two steps.
         rows = (yield self._head_if_empty_sql, params, True, False).rows
         if rows:
             return sqlite_grant(rows[0])
@@ -440,6 +480,12 @@ class SQLiteFair(FairSQL):
             _check_kind(key, found[0][2])
             return Holder(found[0][0], None, found[0][1])
         (ticket,) = (yield self._enqueue_sql, params, True, False).rows[0]
+        return (yield from self._queued_steps(key, token, ticket, params))
+
+    def _queued_steps(
+        self, key: str, token: str, ticket: int, params: dict[str, Any]
+    ) -> Steps[Queued]:
+        """Just queued with ``ticket``: whom we wait behind."""
         params["ticket"] = ticket
         rows = (yield self._look_sql, params, True, False).rows
         look = _Look(key, token, ticket, rows)
@@ -457,6 +503,10 @@ class SQLiteFair(FairSQL):
         if look.mine is None or look.mine <= 0:
             return DROPPED  # gone, or dead: never revived
         if look.due:
+            if look.head is None:
+                got = (yield self._rename_sql, params, True, False).rows
+                if got:
+                    return sqlite_grant(got[0])
             got = (yield self._head_if_first_sql, params, True, False).rows
             if got:
                 yield self._drop_queued_sql, params, False, False
