@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from dblock import LockBusy, LockLost, LockManager
+from tests.support.kinds import KINDS, locked
 from tests.support.servers import PrivateGalera
 from tests.support.stall import AutoIncrementStall, unavailable
 
@@ -463,17 +464,7 @@ def test_batches_racing_across_nodes(node_managers: list[LockManager]) -> None:
     assert batches > 0
 
 
-def _locked(m: LockManager, kind: str, key: str, timeout: float) -> Any:
-    if kind == "write":
-        return m.write_lock(key, timeout=timeout)
-    if kind == "read":
-        return m.read_lock(key, timeout=timeout)
-    if kind == "semaphore":
-        return m.semaphore(key, permits=1, timeout=timeout)
-    return m.lock(key, timeout=timeout, fair=kind == "fair")
-
-
-@pytest.mark.parametrize("kind", ["exclusive", "fair", "write", "read", "semaphore"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_fence_drawn_before_a_stall_is_drawn_again_once_the_row_is_ours(
     galera: PrivateGalera, key: str, kind: str
 ) -> None:
@@ -498,14 +489,14 @@ def test_a_fence_drawn_before_a_stall_is_drawn_again_once_the_row_is_ours(
             m.acquire(key + ":warm-up").release()  # capabilities read before the stall
 
         def take() -> None:
-            with _locked(slow, kind, key, 60) as held:
+            with locked(slow, kind, key, 60) as held:
                 got.append(held.fence)
 
         with AutoIncrementStall(galera.nodes[1].pid) as stall:
             first = threading.Thread(target=take)
             first.start()
             stall.wait_stalled()  # slow drew its fence and has not looked at the key
-            with _locked(fast, kind, key, 30) as held:
+            with locked(fast, kind, key, 30) as held:
                 fast_fence = held.fence
             stall.release()
             first.join(60)

@@ -21,13 +21,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 from dblock import LockManager
 from tests.support.innodb import innodb_count
+from tests.support.kinds import KINDS, locked
 from tests.support.servers import PrivateMariaDB, migrated
 from tests.support.stall import AutoIncrementStall, unavailable
 
@@ -64,45 +64,56 @@ def test_fence_drawn_before_a_stall_is_never_granted_after_a_larger_one(
 ) -> None:
     slow = LockManager(server.url, client_id="slow", renew=False)
     fast = LockManager(server.url, client_id="fast", renew=False)
-    probe = sa.create_engine(server.url, poolclass=sa.pool.NullPool)
-    grants: list[tuple[str, int]] = []  # in the order acquire() returned
-    let_slow_go = threading.Event()  # slow releases its own lock: only a holder may
-    record = threading.Lock()
     try:
         for m in (slow, fast):
             m.acquire(key + ":warm-up").release()  # capabilities read before the stall
             m.store.returning = returning  # type: ignore[attr-defined]
+        # Before the fix fast is granted (a larger fence) and done; with it,
+        # fast waits in the server for slow's statement to end.
+        grants = _race(server, slow, fast, "exclusive", key)
+        assert [name for name, _ in grants] in (["slow", "fast"], ["fast", "slow"])
+        fences = [fence for _, fence in grants]
+        assert fences[0] < fences[1], f"granted in this order, fences going backwards: {grants}"
+    finally:
+        slow.close()
+        fast.close()
 
-        def take(manager: LockManager, name: str) -> None:
-            held = manager.acquire(key, timeout=60)
+
+def _race(
+    server: PrivateMariaDB, slow: LockManager, fast: LockManager, kind: str, key: str
+) -> list[tuple[str, int]]:
+    """Slow's grant held by gdb right after its AUTO_INCREMENT draw while
+    fast takes (and lets go of) ``key`` or waits in the server for slow's
+    statement; then slow goes on. The grants, in the order they returned."""
+    probe = sa.create_engine(server.url, poolclass=sa.pool.NullPool)
+    grants: list[tuple[str, int]] = []
+    let_slow_go = threading.Event()  # slow releases its own lock: only a holder may
+    record = threading.Lock()
+
+    def take(manager: LockManager, name: str) -> None:
+        with locked(manager, kind, key, 60) as held:
             with record:
                 grants.append((name, held.fence))
             if name == "slow":
                 let_slow_go.wait(60)
-            held.release()
 
+    try:
         with AutoIncrementStall(server.pid) as stall:
             first = threading.Thread(target=take, args=(slow, "slow"))
             first.start()
             stall.wait_stalled()  # slow drew its fence and has not written its row
             second = threading.Thread(target=take, args=(fast, "fast"))
             second.start()
-            # Before the fix fast is granted (a larger fence) and done; with
-            # it, fast waits in the server for slow's statement to end.
             _until(lambda: not second.is_alive() or _lock_waits(probe) > 0, 60)
             stall.release()
             _until(lambda: "slow" in dict(grants) or not first.is_alive(), 60)
             let_slow_go.set()
             first.join(60)
             second.join(60)
-        assert [name for name, _ in grants] in (["slow", "fast"], ["fast", "slow"])
-        fences = [fence for _, fence in grants]
-        assert fences[0] < fences[1], f"granted in this order, fences going backwards: {grants}"
     finally:
         let_slow_go.set()
-        slow.close()
-        fast.close()
         probe.dispose()
+    return grants
 
 
 @pytest.fixture(scope="module")
@@ -116,17 +127,7 @@ def server_mode2() -> Iterator[PrivateMariaDB]:
         yield s
 
 
-def _hold(m: LockManager, kind: str, key: str) -> Any:
-    if kind == "write":
-        return m.write_lock(key, timeout=60).__enter__()
-    if kind == "read":
-        return m.read_lock(key, timeout=60).__enter__()
-    if kind == "semaphore":
-        return m.semaphore(key, permits=1, timeout=60).__enter__()
-    return m.acquire(key, timeout=60, fair=kind == "fair")
-
-
-@pytest.mark.parametrize("kind", ["exclusive", "write", "read", "fair", "semaphore"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_without_the_auto_inc_lock_a_fence_drawn_before_a_stall_is_drawn_again(
     db: str, server_mode2: PrivateMariaDB, key: str, kind: str
 ) -> None:
@@ -136,43 +137,17 @@ def test_without_the_auto_inc_lock_a_fence_drawn_before_a_stall_is_drawn_again(
     kinds whose grant takes gap locks); the grants' fences must grow in the
     order they were granted. Before the re-draw: the exclusive and the
     write lock's fences went backwards."""
-    server = server_mode2
-    slow = LockManager(server.url, client_id="slow", renew=False)
-    fast = LockManager(server.url, client_id="fast", renew=False)
-    probe = sa.create_engine(server.url, poolclass=sa.pool.NullPool)
-    grants: list[tuple[str, int]] = []  # in the order the grants returned
-    let_slow_go = threading.Event()
-    record = threading.Lock()
+    slow = LockManager(server_mode2.url, client_id="slow", renew=False)
+    fast = LockManager(server_mode2.url, client_id="fast", renew=False)
     try:
         for m in (slow, fast):
-            _hold(m, kind, key + ":warm-up").release()  # capabilities read before the stall
+            with locked(m, kind, key + ":warm-up", 60):  # capabilities read before the stall
+                pass
         assert slow.store.redraws_fences  # type: ignore[attr-defined]
-
-        def take(manager: LockManager, name: str) -> None:
-            held = _hold(manager, kind, key)
-            with record:
-                grants.append((name, held.fence))
-            if name == "slow":
-                let_slow_go.wait(60)
-            held.release()
-
-        with AutoIncrementStall(server.pid) as stall:
-            first = threading.Thread(target=take, args=(slow, "slow"))
-            first.start()
-            stall.wait_stalled()  # slow drew its fence and has not looked at the key
-            second = threading.Thread(target=take, args=(fast, "fast"))
-            second.start()
-            _until(lambda: not second.is_alive() or _lock_waits(probe) > 0, 60)
-            stall.release()
-            _until(lambda: "slow" in dict(grants) or not first.is_alive(), 60)
-            let_slow_go.set()
-            first.join(60)
-            second.join(60)
+        grants = _race(server_mode2, slow, fast, kind, key)
         assert sorted(name for name, _ in grants) == ["fast", "slow"]
         fences = [fence for _, fence in grants]
         assert fences[0] < fences[1], f"granted in this order, fences going backwards: {grants}"
     finally:
-        let_slow_go.set()
         slow.close()
         fast.close()
-        probe.dispose()
