@@ -387,14 +387,17 @@ class SQLiteFair(FairSQL):
         fence = f"(SELECT value + 1 FROM {store.quoted(store.names.fence_table)} WHERE id = 1)"
         live_q = f"lock_key = :key AND {_Q} AND expires_at > {now}"
         me = f"lock_key = :key AND {_Q} AND token = :token"
-        head = (
-            f"INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
-            f"SELECT :key, '', :owner, :token, {fence}, {now}, {now} + :ttl WHERE {{cond}} "
+        # An expired exclusive head is taken over; a live one is left alone.
+        takeover = (
             f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
             f"token = excluded.token, fence = excluded.fence, "
             f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
             f"WHERE {t}.expires_at <= excluded.acquired_at AND {t}.kind = 'exclusive' "
-            f"RETURNING fence, expires_at, acquired_at"
+        )
+        head = (
+            f"INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
+            f"SELECT :key, '', :owner, :token, {fence}, {now}, {now} + :ttl WHERE {{cond}} "
+            f"{takeover}RETURNING fence, expires_at, acquired_at"
         )
         self._head_if_empty_sql = head.format(cond=f"NOT EXISTS (SELECT 1 FROM {t} WHERE {live_q})")
         self._head_if_first_sql = head.format(
@@ -419,11 +422,7 @@ class SQLiteFair(FairSQL):
             f"SELECT :key, CASE WHEN f THEN '' ELSE 'q' || printf('%020d', n) END, :owner, "
             f":token, n, {now}, {now} + :ttl, CASE WHEN f THEN 'exclusive' ELSE 'queued' END "
             f"FROM (SELECT {fence} AS n, {free} AS f) WHERE true "
-            f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
-            f"token = excluded.token, fence = excluded.fence, "
-            f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
-            f"WHERE {t}.expires_at <= excluded.acquired_at AND {t}.kind = 'exclusive' "
-            f"RETURNING slot, fence, expires_at, acquired_at"
+            f"{takeover}RETURNING slot, fence, expires_at, acquired_at"
         )
         # Our turn, the head free: our queue row becomes the head (a new
         # fence; the update trigger moves the counter), in one write instead
