@@ -139,11 +139,20 @@ class PostgresStore(Store):
         )
         # The reserve is drawn in RETURNING, after the SET's nextval and under
         # the row's lock: a takeover's fence, drawn only once the row is no
-        # longer ours, is greater than all of them.
+        # longer ours, is greater than all of them. The key's advisory lock
+        # comes first, as in the acquire: an acquire that drew its fence and
+        # has not yet met our row (descheduled between its nextval and its
+        # conflict check) would otherwise find the key free once this run
+        # ended and write a fence smaller than ours (seen in a Patroni
+        # torture run; tests/test_postgresql_fence.py). Taken before the row
+        # lock (the CTE is read before any row is updated), as every
+        # statement that takes both does, so no two wait for each other.
         self._transfer_sql = (
+            f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
+            f"{lock_class(self.names.table)}, hashtext(%(key)s))) "
             f"UPDATE {t} SET token = %(new_token)s, owner = %(owner)s, "
             f"fence = nextval('{seq}'), acquired_at = now(), expires_at = {lease} "
-            f"WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "
+            f"FROM lk WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "
             f"RETURNING fence, expires_at, now(), "
             f"ARRAY(SELECT nextval('{seq}') FROM generate_series(1, %(extra)s::int))"
         )
