@@ -151,3 +151,69 @@ def test_without_the_auto_inc_lock_a_fence_drawn_before_a_stall_is_drawn_again(
     finally:
         slow.close()
         fast.close()
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_a_hand_off_never_draws_a_fence_past_an_acquire_about_to_insert(
+    db: str, server: PrivateMariaDB, server_mode2: PrivateMariaDB, key: str, mode: int
+) -> None:
+    """The hand-off draws fences too (an ``INSERT`` meeting the held row:
+    the next local thread's fence and the run's reserve). Slow's acquire is
+    held after its draw while fast's holder hands the key to its next thread,
+    which lets it go; then slow goes on. PostgreSQL's hand-off drew past such
+    an acquire (tests/test_postgresql_fence.py); on MariaDB the hand-off
+    waits for slow's ``AUTO-INC`` lock in mode 1 (slow's grant is an
+    ``INSERT … SELECT``), and in mode 2 slow's grant is drawn again."""
+    target = server if mode == 1 else server_mode2
+    slow = LockManager(target.url, client_id="slow", renew=False)
+    fast = LockManager(target.url, client_id="fast", renew=False)
+    probe = sa.create_engine(target.url, poolclass=sa.pool.NullPool)
+    grants: list[tuple[str, int]] = []  # in the order acquire() returned
+    record = threading.Lock()
+    let_first_go = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def take(manager: LockManager, name: str) -> None:
+        held = manager.acquire(key, timeout=60)
+        with record:
+            grants.append((name, held.fence))
+        if name == "first":
+            let_first_go.wait(60)
+        held.release()
+
+    def names() -> list[str]:
+        with record:
+            return [name for name, _ in grants]
+
+    def start(manager: LockManager, name: str) -> None:
+        thread = threading.Thread(target=take, args=(manager, name))
+        threads.append(thread)
+        thread.start()
+
+    try:
+        for m in (slow, fast):
+            m.acquire(key + ":warm-up").release()  # capabilities read before the stall
+        assert fast.store.can_transfer  # type: ignore[attr-defined]
+        start(fast, "first")
+        _until(lambda: names() == ["first"], 60)
+        with AutoIncrementStall(target.pid) as stall:
+            start(slow, "slow")
+            stall.wait_stalled()  # slow drew its fence and has not met the row
+            start(fast, "second")  # queued behind "first" in fast's process
+            _until(lambda: bool(fast._locker.registry.get(key).queue), 60)  # type: ignore[union-attr]
+            let_first_go.set()  # its release hands the key to "second"
+            _until(lambda: "second" in names() or _lock_waits(probe) > 0, 60)
+            time.sleep(0.2)  # "second", if granted, lets go meanwhile
+            stall.release()
+            for thread in threads:
+                thread.join(60)
+        assert sorted(names()) == ["first", "second", "slow"]
+        fences = [fence for _, fence in grants]
+        assert fences == sorted(fences), f"granted in this order, fences going backwards: {grants}"
+    finally:
+        let_first_go.set()
+        for thread in threads:
+            thread.join(60)
+        slow.close()
+        fast.close()
+        probe.dispose()
