@@ -34,10 +34,13 @@ def test_another_process_gets_the_key_within_one_run(db_url: str) -> None:
     # A run is LIMIT local grants (the row's own acquisition and its
     # hand-offs): a request waits at most the run under way as it asked,
     # counting a grant on its way then. The target is 99 runs in 100 within
-    # LIMIT (benchmarks/turn.py measures it); here, on a machine the other
-    # test workers load, two grants of slack and one late run in ten (seen
-    # on MariaDB under load, once in 30 runs with a remote wake-up late).
+    # LIMIT (benchmarks/turn.py measures it). Here, on a machine the other
+    # test workers load, a remote wake-up can take longer than the pause now
+    # and then (seen on MariaDB, once in 30 runs; on PostgreSQL beside three
+    # other workers, 2 runs of 10 at 15 and 16 grants): two grants of slack,
+    # at most two runs in ten late, and none by more than one more run.
     # Without the give-way pause about a third of the runs miss, by 20 to
-    # 100 grants.
+    # 100 grants: caught by the last rule in 98 tests of 100.
     late = [c for c in counts if c > LIMIT + 2]
-    assert len(late) <= 1, counts
+    assert len(late) <= 2, counts
+    assert max(counts) <= 2 * LIMIT + 2, counts
