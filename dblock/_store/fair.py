@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import KindMismatch
 from .base import Grant, Holder, Steps
-from .sqlparts import SQLITE_NOW, lock_class, mysql_grant, notify, sqlite_grant
+from .sqlparts import SQLITE_NOW, key_lock, mysql_grant, notify, sqlite_grant
 
 if TYPE_CHECKING:
     from .base import Store
@@ -180,10 +180,7 @@ class PostgresFair(FairSQL):
         t = self.t
         seq = store.quoted(store.names.sequence).replace("'", "''")
         lease = "now() + make_interval(secs => %(ttl)s)"
-        lk = (
-            f"lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
-            f"{lock_class(store.names.table)}, hashtext(%(key)s)))"
-        )
+        lk = key_lock(store.names.table)
         # The exclusive lock's upsert of the head, from a one-row source.
         head = (
             f"head AS (INSERT INTO {t} AS t (lock_key, slot, owner, token, fence, "

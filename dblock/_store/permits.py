@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import BackendError
 from ..schema import SEMAPHORE, describe
 from .base import Grant, Holder, Lease, Result, Steps, Store, Wait
-from .sqlparts import SQLITE_NOW, lock_class, notify, sqlite_grant
+from .sqlparts import SQLITE_NOW, key_lock, notify, sqlite_grant
 
 __all__ = ["PermitStore", "local_key", "real_key", "size_index"]
 
@@ -79,8 +79,7 @@ class PermitStore(Store):
                 f"AND (b.kind <> 'semaphore' OR b.permits IS DISTINCT FROM %(n)s)"
             )
             self._acquire_sql = (
-                f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
-                f"{lock_class(self.names.table)}, hashtext(%(key)s))), "
+                f"WITH {key_lock(self.names.table)}, "
                 f"ins AS (INSERT INTO {t} AS t ({cols}, fence, acquired_at, expires_at) "
                 f"SELECT %(key)s, %(slot)s, 'semaphore', 'permit', 1, %(n)s, %(owner)s, "
                 f"%(token)s, nextval('{seq}'), now(), "

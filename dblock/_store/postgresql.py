@@ -63,7 +63,7 @@ from ..config import Config
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, TableHealth, lock_row
 from .base import Backoff, Grant, Holder, Lease, Steps, Store, Wait, sqlstate
-from .sqlparts import BUCKETS, lock_class, notify, unnest, waiters_class
+from .sqlparts import BUCKETS, key_lock, lock_class, notify, unnest, waiters_class
 
 log = logging.getLogger("dblock")
 
@@ -108,8 +108,7 @@ class PostgresStore(Store):
         lease = "now() + make_interval(secs => %(ttl)s)"
         # Materialised, and the INSERT reads its row: the lock is taken before nextval.
         self._acquire_sql = (
-            f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
-            f"{lock_class(self.names.table)}, hashtext(%(key)s))), "
+            f"WITH {key_lock(self.names.table)}, "
             f"ins AS ("
             f"INSERT INTO {t} AS t (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
             f"SELECT %(key)s, '', %(owner)s, %(token)s, nextval('{seq}'), now(), {lease} FROM lk "
@@ -148,8 +147,7 @@ class PostgresStore(Store):
         # lock (the CTE is read before any row is updated), as every
         # statement that takes both does, so no two wait for each other.
         self._transfer_sql = (
-            f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
-            f"{lock_class(self.names.table)}, hashtext(%(key)s))) "
+            f"WITH {key_lock(self.names.table)} "
             f"UPDATE {t} SET token = %(new_token)s, owner = %(owner)s, "
             f"fence = nextval('{seq}'), acquired_at = now(), expires_at = {lease} "
             f"FROM lk WHERE lock_key = %(key)s AND slot = '' AND token = %(token)s "

@@ -44,7 +44,7 @@ from typing import Any
 
 from ..errors import DBLockError
 from .base import Lease, Result, Steps, Store
-from .sqlparts import SQLITE_NOW, lock_class, notify, unnest
+from .sqlparts import SQLITE_NOW, key_lock, notify, unnest
 
 __all__ = ["RwRow", "RwStatements", "rw_statements"]
 
@@ -142,10 +142,7 @@ class PostgresRw(RwStatements):
         names = store.names
         seq = store.quoted(names.sequence).replace("'", "''")
         lease = "now() + make_interval(secs => %(ttl)s)"
-        lk = (
-            f"WITH lk AS MATERIALIZED (SELECT pg_advisory_xact_lock("
-            f"{lock_class(names.table)}, hashtext(%(key)s))), "
-        )
+        lk = f"WITH {key_lock(names.table)}, "
         cols = "kind, mode, token, owner, fence, expires_at, holders, now()"
         tail = (
             f"RETURNING t.kind, t.mode, t.token, t.owner, t.fence, t.expires_at, t.holders) "

@@ -47,6 +47,17 @@ def lock_class(table: str) -> int:
     return (zlib.crc32(table.encode()) ^ 0x80000000) - 0x80000000
 
 
+def key_lock(table: str) -> str:
+    """The CTE ``lk`` that takes the key's transaction advisory lock (the
+    ``key`` parameter): every PostgreSQL statement that draws a fence for a
+    key reads it first, so the draws of one key are made one at a time and
+    in the order their statements meet the row (see docs/internals.md,
+    Fencing). It comes before any row lock of the statement."""
+    return (
+        f"lk AS MATERIALIZED (SELECT pg_advisory_xact_lock({lock_class(table)}, hashtext(%(key)s)))"
+    )
+
+
 def waiters_class(table: str) -> int:
     """The advisory lock class in which listeners register the keys their
     process waits for (see the module's docstring)."""
