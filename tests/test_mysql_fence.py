@@ -26,6 +26,7 @@ import pytest
 import sqlalchemy as sa
 
 from dblock import LockManager
+from tests.support.grants import Grants
 from tests.support.innodb import innodb_count
 from tests.support.kinds import KINDS, locked
 from tests.support.servers import PrivateMariaDB, migrated
@@ -168,52 +169,32 @@ def test_a_hand_off_never_draws_a_fence_past_an_acquire_about_to_insert(
     slow = LockManager(target.url, client_id="slow", renew=False)
     fast = LockManager(target.url, client_id="fast", renew=False)
     probe = sa.create_engine(target.url, poolclass=sa.pool.NullPool)
-    grants: list[tuple[str, int]] = []  # in the order acquire() returned
-    record = threading.Lock()
-    let_first_go = threading.Event()
-    threads: list[threading.Thread] = []
-
-    def take(manager: LockManager, name: str) -> None:
-        held = manager.acquire(key, timeout=60)
-        with record:
-            grants.append((name, held.fence))
-        if name == "first":
-            let_first_go.wait(60)
-        held.release()
-
-    def names() -> list[str]:
-        with record:
-            return [name for name, _ in grants]
-
-    def start(manager: LockManager, name: str) -> None:
-        thread = threading.Thread(target=take, args=(manager, name))
-        threads.append(thread)
-        thread.start()
-
+    grants = Grants(key, hold="first")
     try:
         for m in (slow, fast):
             m.acquire(key + ":warm-up").release()  # capabilities read before the stall
         assert fast.store.can_transfer  # type: ignore[attr-defined]
-        start(fast, "first")
-        _until(lambda: names() == ["first"], 60)
+        grants.start(fast, "first")
+        _until(lambda: grants.names() == ["first"], 60)
         with AutoIncrementStall(target.pid) as stall:
-            start(slow, "slow")
+            grants.start(slow, "slow")
             stall.wait_stalled()  # slow drew its fence and has not met the row
-            start(fast, "second")  # queued behind "first" in fast's process
+            grants.start(fast, "second")  # queued behind "first" in fast's process
             _until(lambda: bool(fast._locker.registry.get(key).queue), 60)  # type: ignore[union-attr]
-            let_first_go.set()  # its release hands the key to "second"
-            _until(lambda: "second" in names() or _lock_waits(probe) > 0, 60)
-            time.sleep(0.2)  # "second", if granted, lets go meanwhile
+            grants.let_go()  # its release hands the key to "second"
+            second = grants.threads[-1]
+            # "second" granted and gone again (it let go of the key), or the
+            # hand-off waiting in the server for slow's statement.
+            _until(lambda: not second.is_alive() or _lock_waits(probe) > 0, 60)
             stall.release()
-            for thread in threads:
-                thread.join(60)
-        assert sorted(names()) == ["first", "second", "slow"]
-        fences = [fence for _, fence in grants]
-        assert fences == sorted(fences), f"granted in this order, fences going backwards: {grants}"
+            grants.join()
+        assert sorted(grants.names()) == ["first", "second", "slow"]
+        fences = grants.fences()
+        assert fences == sorted(fences), (
+            f"granted in this order, fences going backwards: {grants.grants}"
+        )
     finally:
-        let_first_go.set()
-        for thread in threads:
-            thread.join(60)
+        grants.join()
         slow.close()
         fast.close()
         probe.dispose()
