@@ -1661,7 +1661,11 @@ class Locker:
         # A lost lock's row is deleted too if it is still ours (renewal
         # may have failed only because the database was unreachable).
         if held._fair:  # wakes the next waiter of the queue, and only it
-            deleted = yield (STEPS, fair_sql(self.store).release_steps(held.key, held.token))
+            queued = held._ticket is not None  # others likely queue behind
+            deleted = yield (
+                STEPS,
+                fair_sql(self.store).release_steps(held.key, held.token, queued=queued),
+            )
             return deleted, None
         if keep:
             deleted = yield (
@@ -1905,13 +1909,16 @@ class Locker:
         seat_token = _urandom(16).hex() if ticket.seats else None
         seat: Seat | None = None
         sent_at = _monotonic()
+        queued = held._ticket is not None
         try:
             if seat_token is None:
-                deleted = yield (STEPS, sql.release_steps(key, token))
+                deleted = yield (STEPS, sql.release_steps(key, token, queued=queued))
             else:
                 deleted, lease = yield (
                     STEPS,
-                    sql.release_seating_steps(key, token, seat_token, ticket.owner, ticket.ttl),
+                    sql.release_seating_steps(
+                        key, token, seat_token, ticket.owner, ticket.ttl, queued=queued
+                    ),
                 )
                 if lease is not None:
                     seat = Seat(seat_token, lease.fence, lease, sent_at)

@@ -24,7 +24,11 @@ BOUND = 90.0
 
 
 def _rows(m: LockManager, key: str) -> list[tuple[str, str]]:
-    return [(r.slot, r.mode) for r in m.store.rows(key=key)]
+    """The key's rows, but for the holder's own queue row: MariaDB keeps a
+    granted waiter's queue row to its release (see MySQLFair)."""
+    rows = m.store.rows(key=key)
+    head = next((r.token for r in rows if r.slot == ""), None)
+    return [(r.slot, r.mode) for r in rows if r.slot == "" or r.token != head]
 
 
 def _queued(m: LockManager, key: str) -> int:

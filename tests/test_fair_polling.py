@@ -73,9 +73,11 @@ def test_a_waiter_sees_its_place_and_the_holder(
             moved = store.drive(sql.turn_steps(key, second, b.ticket, "second-owner", TTL))
             assert isinstance(moved, Queued)
             assert (moved.first, moved.ahead, moved.owner) == (True, 0, "first-owner")
-            # The grant left no queue row of its own; one queue row remains.
-            queued = [r for r in store.rows(key=key) if r.slot.startswith("q")]
-            assert [r.token for r in queued] == [second]
+            # One waiter's queue row remains, beside (on MariaDB, which keeps
+            # it to the release) the new holder's own.
+            queued = [r.token for r in store.rows(key=key) if r.slot.startswith("q")]
+            assert [t for t in queued if t != first] == [second]
+            assert len(queued) == (2 if getattr(store, "returning", False) else 1)
         finally:
             if not held.released:
                 held.release()
