@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from . import _threads
 from ._store import Backoff, Grant, Holder, Interrupted, Store, Wait
-from ._store.base import Lease, PoolerMismatch, never_sent, what_failed
+from ._store.base import Lease, PoolerMismatch, Steps, never_sent, what_failed
 from ._store.batch import Batcher, GaveUp, batches, until_for
 from ._store.fair import Seat, fair_sql
 from ._store.jobs import statements as job_statements
@@ -1556,12 +1556,7 @@ class Locker:
         (the row is left to be deleted later, or with ``keep`` to have its
         lease set as the release meant to: a job's ``at_least`` outlives an
         outage), else ``exc`` again."""
-        # A job's release was to keep its row for at_least: so is the clean-up.
-        kept = (
-            partial(job_statements(self.store).keep_steps, held.key, held.token, keep, held.owner)
-            if keep
-            else None
-        )
+        kept = self._settle(held, keep)
         if isinstance(exc, BackendError):
             log.error(
                 "dblock: releasing %r failed; the row stays until its lease ends, this "
@@ -1578,6 +1573,19 @@ class Locker:
             self.store.add_orphan(held.key, held.token, released=True, settle=kept)
             self.renewer.post(noop)
         raise exc
+
+    def _settle(self, held: HeldLock, keep: float = 0.0) -> Callable[[], Steps[bool]] | None:
+        """How the orphan clean-up settles ``held``'s rows after a release
+        that failed or was cut off: a job's release was to keep its row for
+        at_least, and so is the clean-up; a fair holder's queue row goes with
+        its head (MariaDB keeps it to the release); else the DELETE."""
+        if keep:
+            return partial(
+                job_statements(self.store).keep_steps, held.key, held.token, keep, held.owner
+            )
+        if held._fair:
+            return partial(fair_sql(self.store).leave_steps, held.key, held.token)
+        return None
 
     def release_steps(  # noqa: PLR0912
         self, held: HeldLock, force: bool, *, keep: float = 0.0
@@ -1634,7 +1642,9 @@ class Locker:
                 # Interrupted after the next local thread was made the key's
                 # owner and before it was told: it acquires the row itself,
                 # once ours is deleted.
-                self.store.add_orphan(held.key, held.token, released=True)
+                self.store.add_orphan(
+                    held.key, held.token, released=True, settle=self._settle(held)
+                )
                 self.renewer.post(noop)
                 waiter.wake(None)
             raise
@@ -1929,7 +1939,7 @@ class Locker:
                 key,
                 exc,
             )
-            self.store.add_orphan(key, token, released=True)
+            self.store.add_orphan(key, token, released=True, settle=self._settle(held))
             if seat_token is not None:
                 self.store.add_orphan(
                     key,
@@ -1939,7 +1949,7 @@ class Locker:
                 )
             return False
         except BaseException:
-            self.store.add_orphan(key, token)
+            self.store.add_orphan(key, token, settle=self._settle(held))
             if seat_token is not None:
                 self.store.add_orphan(
                     key,

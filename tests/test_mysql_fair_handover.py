@@ -6,13 +6,17 @@ row is left behind by either side, whatever the waiter does meanwhile."""
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 
 import pytest
+import sqlalchemy as sa
 
 from dblock import LockManager
 from dblock._store.base import Grant
 from dblock._store.fair import Queued, fair_sql
+from tests.support.proxy import Proxy
 
 pytestmark = pytest.mark.databases("mariadb")
 
@@ -137,3 +141,53 @@ def test_a_handed_head_is_ours_for_the_queue_row_lease_then_taken_over(
         store.drive(sql.leave_steps(key, slow))
         store.drive(sql.leave_steps(key, next_one))
         assert _rows(m, key) == []
+
+
+def test_a_failed_hand_over_leaves_no_queue_row_behind(db_url: str, key: str) -> None:
+    """The holder (granted from the queue, so its queue row is still there)
+    loses its connection as it sends the hand-over: the clean-up deletes
+    both its rows once the database answers, so the next fair request is
+    not held up by a live queue row for the rest of its lease."""
+    url = sa.make_url(db_url)
+    proxy = Proxy(url.host or "127.0.0.1", url.port or 0)
+    try:
+        with (
+            LockManager(db_url) as first,
+            LockManager(proxy.url_for(db_url), poll_max=0.05) as cut,
+            LockManager(db_url) as last,
+        ):
+            held = first.acquire(key, fair=True)
+            granted: queue.Queue[str] = queue.Queue()
+            go: queue.Queue[None] = queue.Queue()
+            released: queue.Queue[object] = queue.Queue()
+
+            def hold() -> None:
+                mine = cut.acquire(key, fair=True, timeout=10)
+                granted.put(mine.token)
+                go.get(timeout=10)
+                try:
+                    released.put(mine.release())
+                except BaseException as exc:
+                    released.put(exc)
+
+            t = threading.Thread(target=hold)
+            t.start()
+            deadline = time.monotonic() + 10
+            while not [r for r in _rows(first, key) if r[0].startswith("q")]:
+                assert time.monotonic() < deadline, "the waiter never queued"
+                time.sleep(0.01)
+            held.release()
+            token = granted.get(timeout=10)
+            # Granted from the queue: its head and its queue row.
+            assert len([r for r in _rows(first, key) if r[1] == token]) == 2
+            proxy.cut_before(b"ON DUPLICATE KEY UPDATE")
+            go.put(None)
+            assert released.get(timeout=10) is False  # the release failed (logged)
+            t.join(10)
+            with cut.lock(f"{key}:other"):  # its next statement settles the orphan
+                pass
+            with last.lock(key, fair=True, timeout=5):
+                pass
+            assert _rows(first, key) == []
+    finally:
+        proxy.close()
