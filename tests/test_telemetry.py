@@ -110,7 +110,9 @@ def test_a_request_that_waits_has_a_span_and_a_wait_time(
     other = make_manager()
     # A holder that crashes, in effect: its lease runs out unrenewed, so the
     # second request surely waits (for the takeover) before it is granted.
-    held = other.acquire(key, ttl=0.5, renew=False)
+    # (A lease of 0.5 s once ran out before the next line's timeout on a
+    # loaded machine: the request was granted instead of timing out.)
+    held = other.acquire(key, ttl=2.0, renew=False)
     with pytest.raises(LockTimeout):
         observed.acquire(key, timeout=0.05)
     with observed.lock(key, timeout=30) as mine:
