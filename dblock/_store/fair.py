@@ -531,8 +531,8 @@ class MySQLFair(FairSQL):
     head's ``INSERT … SELECT`` takes shared locks on the queue rows it reads,
     so a waiter whose INSERT is not committed yet is waited for, not missed.
 
-    MariaDB (10.5+: RETURNING) keeps a granted waiter's queue row to its
-    release, which deletes every row of its token (``DELETE … RETURNING``
+    MariaDB (10.5+: RETURNING) outside Galera keeps a granted waiter's queue
+    row to its release, which deletes every row of its token (``DELETE … RETURNING``
     tells the head apart): while it lives the row says only what is true
     anyway (everyone else waits; a look does not count it as ahead), and
     the grant saves a statement before its holder may run.
