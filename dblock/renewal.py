@@ -340,7 +340,14 @@ class Renewer(Generic[L]):
             self.telemetry.renewals(len(leases), ok=True)
         for held in due:
             if self._held.get(held.token) is not held._ref:
-                continue  # released while the statement ran
+                # Released while the statement ran. (Also when a hand-off
+                # from the fence reserve gave the row, and so its token, to
+                # the next local thread meanwhile: that answer is skipped
+                # for the new holder, whose next renewal asks again. Safe:
+                # the reserve is used only with at least half the lease left
+                # by a conservative estimate, so the row cannot have been
+                # taken over in between.)
+                continue
             lease = leases.get(held.token)
             if lease is None:
                 self.lose(held, "its row was gone or held by another owner at renewal")
