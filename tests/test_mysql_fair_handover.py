@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from dblock import LockManager
 from dblock._store.base import Grant
-from dblock._store.fair import Queued, fair_sql
+from dblock._store.fair import DROPPED, Queued, fair_sql
 from tests.support.proxy import Proxy
 
 pytestmark = pytest.mark.databases("mariadb")
@@ -133,7 +133,9 @@ def test_a_handed_head_is_ours_for_the_queue_row_lease_then_taken_over(
         (b,) = _queue_behind(m, key, next_one)
         assert store.drive(sql.release_steps(key, holder, queued=True))
         time.sleep(0.5)  # the slow waiter's lease (and so its head's) runs out
-        assert store.drive(sql.turn_steps(key, slow, got.ticket, "slow", 0.3)) is not None
+        # Its queue row (and the head, which took that row's lease) ran out:
+        # it has lost its place, whatever it was handed.
+        assert store.drive(sql.turn_steps(key, slow, got.ticket, "slow", 0.3)) is DROPPED
         taken = store.drive(sql.turn_steps(key, next_one, b, "next", TTL))
         if isinstance(taken, Queued):  # the expired head was deleted: look again
             taken = store.drive(sql.turn_steps(key, next_one, b, "next", TTL))
