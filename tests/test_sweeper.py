@@ -272,8 +272,11 @@ def test_killed_sweeper_is_replaced_after_its_lease(
     table = private.config.table
     backlog = keys(20_000)  # type: ignore[operator]
     insert_expired(private, backlog)
-    sweeper = Sweeper(private, grace=0, lock_ttl=4)
-    common = ("--url", db_url, "--table", table, "--grace", "0", "--lock-ttl", "4")
+    # A lease long enough to outlast the kill and the row count below on a
+    # loaded machine (4 s did not once: the dead sweeper's lease, renewed
+    # last a third of it before the freeze, ran out before run_once asked).
+    sweeper = Sweeper(private, grace=0, lock_ttl=10)
+    common = ("--url", db_url, "--table", table, "--grace", "0", "--lock-ttl", "10")
     first = start_dblock("sweep", "--once", "--batch-size", "1", *common)
 
     def mid_run() -> bool:
