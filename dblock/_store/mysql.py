@@ -304,21 +304,32 @@ class MySQLStore(WokenStore):
         sql = self._transfers.get(extra)
         if sql is None:
             now = "UTC_TIMESTAMP(6)"
+            t = self._t
             row = (
-                f"(%(key)s, '', %(owner)s, %(new_token)s, {now} - INTERVAL 1 MICROSECOND, "
-                f"{now} + INTERVAL %(ttl_us)s MICROSECOND)"
+                f"SELECT %(key)s AS lock_key, '' AS slot, %(owner)s AS owner, "
+                f"%(new_token)s AS token, {now} - INTERVAL 1 MICROSECOND AS acquired_at, "
+                f"{now} + INTERVAL %(ttl_us)s MICROSECOND AS expires_at"
             )
-            mine = "token IN (%(token)s, %(new_token)s)"
+            mine = f"{t}.token IN (%(token)s, %(new_token)s)"
+            # INSERT … SELECT, not INSERT … VALUES: a bulk insert takes the
+            # table's AUTO-INC lock before it touches our row, as a waiter's
+            # acquisition (INSERT … SELECT) does. With VALUES the first row
+            # locked ours and the second then waited for the AUTO-INC lock,
+            # which such a waiter held while it waited for our row: a
+            # deadlock that MariaDB 10.11 resolved only about 2 s later,
+            # every process of a hot key standing still meanwhile (seen with
+            # benchmarks/rounds.py in about one 5 s run in ten).
             sql = (
-                f"INSERT INTO {self._t} (lock_key, slot, owner, token, acquired_at, expires_at) "
-                f"VALUES {', '.join([row] * (1 + extra))} ON DUPLICATE KEY UPDATE "
-                f"fence = IF({mine}, VALUES(fence), fence), "
-                f"owner = IF({mine}, VALUES(owner), owner), "
-                f"acquired_at = IF({mine}, {now}, acquired_at), "
-                f"expires_at = IF({mine}, VALUES(expires_at), expires_at), "
+                f"INSERT INTO {t} (lock_key, slot, owner, token, acquired_at, expires_at) "
+                f"SELECT * FROM ({' UNION ALL '.join([row] * (1 + extra))}) AS x "
+                f"ON DUPLICATE KEY UPDATE "
+                f"fence = IF({mine}, VALUES(fence), {t}.fence), "
+                f"owner = IF({mine}, VALUES(owner), {t}.owner), "
+                f"acquired_at = IF({mine}, {now}, {t}.acquired_at), "
+                f"expires_at = IF({mine}, VALUES(expires_at), {t}.expires_at), "
                 # Last: the assignments are made left to right, and those
                 # above must still see the row's token as it was.
-                f"token = IF({mine}, VALUES(token), token) "
+                f"token = IF({mine}, VALUES(token), {t}.token) "
                 f"RETURNING fence, token, acquired_at, expires_at, {now}"
             )
             sql = self._transfers[extra] = self.for_galera(sql, write=True)
