@@ -15,6 +15,8 @@ code, never a traceback:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import getpass
 import json
 import logging
@@ -60,6 +62,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if not faulthandler.is_enabled():
+        # A crash in native code (the interpreter, a driver) says where, on
+        # stderr, instead of a bare exit status -11 for whoever runs the job.
+        with contextlib.suppress(Exception):  # (stderr closed: nothing to say it on)
+            faulthandler.enable()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     bad = _undecodable(args)
     if bad is not None:

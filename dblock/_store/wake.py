@@ -694,10 +694,19 @@ class NamedLockWaker(Waker):
     def close(self) -> None:
         super().close()
         with self._hmutex:
+            holder = self._holder
             self._hmutex.notify_all()
         with self._mutex:
+            idle = [s.thread for s in self._slots if not s.armed]
             for slot in self._slots:
                 slot.cond.notify_all()
+        # The threads that end at once are waited for (briefly), so a process
+        # that exits right after close() (`dblock run`) does not finalize the
+        # interpreter under a thread of ours still closing its connection. A
+        # slot blocked in its probe (GET_LOCK, up to notify_recheck) is not.
+        for thread in (holder, self._timer, *idle):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(1.0)
 
 
 class _Probing:
