@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import KindMismatch
 from .base import Grant, Holder, Steps
-from .sqlparts import SQLITE_NOW, key_lock, mysql_grant, notify, sqlite_grant
+from .sqlparts import SQLITE_NOW, key_lock, mysql_grant, mysql_take_over, notify, sqlite_grant
 
 if TYPE_CHECKING:
     from .base import Store
@@ -638,13 +638,8 @@ class MySQLFair(FairSQL):
         self._hand_sql = (
             f"INSERT INTO {t} (lock_key, slot, owner, token, acquired_at, expires_at, mode) "
             f"SELECT * FROM ({dead} UNION ALL {seat} UNION ALL {first}) AS x "
-            f"ON DUPLICATE KEY UPDATE "
-            f"fence = IF({mine}, VALUES(fence), {t}.fence), "
-            f"owner = IF({mine}, VALUES(owner), {t}.owner), "
-            f"acquired_at = IF({mine}, {now}, {t}.acquired_at), "
-            f"expires_at = IF({mine}, VALUES(expires_at), {t}.expires_at), "
-            f"token = IF({mine}, VALUES(token), {t}.token) "
-            f"RETURNING slot, fence, token, acquired_at, expires_at, {now}"
+            + mysql_take_over(t, mine, now)
+            + f"RETURNING slot, fence, token, acquired_at, expires_at, {now}"
         )
 
     @property

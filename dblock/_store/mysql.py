@@ -65,7 +65,7 @@ from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, TableHealth, lock_row
 from .base import Grant, Holder, Interrupted, Lease, Result, Steps, log
-from .sqlparts import mysql_grant
+from .sqlparts import mysql_grant, mysql_take_over
 from .wake import PROBE_SQL, NamedLockWaker, WokenStore
 
 _NO_SUCH_TABLE = 1146
@@ -322,15 +322,8 @@ class MySQLStore(WokenStore):
             sql = (
                 f"INSERT INTO {t} (lock_key, slot, owner, token, acquired_at, expires_at) "
                 f"SELECT * FROM ({' UNION ALL '.join([row] * (1 + extra))}) AS x "
-                f"ON DUPLICATE KEY UPDATE "
-                f"fence = IF({mine}, VALUES(fence), {t}.fence), "
-                f"owner = IF({mine}, VALUES(owner), {t}.owner), "
-                f"acquired_at = IF({mine}, {now}, {t}.acquired_at), "
-                f"expires_at = IF({mine}, VALUES(expires_at), {t}.expires_at), "
-                # Last: the assignments are made left to right, and those
-                # above must still see the row's token as it was.
-                f"token = IF({mine}, VALUES(token), {t}.token) "
-                f"RETURNING fence, token, acquired_at, expires_at, {now}"
+                + mysql_take_over(t, mine, now)
+                + f"RETURNING fence, token, acquired_at, expires_at, {now}"
             )
             sql = self._transfers[extra] = self.for_galera(sql, write=True)
         return sql

@@ -92,6 +92,24 @@ SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 SQLITE_CLOCK_STEP = 0.001
 
 
+def mysql_take_over(t: str, mine: str, now: str) -> str:
+    """MySQL/MariaDB: the ``ON DUPLICATE KEY UPDATE`` of an ``INSERT … SELECT``
+    that meets a held row and makes it the inserted row's where ``mine`` (a
+    condition on the row's token) holds, and leaves it as it was elsewhere:
+    a fresh fence (the inserted row's draw), owner, start and lease, and the
+    token last (assignments are made left to right, and those before it
+    must still see the row's token as it was). Used by the hand-off and the
+    fair queue's hand-over."""
+    return (
+        f"ON DUPLICATE KEY UPDATE "
+        f"fence = IF({mine}, VALUES(fence), {t}.fence), "
+        f"owner = IF({mine}, VALUES(owner), {t}.owner), "
+        f"acquired_at = IF({mine}, {now}, {t}.acquired_at), "
+        f"expires_at = IF({mine}, VALUES(expires_at), {t}.expires_at), "
+        f"token = IF({mine}, VALUES(token), {t}.token) "
+    )
+
+
 def mysql_grant(
     fence: int, expires_at: datetime, now: datetime, reserve: tuple[int, ...] = ()
 ) -> Grant:
