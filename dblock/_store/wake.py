@@ -703,10 +703,13 @@ class NamedLockWaker(Waker):
         # The threads that end at once are waited for (briefly), so a process
         # that exits right after close() (`dblock run`) does not finalize the
         # interpreter under a thread of ours still closing its connection. A
-        # slot blocked in its probe (GET_LOCK, up to notify_recheck) is not.
+        # slot blocked in its probe (GET_LOCK, up to notify_recheck) is not;
+        # nor is one reassigned while its probe of another key ran (it is
+        # unarmed, yet blocked): one second in all bounds what close() waits.
+        until = _monotonic() + 1.0
         for thread in (holder, self._timer, *idle):
             if thread is not None and thread is not threading.current_thread():
-                thread.join(1.0)
+                thread.join(max(until - _monotonic(), 0.0))
 
 
 class _Probing:
