@@ -13,6 +13,7 @@ Sizes: the suite's runs are short (14 s of gunicorn, ±6 s clocks for 20 s);
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -26,7 +27,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED
+from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
+from apscheduler.executors.base import MaxInstancesReachedError
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
@@ -375,6 +377,69 @@ def test_a_fire_past_its_grace_is_missed_not_run(manager: LockManager, key: str)
     finally:
         s.shutdown()
     assert "late" not in _calls
+
+
+def _fire_times(db_url: str, job: str) -> list[datetime]:
+    return sorted(to_utc(r["fire_time"]) for r in _runs_of(db_url, job))  # type: ignore[misc]
+
+
+def test_fires_that_come_while_one_waits_for_the_lock_are_not_turned_away(
+    db_url: str, manager: LockManager, make_manager: Any, key: str
+) -> None:
+    """Issue 43: a fire that finds the job's lock held by another scheduler's
+    run (under clock skew they try different fires at once) waits for it;
+    the fires that come meanwhile used to be turned away by APScheduler's
+    ``max_instances`` (1 by default), and a fire time that no other
+    scheduler fires (a clock behind the others fires the times before
+    theirs) was lost. Staged: another manager holds ``job:<id>`` for 2.5 s
+    while a scheduler fires every second; every fire time from the first
+    one on runs, once, in order."""
+    _calls.clear()
+    other = make_manager()
+    s = _scheduler(manager)
+    turned_away = _events(s, EVENT_JOB_MAX_INSTANCES)
+    with other.lock(f"job:{key}", ttl=30):
+        s.start()
+        try:
+            s.add_job(_noted, IntervalTrigger(seconds=1, start_date=_ANCHOR), args=["fire"],
+                      id=key, misfire_grace_time=10)  # fmt: skip
+            time.sleep(2.5)  # fires come while the first waits for the lock
+        except BaseException:
+            s.shutdown()
+            raise
+    try:
+        time.sleep(1.2)  # the waiting fires run, and one more after them
+    finally:
+        s.shutdown()
+    fired = _fire_times(db_url, key)
+    assert turned_away == []
+    assert len(fired) >= 3, fired
+    steps = [(b - a).total_seconds() for a, b in itertools.pairwise(fired)]
+    assert steps == [1.0] * len(steps), fired  # no fire time lost, none twice
+    assert _calls.count("fire") == len(fired)
+
+
+@pytest.mark.databases("sqlite")
+def test_a_local_job_keeps_apschedulers_max_instances(manager: LockManager, key: str) -> None:
+    """Only a cluster job's fires queue; a ``local`` job runs in every
+    process as under APScheduler's own executor, max_instances included."""
+    s = _scheduler(manager)
+    s.start()
+    try:
+        job = s.add_job(_slow_local, "interval", seconds=60, start_date=_ANCHOR, id=key,
+                        next_run_time=None)  # fmt: skip
+        executor = s._lookup_executor("default")
+        now = datetime.now(timezone.utc)
+        executor.submit_job(job, [now])
+        with pytest.raises(MaxInstancesReachedError):
+            executor.submit_job(job, [now + timedelta(seconds=1)])
+    finally:
+        s.shutdown()
+
+
+@job_options(local=True)
+def _slow_local() -> None:
+    time.sleep(0.5)
 
 
 @pytest.mark.databases("sqlite")

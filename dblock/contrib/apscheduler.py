@@ -49,6 +49,7 @@ import logging
 import re
 import sys
 import traceback
+from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol, TypeVar
@@ -60,6 +61,7 @@ from apscheduler.events import (
     JobExecutionEvent,
 )
 from apscheduler.executors.asyncio import AsyncIOExecutor
+from apscheduler.executors.base import BaseExecutor
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
@@ -155,6 +157,10 @@ class _OncePerCluster:
     driven (a thread of a pool, or the event loop)."""
 
     _logger: logging.Logger
+    # (APScheduler's BaseExecutor's: its lock, made at start, and its count
+    # of each job's submissions under way.)
+    _lock: Any
+    _instances: Any
 
     def _setup(
         self,
@@ -181,6 +187,10 @@ class _OncePerCluster:
         }
         self.prefix = prefix
         self._warned: set[str] = set()
+        # The fires of each cluster job still to run in this scheduler, in
+        # the order they came (see submit_job); a job id is here while its
+        # drainer works.
+        self._queued: dict[str, deque[tuple[Any, list[datetime]]]] = {}
 
     def _resolve(self) -> Any:
         if self._runner is None:
@@ -216,6 +226,68 @@ class _OncePerCluster:
             on_skip="return",
         )
         return local, options
+
+    def submit_job(self, job: Any, run_times: list[datetime]) -> None:
+        """Take a job's fires. A ``local`` job's go to APScheduler's own rule
+        (``max_instances``). A cluster job's are never turned away: they
+        queue behind the fires of the same job this scheduler is still
+        waiting on or running, and are taken one at a time in the order they
+        came, each within its ``misfire_grace_time``.
+
+        APScheduler would refuse a fire while ``max_instances`` earlier ones
+        are under way, but here an earlier fire is mostly *waiting* for the
+        job's lock, which another scheduler's run holds (under clock skew
+        the schedulers try different fires at the same instant), and a fire
+        refused is lost when no other scheduler fires it: a clock behind the
+        others is the only one to fire the times before theirs. The lock
+        already keeps the job's runs from overlapping, in this process and
+        across the cluster; one fire at a time per job also keeps one thread
+        per job, however many fires wait."""
+        if self.options_for(job)["local"]:
+            BaseExecutor.submit_job(self, job, run_times)
+            return
+        assert self._lock is not None, "This executor has not been started yet"
+        self._warn_clock_bound(job)
+        with self._lock:
+            queue = self._queued.get(job.id)
+            if queue is not None:  # its drainer takes them in turn
+                queue.append((job, list(run_times)))
+            else:
+                self._queued[job.id] = deque([(job, list(run_times))])
+                try:
+                    self._start_drain(job.id)
+                except BaseException:
+                    del self._queued[job.id]
+                    raise
+            self._instances[job.id] += 1
+
+    def _start_drain(self, job_id: str) -> None:
+        raise NotImplementedError
+
+    def _next_fires(self, job_id: str) -> tuple[Any, list[datetime]] | None:
+        """The next fires of ``job_id`` for its drainer, or None: then the
+        drainer ends, and the next fires start another."""
+        with self._lock:
+            queue = self._queued.get(job_id)
+            if not queue:
+                self._queued.pop(job_id, None)
+                return None
+            return queue.popleft()
+
+    def _abandon(self, job_id: str) -> None:
+        """A drainer cut short (its executor shut down, a cancellation):
+        the fires it had not taken are dropped, and said to be."""
+        with self._lock:
+            queue = self._queued.pop(job_id, None) or deque()
+            for job, run_times in queue:
+                self._instances[job_id] -= 1
+                if self._instances[job_id] <= 0:
+                    del self._instances[job_id]
+                _log.warning(
+                    "job %r: its fires at %s were not run (the executor stopped first)",
+                    job.id,
+                    ", ".join(t.isoformat() for t in run_times),
+                )
 
     def _warn_clock_bound(self, job: Any) -> None:
         # A start taken from this host's clock (now + interval, to the
@@ -297,6 +369,9 @@ class OncePerClusterExecutor(_OncePerCluster, ThreadPoolExecutor):  # type: igno
     default as long as the job's ``misfire_grace_time`` leaves (APScheduler's
     own rule: a fire starts within its grace or not at all; ``at_most`` for a
     job with no grace), then skips; ``wait=`` sets a fixed time instead.
+    Fires of a job that come while an earlier one of this scheduler waits
+    or runs queue behind it, whatever the job's ``max_instances`` (see
+    :meth:`submit_job`): none is turned away.
     """
 
     def __init__(
@@ -325,8 +400,31 @@ class OncePerClusterExecutor(_OncePerCluster, ThreadPoolExecutor):  # type: igno
         super().start(scheduler, alias)
         self._resolve()
 
+    def _start_drain(self, job_id: str) -> None:
+        self._pool.submit(self._drain, job_id)
+
+    def _drain(self, job_id: str) -> None:
+        """Run a cluster job's fires as they were submitted, one after another
+        (on one thread of the pool), each submission's events dispatched as
+        APScheduler's run_job does when it ends."""
+        finished = False
+        try:
+            while (fires := self._next_fires(job_id)) is not None:
+                job, run_times = fires
+                try:
+                    events = self._run(job, job._jobstore_alias, run_times, self._logger.name)
+                except BaseException as exc:
+                    self._run_job_error(job.id, exc, exc.__traceback__)
+                else:
+                    self._run_job_success(job.id, events)
+            finished = True
+        finally:
+            if not finished:
+                self._abandon(job_id)
+
     def _do_submit_job(self, job: Any, run_times: list[datetime]) -> None:
-        # BasePoolExecutor's, with our run function instead of APScheduler's.
+        # BasePoolExecutor's, with our run function instead of APScheduler's
+        # (a local job's fires: submit_job drains a cluster job's itself).
         self._warn_clock_bound(job)
 
         def done(f: Any) -> None:
@@ -401,8 +499,38 @@ class OncePerClusterAsyncIOExecutor(_OncePerCluster, AsyncIOExecutor):  # type: 
         super().start(scheduler, alias)
         self._resolve()
 
+    def _start_drain(self, job_id: str) -> None:
+        f = self._eventloop.create_task(self._drain(job_id))
+        f.add_done_callback(self._pending_futures.discard)
+        self._pending_futures.add(f)
+
+    async def _drain(self, job_id: str) -> None:
+        """As :meth:`OncePerClusterExecutor._drain`, on the event loop: a
+        coroutine job awaited on it, a plain one in its thread pool."""
+        finished = False
+        try:
+            while (fires := self._next_fires(job_id)) is not None:
+                job, run_times = fires
+                alias, name = job._jobstore_alias, self._logger.name
+                try:
+                    if iscoroutinefunction_partial(job.func):
+                        events = await self._run_async(job, alias, run_times, name)
+                    else:
+                        events = await self._eventloop.run_in_executor(
+                            None, self._run_sync, job, alias, run_times, name
+                        )
+                except Exception:
+                    self._run_job_error(job.id, *sys.exc_info()[1:])
+                else:
+                    self._run_job_success(job.id, events)
+            finished = True
+        finally:
+            if not finished:
+                self._abandon(job_id)
+
     def _do_submit_job(self, job: Any, run_times: list[datetime]) -> None:
-        # AsyncIOExecutor's, with our run functions instead of APScheduler's.
+        # AsyncIOExecutor's, with our run functions instead of APScheduler's
+        # (a local job's fires: submit_job drains a cluster job's itself).
         self._warn_clock_bound(job)
 
         def done(f: Any) -> None:
