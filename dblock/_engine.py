@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -208,11 +209,11 @@ def make_engine(
                 "locks; use a file, e.g. sqlite:///dblock.sqlite3"
             )
         if not database.startswith("file:"):
-            Path(database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+            _sqlite_directory(database)
         # The caller's connect_args add to these: without them the lock
         # file would fail at once when busy, or on the renewal thread.
         options["connect_args"] = {
-            "timeout": 30.0,
+            "timeout": SQLITE_BUSY_TOTAL,
             "check_same_thread": False,
             **(options.get("connect_args") or {}),
         }
@@ -235,6 +236,8 @@ def make_engine(
         raise LockArgumentError(f"cannot make an engine for {mask(url)}: {exc}") from exc
     if backend == "sqlite":
         event.listen(engine, "connect", sqlite_pragmas)
+        busy = options["connect_args"].get("timeout", SQLITE_BUSY_TOTAL)
+        _sqlite_busy[engine] = float(busy) if isinstance(busy, (int, float)) else SQLITE_BUSY_TOTAL
     if pooler and backend == "postgresql" and url.get_driver_name() == "psycopg":
         # psycopg2 never prepares a statement: nothing to turn off.
         event.listen(engine, "connect", _never_prepare)
@@ -249,13 +252,83 @@ def _never_prepare(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.prepare_threshold = None
 
 
+def _sqlite_directory(database: str) -> None:
+    """Make the directory of the SQLite file ``database`` if need be, or say
+    in one line what is wrong with the path (before any SQL: a connect would
+    only say "unable to open database file")."""
+    path = Path(database).expanduser()
+    try:
+        path = path.resolve()
+        if path.is_dir():
+            raise LockArgumentError(
+                f"the SQLite database {database!r} is a directory; name a file in it, "
+                f"e.g. sqlite:///{path / 'dblock.sqlite3'}"
+            )
+        parent = path.parent
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        # FileExistsError: a file where a directory must be (mkdir's own
+        # wording, "File exists", does not say that); anything else as the
+        # system says it (no such directory under /proc, permission denied).
+        blocker = _not_a_directory(path.parent)
+        if blocker is not None:
+            why = f"{str(blocker)!r} is a file, not a directory"
+        else:
+            why = exc.strerror or type(exc).__name__
+            where = exc.filename if exc.filename is not None else path.parent
+            why = f"{why}: {str(where)!r}"
+        raise LockArgumentError(
+            f"cannot use the SQLite database {database!r}: its directory cannot be made ({why})"
+        ) from exc
+
+
+def _not_a_directory(directory: Path) -> Path | None:
+    """The first existing component of ``directory`` that is not a directory."""
+    for ancestor in (*reversed(directory.parents), directory):
+        try:
+            if ancestor.exists() and not ancestor.is_dir():
+                return ancestor
+        except OSError:
+            return None
+    return None
+
+
+#: SQLite: how long a statement may wait for the database file's write lock
+#: in all, by default (pysqlite's ``timeout`` connect argument, which the
+#: caller's ``connect_args`` may change). The store waits for it in slices
+#: (:data:`SQLITE_BUSY_SLICE_MS`) and decides per statement how many: an
+#: acquire that finds the file locked answers "busy" and waits (or not) as
+#: the request says, a release gives up sooner (see dblock._store.sqlite).
+SQLITE_BUSY_TOTAL = 30.0
+#: SQLite: the busy timeout set on each connection once it is open (its
+#: pragmas having waited the whole ``timeout``): one statement's wait for
+#: the file's write lock, after which SQLite answers "database is locked".
+#: SQLite's busy handler ignores ``interrupt()`` and holds a pysqlite
+#: statement in C (no signal handler runs), so the wait is cut this fine.
+SQLITE_BUSY_SLICE_MS = 25
+
+# The total busy wait of each SQLite engine dblock made (SQLITE_BUSY_TOTAL,
+# or the caller's connect_args["timeout"]).
+_sqlite_busy: weakref.WeakKeyDictionary[Engine, float] = weakref.WeakKeyDictionary()
+
+
+def sqlite_busy_total(engine: Engine) -> float | None:
+    """How long a statement on the SQLite ``engine`` may wait for the file's
+    write lock in all, in slices of :data:`SQLITE_BUSY_SLICE_MS`; None for an
+    engine dblock did not make (its connections wait as they were set up to)."""
+    return _sqlite_busy.get(engine)
+
+
 def sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     # WAL lets readers (dblock list, stats) run beside the writer; NORMAL
     # sync is durable against a crash of the process, which is what a
-    # single-machine lock file needs.
+    # single-machine lock file needs. Then each statement's wait for the
+    # file's write lock is one slice (see SQLITE_BUSY_SLICE_MS); the
+    # pragmas themselves waited the connection's whole timeout.
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_SLICE_MS}")
     finally:
         cursor.close()

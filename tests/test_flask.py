@@ -30,6 +30,7 @@ from dblock import (
     LockNotAcquired,
     LockTimeout,
 )
+from dblock._engine import SQLITE_BUSY_SLICE_MS, sqlite_busy_total
 from dblock.contrib._beside import beside
 from dblock.contrib.flask import DBLock
 from dblock.schema import HEAD_REVISION
@@ -469,7 +470,9 @@ def test_engine_options_with_a_url_of_its_own(private_url: str) -> None:
     app.config["DBLOCK_ENGINE_OPTIONS"] = {"connect_args": {"cached_statements": 7}}
     ext = DBLock(app)
     with ext.manager.engine.connect() as conn:
-        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+        # (Each statement waits for the write lock in slices, 30 s in all.)
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == SQLITE_BUSY_SLICE_MS
+    assert sqlite_busy_total(ext.manager.engine) == 30.0
     ext.manager.close()
 
     refused = Flask(__name__)

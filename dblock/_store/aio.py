@@ -37,9 +37,10 @@ from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 from sqlalchemy.util import greenlet_spawn
 
 from .. import _threads
-from .._engine import sqlite_pragmas
+from .._engine import SQLITE_BUSY_SLICE_MS, SQLITE_BUSY_TOTAL, sqlite_pragmas
 from ..errors import BackendError, LockArgumentError, install_hint
 from .base import IDLE_SECONDS, Params, Result, Steps, Store, T, _mark_unsent, not_writable
+from .sqlite import WAITED, sqlite_busy
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -160,7 +161,6 @@ class AsyncStore:
 
     __slots__ = (
         "_backend",
-        "_busy_total",
         "_finish",
         "_lock",
         "_options",
@@ -178,8 +178,9 @@ class AsyncStore:
         backend = url.get_backend_name()
         options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
         if backend == "sqlite":
-            # As the blocking engine: queue for the file's write lock, do not fail.
-            options["connect_args"] = {"timeout": _SQLITE_BUSY_TOTAL}
+            # As the blocking engine: the pragmas at connect wait this long
+            # for the file's write lock; statements wait in slices after.
+            options["connect_args"] = {"timeout": SQLITE_BUSY_TOTAL}
         elif backend in ("mysql", "mariadb") and "charset" not in url.query:
             url = url.update_query_dict({"charset": "utf8mb4"})
         options.update(engine_options or {})
@@ -192,9 +193,11 @@ class AsyncStore:
         # the file's write lock until that connection is collected. So a
         # SQLite statement is not abandoned but cut short (see _run_sqlite):
         # interrupted if it runs, and its wait for the file's write lock
-        # taken in slices, since SQLite's busy handler ignores interrupt().
+        # taken in slices (the connection's busy timeout, set by
+        # sqlite_pragmas), since SQLite's busy handler ignores interrupt();
+        # the store says how many slices each statement may wait (run,
+        # SQLiteStore.retry).
         self._finish = backend == "sqlite"
-        self._busy_total = float(options.get("connect_args", {}).get("timeout", _SQLITE_BUSY_TOTAL))
         #: Statements sent (for the benchmark: exact on every path, and free).
         self.statements = 0
         # The first loop's pool; its engine is ``engine`` (event listeners
@@ -231,7 +234,6 @@ class AsyncStore:
         # no prepared statements through a transaction-mode pooler.
         if self._backend == "sqlite":
             event.listen(sync_engine, "connect", sqlite_pragmas)
-            event.listen(sync_engine, "connect", _sqlite_busy_slice)
         elif self._backend == "postgresql" and self.store.config.pooler:
             event.listen(sync_engine, "connect", _never_prepare_async)
         return engine
@@ -278,7 +280,12 @@ class AsyncStore:
                     raise
                 if isinstance(then, Result):
                     return then
-                await asyncio.sleep(then)
+                try:
+                    await asyncio.sleep(then)
+                except BaseException as cut:
+                    if sqlite_busy(exc):  # nothing written, nothing under way
+                        _mark_unsent(cut)
+                    raise
                 attempt += 1
 
     async def _run_once(self, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
@@ -298,13 +305,13 @@ class AsyncStore:
         """A statement on SQLite, which a cancellation cuts short without
         abandoning it (see ``__init__``): the statement is interrupted if it
         runs, and a wait for the file's write lock, taken in slices of
-        :data:`_SQLITE_BUSY_SLICE_MS`, ends with the slice under way. Either way
+        ``SQLITE_BUSY_SLICE_MS``, ends with the slice under way. Either way
         the caller learns of the cancellation once the statement has ended,
         its effect settled (an interrupted INSERT rolled back, or committed
         before the interruption: the acquire path settles it by token).
-        Without a cancellation, slices are tried until the connection's busy
-        timeout (30 s) is used up, as one long wait would."""
-        deadline = time.monotonic() + self._busy_total
+        A statement that found the write lock taken after one slice raises
+        (marked as having waited that long): the store's rule says whether
+        it waits another slice (:meth:`run`), as on the blocking engine."""
         cancelled: asyncio.CancelledError | None = None
         while True:
             self.statements += 1
@@ -323,15 +330,17 @@ class AsyncStore:
                         with contextlib.suppress(Exception):  # closed meanwhile
                             await driver.interrupt()
             if cancelled is not None:
-                if not inner.cancelled():
-                    inner.exception()  # retrieved: the cancellation is what the caller learns
+                # (Retrieved: the cancellation is what the caller learns.)
+                failed = None if inner.cancelled() else inner.exception()
+                if failed is not None and sqlite_busy(failed):
+                    _mark_unsent(cancelled)  # it waited for the write lock: nothing written
                 raise cancelled
             failure = inner.exception()
             if failure is None:
                 return inner.result()
-            if not (_sqlite_busy(failure) and time.monotonic() < deadline):
-                raise failure
-            # The file's write lock is still taken: nothing was written; the next slice.
+            if sqlite_busy(failure):
+                setattr(failure, WAITED, _SLICE)
+            raise failure
 
     async def _statement(  # noqa: PLR0917 - positional: called per statement
         self,
@@ -611,34 +620,10 @@ def _drop_dead(dbapi_connection: Any) -> None:
         log.debug("dblock: closing a connection of a closed event loop: %r", exc)
 
 
-#: SQLite's primary result code for "database is locked" (sqlite3.SQLITE_BUSY,
-#: which typeshed does not declare).
-_SQLITE_BUSY = 5
-#: SQLite: the longest an async statement waits for the file's write lock
-#: (the blocking engine's busy timeout) ...
-_SQLITE_BUSY_TOTAL = 30.0
-#: ... taken in slices this long, so that a cancellation ends the wait at
-#: the end of the slice under way (SQLite's busy handler ignores interrupt()).
-_SQLITE_BUSY_SLICE_MS = 50
-
-
-def _sqlite_busy_slice(dbapi_connection: Any, _record: Any) -> None:
-    """After the pragmas (which wait the whole busy timeout at connect):
-    each statement's own wait for the write lock is one slice."""
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute(f"PRAGMA busy_timeout = {_SQLITE_BUSY_SLICE_MS}")
-    finally:
-        cursor.close()
-
-
-def _sqlite_busy(exc: BaseException) -> bool:
-    """``exc`` (translated) says SQLite's write lock was taken ("database is
-    locked"): the statement wrote nothing, and may be run again."""
-    cause = exc.__cause__
-    orig = getattr(cause, "orig", None) or cause
-    code = getattr(orig, "sqlite_errorcode", None)
-    return isinstance(code, int) and code & 0xFF == _SQLITE_BUSY
+#: How long a statement on SQLite waits for the file's write lock at a time
+#: (the busy timeout sqlite_pragmas sets): the end of the slice under way is
+#: when a cancellation ends such a wait.
+_SLICE = SQLITE_BUSY_SLICE_MS / 1000
 
 
 def _never_prepare_async(dbapi_connection: Any, _record: Any) -> None:

@@ -74,6 +74,7 @@ from .. import _threads
 from .base import Grant, Holder, Interrupted, Store, _mark_unsent, never_sent
 
 __all__ = [
+    "ANSWERS_ALL",
     "MAX_BATCH",
     "MIN_WAIT",
     "STALL",
@@ -116,6 +117,10 @@ MAX_FLIGHTS: Final = 4
 # after its try began, whatever that deadline (a timeout of 0 is already
 # past): an ordinary batch returns well within it.
 MIN_WAIT: Final = 0.5
+
+#: An attribute that marks a grouped statement's error as every request's
+#: answer (see :func:`settle`): going again alone, each would only meet it again.
+ANSWERS_ALL: Final = "_dblock_answers_all"
 
 # An idle sender thread ends after this long without a batch to send.
 _SENDER_IDLE = 30.0
@@ -317,6 +322,17 @@ def settle(
     if len(batch) == 1:  # a lone statement: its error is its own, as without batching
         batch[0].error = exc
         batch[0].state = DONE
+        return
+    if getattr(exc, ANSWERS_ALL, False):
+        # Each alone would meet it again (SQLite's file locked by another
+        # connection, waited for in full): each request is told at once,
+        # nothing having been written, with an error of its own (one
+        # exception raised in many threads would share its traceback).
+        for request in batch:
+            error = type(exc)(*exc.args)
+            error.__cause__ = exc.__cause__
+            request.error = error
+            request.state = DONE
         return
     # An error answer (or one raised before the statement left, such as a
     # parameter the driver cannot encode) committed nothing: each request

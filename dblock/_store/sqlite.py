@@ -5,9 +5,18 @@ expired … RETURNING`` both takes free keys and takes over expired ones. The
 fence comes from a one-row counter table that triggers keep at the highest
 fence ever handed out. Times are REAL unix seconds from SQLite's own clock.
 
-The engine dblock makes for SQLite uses WAL (readers never block the writer)
-and a 30 s busy timeout, so processes sharing the file queue for the write
-lock instead of failing.
+The engine dblock makes for SQLite uses WAL (readers never block the writer),
+and its statements wait for the file's one write lock in slices
+(``dblock._engine.SQLITE_BUSY_SLICE_MS``), each statement as long as what it
+serves allows (:meth:`SQLiteStore.retry`): an acquire attempt
+:data:`ACQUIRE_BUSY`, then it answers that the key is held by "another
+connection, which had the database file locked", and the lock waits and
+tries again within its timeout or raises ``LockBusy``/``LockTimeout`` as for
+any holder; a release, hand-off or renewal :data:`RELEASE_BUSY`, then it
+fails with ``DatabaseUnreachable`` (a release then returns False and its row
+is deleted once the file is free, as after an outage); anything else the
+connection's whole busy timeout (30 s, or ``connect_args["timeout"]``).
+Before, every statement waited up to 30 s, whatever the request's timeout.
 """
 
 from __future__ import annotations
@@ -20,15 +29,55 @@ from typing import ClassVar
 
 from sqlalchemy.engine import Engine
 
+from .._engine import SQLITE_BUSY_SLICE_MS, sqlite_busy_total
 from ..config import Config
+from ..errors import BackendError, DatabaseUnreachable
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Lease, Steps
+from .base import Grant, Holder, Lease, Result, Steps
+from .batch import ANSWERS_ALL
 from .sqlparts import SQLITE_CLOCK_STEP, sqlite_grant
 from .sqlparts import SQLITE_NOW as NOW
 from .wake import SocketWaker, WokenStore
 
 _UTC = timezone.utc
+
+#: How long an acquire attempt waits for the database file's write lock
+#: (another connection's transaction) before it answers "held": the lock
+#: then waits and tries again as for any holder, within its own timeout, or
+#: raises ``LockBusy`` (fail-fast). Kept under 0.1 s, with room for the
+#: busy handler's last sleep, so a fail-fast request is answered within it.
+ACQUIRE_BUSY = 0.05
+#: How long a release (its DELETE), a hand-off (its UPDATE) or a renewal
+#: waits for the write lock before it fails with ``DatabaseUnreachable``:
+#: a release then returns False, logs an error and leaves its row to the
+#: orphan clean-up, which deletes it once the file is free (before: up to
+#: 30 s, the caller blocked all along, and a stopped process holding the
+#: lock made every release take that long). Far longer than any write of
+#: dblock's own holds the lock (well under a millisecond).
+RELEASE_BUSY = 1.0
+#: How long one failed statement waited on a connection of an engine dblock
+#: made (its busy timeout is one slice).
+_SLICE = SQLITE_BUSY_SLICE_MS / 1000
+#: SQLite's primary result code for "database is locked" (sqlite3.SQLITE_BUSY,
+#: which typeshed does not declare).
+_SQLITE_BUSY = 5
+#: The attribute a busy failure may carry, set by whoever ran it: how long
+#: its statement waited for the write lock (the asyncio store's connections
+#: wait one slice, whatever the blocking engine's do).
+WAITED = "_dblock_busy_waited"
+#: What an acquire statement that found the write lock taken answers
+#: (:meth:`SQLiteStore.retry`), told by identity from any real result.
+_FILE_LOCKED = Result((), 0, None)
+
+
+def sqlite_busy(exc: BaseException) -> bool:
+    """``exc`` (a translated error) says SQLite's write lock was taken
+    ("database is locked"): the statement wrote nothing, and may be run again."""
+    cause = exc.__cause__
+    orig = getattr(cause, "orig", None) or cause
+    code = getattr(orig, "sqlite_errorcode", None)
+    return isinstance(code, int) and code & 0xFF == _SQLITE_BUSY
 
 
 @register("sqlite")
@@ -63,6 +112,27 @@ class SQLiteStore(WokenStore):
             f"WHERE lock_key = :key AND slot = '' AND token = :token "
             f"RETURNING fence, expires_at, acquired_at"
         )
+        # The statements whose wait for the write lock is bounded by what
+        # they serve (see retry): the batch statements are made per batch,
+        # known by their start.
+        head = f"INSERT INTO {t} (lock_key, slot, owner, token, fence, acquired_at, expires_at) "
+        self._acquire_many_head = f"{head}SELECT v.column1"
+        self._release_many_head = f"DELETE FROM {t} WHERE slot = '' AND lock_key IN ("
+        self._renew_head = f"UPDATE {t} SET expires_at = "
+        # How long a busy statement waited on this engine's connections:
+        # one slice on an engine dblock made; on an engine passed in, its
+        # own busy timeout, unknown here (one failure is then the whole wait).
+        #: How long an acquire attempt, and a release, wait for the write
+        #: lock (:data:`ACQUIRE_BUSY`, :data:`RELEASE_BUSY`; a test that
+        #: holds statements up with the write lock sets them longer).
+        self.acquire_busy = ACQUIRE_BUSY
+        self.release_busy = RELEASE_BUSY
+        total = sqlite_busy_total(engine)
+        self._slice: float | None = None if total is None else _SLICE
+        self._busy_total = total
+        database = engine.url.database or ""
+        self._file = os.path.abspath(database) if database else "(unnamed)"
+        self._busy_holder = f"another connection, which had the database file {self._file} locked"
         # Wake-ups of other processes' waiters (see dblock._store.wake):
         # beside a database file, when notify is on; else waiters poll.
         self._wake_dir = _wake_dir(engine) if config.notify else None
@@ -72,7 +142,10 @@ class SQLiteStore(WokenStore):
     def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
         params = {"key": key, "owner": owner, "token": token, "ttl": ttl}
         for _ in range(2):
-            rows = (yield self._acquire_sql, params, True, False).rows
+            result = yield self._acquire_sql, params, True, False
+            if result is _FILE_LOCKED:  # nothing written: who holds the key is unknown
+                return Holder(self._busy_holder, None, None)
+            rows = result.rows
             if rows:
                 return sqlite_grant(rows[0])
             rows = (yield self._holder_sql, {"key": key}, True, False).rows
@@ -156,8 +229,10 @@ class SQLiteStore(WokenStore):
             f"WHERE {t}.expires_at <= excluded.acquired_at AND {t}.kind = 'exclusive' "
             f"RETURNING token, fence, expires_at, acquired_at"
         )
-        rows = (yield sql, params, True, False).rows
-        granted = {row[0]: row[1:] for row in rows}
+        result = yield sql, params, True, False
+        if result is _FILE_LOCKED:  # nothing written: each is answered as alone
+            return [Holder(self._busy_holder, None, None) for _ in requests]
+        granted = {row[0]: row[1:] for row in result.rows}
         answers: list[Grant | Holder] = []
         for key, token, owner, ttl in requests:
             row = granted.get(token)
@@ -215,6 +290,49 @@ class SQLiteStore(WokenStore):
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return "no such table" in str(exc)
+
+    # -- the file's write lock ----------------------------------------------
+
+    def retry(self, sql: str, exc: BackendError, attempt: int) -> Result | float | None:
+        """A statement found the file's write lock taken by another
+        connection (its ``attempt``-th such answer in a row, each after a
+        wait of one slice): run it again at once while what it serves has
+        time left (see the module), then give up as that asks: an acquire
+        answers "held" (:data:`_FILE_LOCKED`), anything else raises
+        ``DatabaseUnreachable`` saying the file was locked. Nothing was
+        written either way."""
+        if not sqlite_busy(exc):
+            return None
+        acquire = sql is self._acquire_sql or sql.startswith(self._acquire_many_head)
+        if acquire:
+            budget = self.acquire_busy
+        elif (
+            sql is self._release_sql
+            or sql is self._transfer_sql
+            or sql.startswith(self._release_many_head)
+            or sql.startswith(self._renew_head)
+        ):
+            budget = self.release_busy
+        else:
+            budget = self._busy_total or 0.0
+        waited = getattr(exc, WAITED, None) or self._slice
+        if waited is not None and (attempt + 1) * waited < budget:
+            return 0.0  # SQLite's busy handler has just waited: no sleep here
+        if acquire:
+            return _FILE_LOCKED
+        spent = budget if waited is not None else None
+        raise self.file_locked(exc, spent) from exc.__cause__
+
+    def file_locked(self, exc: BaseException, waited: float | None) -> DatabaseUnreachable:
+        """The error of a statement that gave up waiting for the file's write lock."""
+        how_long = f" for {waited:g} s" if waited else ""
+        locked = DatabaseUnreachable(
+            f"the SQLite database file {self._file} was locked by another connection"
+            f"{how_long} (it holds the file's write lock: a long transaction, or a process "
+            f"stopped or stuck in one); nothing was written ({exc})"
+        )
+        setattr(locked, ANSWERS_ALL, True)
+        return locked
 
     # -- admin ---------------------------------------------------------------
 
