@@ -93,6 +93,9 @@ _ATTR = "__dblock_job__"
 _MADE_UP_ID = re.compile(r"[0-9a-f]{32}")
 
 _log = logging.getLogger("dblock.contrib.apscheduler")
+#: How long a thread-pool executor's start waits for the database (see
+#: OncePerClusterExecutor._warm_up).
+_WARM_UP = 5.0
 
 
 class JobRunner(Protocol):
@@ -399,6 +402,27 @@ class OncePerClusterExecutor(_OncePerCluster, ThreadPoolExecutor):  # type: igno
     def start(self, scheduler: Any, alias: str) -> None:
         super().start(scheduler, alias)
         self._resolve()
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Reach the database once before the scheduler fires anything: a
+        manager's first statement connects, asks the server what it is and
+        imports its driver, which on a busy host took 1.4 s and more, and a
+        scheduler's first fires waited for it (past a short
+        ``misfire_grace_time``, missed). Bounded: a database that does not
+        answer within :data:`_WARM_UP` seconds is left to the first fire."""
+        probe = getattr(self._runner, "is_locked", None)
+        if probe is None:  # (a runner that is not a manager)
+            return
+        future = self._pool.submit(probe, f"job:{self.prefix}warm-up")
+        try:
+            future.result(_WARM_UP)
+        except Exception as exc:  # (a timeout included: the probe goes on meanwhile)
+            _log.warning(
+                "dblock: the database did not answer as the scheduler started (%s); "
+                "its first fire will connect",
+                exc or type(exc).__name__,
+            )
 
     def _start_drain(self, job_id: str) -> None:
         self._pool.submit(self._drain, job_id)

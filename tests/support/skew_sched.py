@@ -46,6 +46,14 @@ def _note(ledger: str, kind: str) -> Any:
     return record
 
 
+class _Runner(jobs_app._Recording):
+    """jobs_app's runner, with the manager's ``is_locked`` (what the
+    executor's start reaches the database with)."""
+
+    def is_locked(self, key: str) -> bool:
+        return bool(self.locks.is_locked(key))
+
+
 def build(store: str | None) -> Any:
     from apscheduler.events import EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED
     from apscheduler.jobstores.memory import MemoryJobStore
@@ -66,7 +74,7 @@ def build(store: str | None) -> Any:
     scheduler = BackgroundScheduler(jobstores={"default": jobstore}, timezone="UTC")
     locks = LockManager(url)
     at_most = float(os.environ.get("DBLOCK_JOBS_AT_MOST", "30"))
-    once_per_cluster(scheduler, jobs_app._Recording(locks), at_most=at_most)
+    once_per_cluster(scheduler, _Runner(locks), at_most=at_most)
     scheduler.add_listener(jobs_app._record_skip(ledger), EVENT_JOB_SKIPPED)
     scheduler.add_listener(_note(ledger, "maxinst"), EVENT_JOB_MAX_INSTANCES)
     scheduler.add_listener(_note(ledger, "missed"), EVENT_JOB_MISSED)
