@@ -72,7 +72,9 @@ __all__ = [
     "returns",
 ]
 
-__version__ = "0.1.0"
+#: The one place the version is written (pyproject.toml reads it from here);
+#: a ``.devN`` version while CHANGELOG.md's first heading says unreleased.
+__version__ = "0.2.0.dev0"
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,8 @@
 """The ``dblock`` command line: the admin side of dblock.
 
 Every command takes the database from ``--url`` or ``$DBLOCK_URL`` (default:
-the SQLite file ``./dblock.sqlite3``) and the lock table from ``--table``.
+the SQLite file ``./dblock.sqlite3``, except for ``dblock run``, which
+coordinates hosts and so requires one) and the lock table from ``--table``.
 URLs are printed and logged with the password masked. User mistakes and
 unreachable databases end in one clear line on stderr and a non-zero exit
 code, never a traceback:
@@ -31,6 +32,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import NoReturn
 
+from sqlalchemy import URL
+
 from . import __version__, migrations
 from ._engine import ENV_URL, check_url, mask, mask_text, resolve_url
 from ._store.admin import LockRow, LockStats, TableHealth, filter_phrase, rows_json
@@ -57,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # argparse quotes the arguments it refuses, a --url among them, and
         # may quote a long one: shortened (see quoted()).
-        message = _LONG_QUOTED.sub(lambda m: quoted(m.group(1), escaped=True), mask_text(message))
+        message = shortened(mask_text(message))
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -81,10 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return command(args)
     except LockArgumentError as exc:
-        print(f"dblock: error: {exc}", file=sys.stderr)
+        print(f"dblock: error: {shortened(str(exc))}", file=sys.stderr)
         return 2
     except DBLockError as exc:
-        print(f"dblock: error: {exc}", file=sys.stderr)
+        print(f"dblock: error: {shortened(str(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("dblock: interrupted", file=sys.stderr)
@@ -100,7 +103,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     first ``--`` is the command, untouched: argparse alone would give options
     written after KEY to no one."""
     parser = build_parser()
-    argv = list(argv)
+    argv = _negative_values(list(argv))
+    unknown = _unknown_option(parser, argv)
+    if unknown is not None:
+        parser.error(f"unrecognized option {unknown!r} before the command")
     if "--" in argv:
         cut = argv.index("--")
         head, tail = argv[:cut], argv[cut + 1 :]
@@ -110,6 +116,72 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                 args.argv = [*args.argv, *tail]
                 return args
     return parser.parse_args(argv)
+
+
+#: The options whose value is a duration: a value written negative (``--at-most
+#: -5s``) is taken as their value, and refused as negative by its type, rather
+#: than taken by argparse for an option of its own ("expected one argument").
+_DURATION_OPTIONS = frozenset(
+    (
+        "--at-most",
+        "--at-least",
+        "--wait",
+        "--per",
+        "--every",
+        "--grace",
+        "--max-hold",
+        "--lock-ttl",
+        "--runs-retention",
+        "--interval",
+    )
+)
+_NEGATIVE = re.compile(r"-\s*[\d.]")
+
+
+def _negative_values(argv: list[str]) -> list[str]:
+    """``--at-most -5s`` as ``--at-most=-5s`` (up to a ``--``: the command's
+    arguments are its own)."""
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            out.append(word)
+            out.extend(words)
+            break
+        if word in _DURATION_OPTIONS:
+            value = next(words, None)
+            if value is not None and _NEGATIVE.match(value):
+                out.append(f"{word}={value}")
+                continue
+            out.append(word)
+            if value is not None:
+                out.append(value)
+            continue
+        out.append(word)
+    return out
+
+
+def _unknown_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """An option before the command that ``dblock`` does not have (``dblock
+    --tabel x list``): argparse would take its value for the command and
+    say "invalid choice: 'x'"."""
+    known = parser._option_string_actions
+    words = iter(argv)
+    for word in words:
+        if word == "--" or not word.startswith("-") or word == "-":
+            return None  # the command (or a positional argparse refuses itself)
+        name, _, value = word.partition("=")
+        # argparse takes an unambiguous prefix (--ur for --url), so do we.
+        matches = [o for o in known if o == name]
+        if not matches and name.startswith("--"):
+            matches = [o for o in known if o.startswith(name)]
+        if not matches:
+            return name
+        if len(matches) > 1:
+            return None  # ambiguous: argparse says so
+        if known[matches[0]].nargs != 0 and not value:
+            next(words, None)  # its value
+    return None
 
 
 def _add_common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
@@ -123,7 +195,8 @@ def _add_common(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     parser.add_argument(
         "--url",
         default=default(None),
-        help=f"database URL (default: ${ENV_URL}, else sqlite:///dblock.sqlite3)",
+        help=f"database URL (default: ${ENV_URL}, else sqlite:///dblock.sqlite3; "
+        "dblock run has no default)",
     )
     parser.add_argument(
         "--table", default=default("dblock_locks"), help="lock table name (default: dblock_locks)"
@@ -166,7 +239,17 @@ def _add_tables(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> No
         help="name of the expires_at index (default: <table>_expires_at_idx)",
     )
     migrate.add_argument(
-        "--sql", action="store_true", help="print the DDL for a DBA instead of running it"
+        "--sql",
+        action="store_true",
+        help="print the DDL for a DBA instead of running it: from the revision the database "
+        "is at (read from it) to the latest",
+    )
+    migrate.add_argument(
+        "--from",
+        dest="from_revision",
+        metavar="REV",
+        help="with --sql: from this revision instead, without connecting (offline, as "
+        "alembic's REV:head; 'base' for an empty database)",
     )
     migrate.set_defaults(command=cmd_migrate)
 
@@ -314,8 +397,11 @@ def _add_run(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
         description="Run COMMAND as one run of the job KEY (lock job:KEY): if another host "
         "runs it, or ran it less than --at-least ago, skip it and exit with the skip "
         f"status ({EX_TEMPFAIL}). Signals are passed on to the command; the lease is "
-        "renewed while it runs; the exit status is the command's. For cron: "
-        "`dblock run nightly-cleanup --at-least 5m -- /usr/local/bin/cleanup`.",
+        "renewed while it runs; the exit status is the command's. The database every "
+        f"host shares is required: --url or ${ENV_URL} (no default; an explicit "
+        "sqlite:///FILE for one host). For cron: "
+        "`dblock run nightly-cleanup --at-least 5m -- /usr/local/bin/cleanup`, with "
+        f"{ENV_URL}=... set in the crontab.",
         epilog=f"Exit status: the command's (128+N if signal N ended it); {EX_TEMPFAIL} "
         "skipped (--skip-status); 2 bad arguments and 127/126 command not found/not "
         "executable, before anything is taken; 1 the database failed; 128+N signal N "
@@ -402,6 +488,8 @@ _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\Z")
 
 def parse_duration(text: str) -> float:
     """Seconds from ``"30"``, ``"30s"``, ``"500ms"``, ``"5m"``, ``"2h"``, ``"1d"``."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"a duration cannot be negative: {text!r}")
     match = _DURATION.match(text.strip())
     if match is None:
         raise argparse.ArgumentTypeError(
@@ -420,7 +508,9 @@ def _positive_duration(text: str) -> float:
 
 
 def _signed_duration(text: str) -> float:
-    """A duration that may be written negative, so the job's own check names it."""
+    """A duration that may be written negative (``--at-most -5s``, see
+    :func:`_negative_values`), so the job's own check names what is wrong
+    with it, as the API does (``at_most must be a duration > 0``)."""
     text = text.strip()
     return -parse_duration(text[1:]) if text.startswith("-") else parse_duration(text)
 
@@ -511,10 +601,11 @@ def _undecodable(args: argparse.Namespace) -> str | None:
 def cmd_migrate(args: argparse.Namespace) -> int:
     names = _names(args)
     url = resolve_url(args.url)
+    if args.from_revision is not None and not args.sql:
+        raise LockArgumentError("--from goes with --sql (the script from that revision)")
     if args.sql:
         check_url(url)
-        migrations.upgrade_sql(url, names, sys.stdout)
-        return 0
+        return _migrate_sql(url, names, args.from_revision)
     with LockManager(url, table=names.table, index=names.index) as manager:
         before = migrations.current(manager.engine, names)
         migrations.upgrade(manager.engine, names)
@@ -524,6 +615,47 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     else:
         print(f"migrated {names.table} on {mask(url)}: {before or 'empty'} -> {after}")
     return 0
+
+
+def _migrate_sql(url: URL, names: TableNames, start: str | None) -> int:
+    """``dblock migrate --sql [--from REV]``: the script from the database's
+    revision (read from it: an unreachable database is an error, as for
+    ``dblock migrate``), or from ``start`` offline, to the latest."""
+    from alembic import command
+
+    latest = migrations.head()
+    if start is None:
+        start = _current_revision(url, names) or "base"
+        if start == latest:
+            print(f"-- {names.table} on {mask(url)} is at revision {latest}, the latest: no SQL")
+            return 0
+    elif start != "base" and not migrations._known(start):
+        raise LockArgumentError(
+            f"--from {quoted(start)}: not a revision of dblock's (base, 0001 ... {latest})"
+        )
+    cfg = migrations._config(names, offline_url=url)
+    cfg.output_buffer = sys.stdout
+    command.upgrade(cfg, f"{start}:head", sql=True)
+    return 0
+
+
+def _current_revision(url: URL, names: TableNames) -> str | None:
+    """The revision the database at ``url`` is at (None: dblock was never
+    migrated there, or the SQLite file does not exist: it is not made)."""
+    if url.get_backend_name() == "sqlite":
+        database = url.database or ""
+        if database in ("", ":memory:") or (
+            not database.startswith("file:") and not Path(database).expanduser().is_file()
+        ):
+            return None
+    with LockManager(url, table=names.table, index=names.index) as manager:
+        at = migrations.current(manager.engine, names)
+    if at is not None and not migrations._known(at):
+        raise DBLockError(
+            f"{names.table} on {mask(url)} is at revision {at}, newer than this dblock "
+            f"knows (latest {migrations.head()}): no SQL to give"
+        )
+    return at
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -559,7 +691,7 @@ def _table(rows: list[LockRow], *, verbose: bool = False) -> str:
         lines[0] += ("ACQUIRED (UTC)", "EXPIRES (UTC)")
     for row in rows:
         line: tuple[str, ...] = (
-            row.key,
+            _cut(row.key, _KEY_COLUMN),
             row.kind_label,
             row.owner,
             span(row.age),
@@ -577,6 +709,16 @@ def _table(rows: list[LockRow], *, verbose: bool = False) -> str:
         + line[last]
         for line in lines
     )
+
+
+#: The KEY column's width in ``dblock list``: a longer key is cut there with
+#: an ellipsis, so one long key does not widen every row (``--json``, and
+#: ``dblock release KEY``, show it whole).
+_KEY_COLUMN = 60
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _utc(moment: datetime) -> str:
@@ -723,7 +865,8 @@ def _release_many(args: argparse.Namespace, *, prefix: str | None, owner: str | 
             sample.append(f"  ... and {len(found) - _SHOWN_SAMPLE} more")
         if not args.yes:
             print(f"{count} {which} in {where}:", *sample, sep="\n")
-            if not _confirm(f"force-release these {count}? [y/N] "):
+            these = "this row" if len(found) == 1 else f"these {count}"
+            if not _confirm(f"force-release {these}? [y/N] "):
                 print("dblock: not released")
                 return 1
         # Each row by the token read: one that changed hands meanwhile is
@@ -740,8 +883,9 @@ def _release_many(args: argparse.Namespace, *, prefix: str | None, owner: str | 
 #: Keys and values longer than this are shortened when echoed: a valid key
 #: (at most MAX_KEY_LENGTH) is always shown whole, as an admin must read it.
 QUOTED_LENGTH = MAX_KEY_LENGTH
-# A value argparse quoted in its message, too long to echo whole.
-_LONG_QUOTED = re.compile(rf"'([^']{{{QUOTED_LENGTH + 1},}})'")
+# A value quoted in a message (by argparse, or repr() in dblock's own),
+# too long to echo whole.
+_LONG_QUOTED = re.compile(rf"'([^']{{{QUOTED_LENGTH + 1},}})'|\"([^\"]{{{QUOTED_LENGTH + 1},}})\"")
 
 
 def quoted(text: str, *, escaped: bool = False) -> str:
@@ -751,6 +895,22 @@ def quoted(text: str, *, escaped: bool = False) -> str:
     short = text[:QUOTED_LENGTH]
     shown = f"'{short}'" if escaped else repr(short)
     return shown if len(text) <= QUOTED_LENGTH else f"{shown}... ({len(text)} characters)"
+
+
+def shortened(message: str) -> str:
+    """``message`` with every quoted value in it longer than
+    :data:`QUOTED_LENGTH` shortened as :func:`quoted` does: what every line
+    the command line prints about a user's value goes through (argparse's
+    refusals, dblock's errors, a skip), so no command echoes a
+    10,000-character argument whole."""
+
+    def short(match: re.Match[str]) -> str:
+        single, double = match.groups()
+        if single is not None:
+            return quoted(single, escaped=True)
+        return f'"{double[:QUOTED_LENGTH]}"... ({len(double)} characters)'
+
+    return _LONG_QUOTED.sub(short, message)
 
 
 def _describe(row: LockRow) -> str:
@@ -836,6 +996,18 @@ def _sweep_until_signalled(sweeper: Sweeper) -> None:
             signal.signal(sig, handler)
 
 
+def _shared_database(args: argparse.Namespace) -> None:
+    """``dblock run`` coordinates hosts: it takes no default database. The
+    default of the other commands, ./dblock.sqlite3, is a lock only this host
+    sees: under the crontab of every host, each would run the job."""
+    if args.url is None and not os.environ.get(ENV_URL):
+        raise LockArgumentError(
+            f"dblock run needs the database every host shares: give --url or ${ENV_URL} "
+            f"(cron passes neither: set {ENV_URL}=... in the crontab); for one host alone, "
+            "say so: --url sqlite:///path/to/file.sqlite3"
+        )
+
+
 def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per exit status
     """``dblock run``: see :mod:`dblock.runner` for what it does and its exit statuses."""
     from . import jobs, runner
@@ -844,7 +1016,7 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
     if argv[:1] == ["--"]:
         argv = argv[1:]
     # Everything is checked before the database is touched.
-    jobs.job_key(args.key)
+    _job_name(args.key)
     at_most = args.at_most
     options = jobs.JobOptions(
         at_most=jobs.default_at_most(Config().ttl, args.at_least) if at_most is None else at_most,
@@ -859,10 +1031,11 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
         raise LockArgumentError(
             "--retry-failed needs --fire-time or --per (a fire time to run again)"
         )
+    _shared_database(args)
     try:
         command = runner.resolve_command(argv)
     except runner.CommandError as exc:
-        print(f"dblock run: error: {exc}; nothing was taken", file=sys.stderr)
+        print(f"dblock run: error: {shortened(str(exc))}; nothing was taken", file=sys.stderr)
         return exc.status
     if not args.verbose:
         # The skip is said once, below, not also as a log line.
@@ -885,13 +1058,13 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
             return status
     except JobSkipped as exc:
         if not args.quiet:
-            print(f"dblock run: {exc}", file=sys.stderr)
+            print(f"dblock run: {shortened(str(exc))}", file=sys.stderr)
         return int(args.skip_status)
     except runner.CommandNotStarted as exc:
-        print(f"dblock run: error: {exc}; nothing ran", file=sys.stderr)
+        print(f"dblock run: error: {shortened(str(exc))}; nothing ran", file=sys.stderr)
         return exc.status
     except runner.CommandLost as exc:
-        print(f"dblock run: {exc.job_detail}", file=sys.stderr)
+        print(f"dblock run: {shortened(exc.job_detail)}", file=sys.stderr)
         return exc.status
     except runner.CommandFailed as exc:
         return exc.status
@@ -905,10 +1078,28 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
         return 128 + exc.signum
 
 
+def _job_name(name: str) -> str:
+    """A job's name as ``dblock run`` and ``dblock jobs`` take it: one that
+    makes a valid lock key (``job:NAME``); anything else is a usage error
+    (exit 2), echoed shortened."""
+    from .jobs import JOB_PREFIX, job_key
+
+    longest = MAX_KEY_LENGTH - len(JOB_PREFIX)
+    if len(name) > longest:
+        raise LockArgumentError(
+            f"job name {quoted(name)} makes no valid lock key ({JOB_PREFIX}<name>): it is "
+            f"{len(name)} characters long, the limit is {longest}"
+        )
+    job_key(name)
+    return name
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     from ._store.jobs import statements
     from .jobs import JOB_PREFIX
 
+    if args.job is not None:
+        _job_name(args.job)  # a name no job can have is a mistake, not "0 runs"
     with _manager(args) as manager:
         sql = statements(manager.store)
         try:
@@ -932,8 +1123,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{**run.as_json(), "status": status} for run, status in shown], indent=2))
         return 0
-    what = f"runs of {args.job!r}" if args.job else "jobs"
-    print(f"{where}: {len(shown)} {what}")
+    count = len(shown)
+    what = f"run{'' if count == 1 else 's'}"
+    what = f"{what} of {quoted(args.job)}" if args.job else f"job{'' if count == 1 else 's'}"
+    print(f"{where}: {count} {what}")
     if shown:
         print()
         print(_jobs_table(shown))

@@ -518,6 +518,25 @@ def _take_steps(  # noqa: PLR0917 - internal, one caller
     blocking = wait > 0
     defaults = locker.defaults
     lock_options = LockOptions(renew=True, max_hold=defaults.max_hold, on_lost=defaults.on_lost)
+    if blocking and options.wait is None:
+        # The wait a fire time gets by default is for a run in progress: a
+        # key kept for ``at_least`` after a run ended says the job ran less
+        # than that ago, and is a skip at once, as without a fire time.
+        try:
+            return (
+                yield from locker.acquire_steps(
+                    key,
+                    me,
+                    blocking=False,
+                    timeout=0.0,
+                    ttl=options.at_most,
+                    opts=lock_options,
+                    waiter_type=waiter_type,
+                )
+            )
+        except (LockBusy, LockTimeout) as exc:
+            if exc.holder is not None and exc.holder.endswith(KEPT):
+                return _busy(key, exc)
     try:
         return (
             yield from locker.acquire_steps(

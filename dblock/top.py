@@ -147,8 +147,12 @@ def _span(seconds: float) -> str:
     return f"{int(seconds // 86400)}d{int(seconds % 86400 // 3600):02d}h"
 
 
-def render(state: TopState, where: str, *, legend: bool = True) -> RenderableType:
-    """The whole screen for ``state``: a header, the table of rows and (``legend``) the keys."""
+def render(
+    state: TopState, where: str, *, legend: bool = True, fit: bool = False
+) -> RenderableType:
+    """The whole screen for ``state``: a header, the table of rows and
+    (``legend``) the keys. ``fit``: each column as wide as its widest cell
+    (a frame printed in a pipe), not the terminal's width shared out."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -178,15 +182,17 @@ def render(state: TopState, where: str, *, legend: bool = True) -> RenderableTyp
     if state.editing is not None:
         lines.append(Text(f"prefix: {state.editing}_  (Enter applies, Esc cancels)"))
 
-    table = Table(expand=True, show_edge=False, pad_edge=False)
+    table = Table(expand=not fit, show_edge=False, pad_edge=False)
     # KIND is never cut (a label of a few words: its own width); KEY and
     # OWNER share the rest and fold rather than hide anything: an operator
-    # reads the owner to find the process, and a frame printed in a pipe is
-    # 80 columns wide. A short key is not folded at all.
+    # reads the owner to find the process (a frame printed in a pipe is as
+    # wide as it needs: see run()). A short key is not folded at all.
     longest = max((len(row.key) for row in shown), default=0)
-    table.add_column("KEY", overflow="fold", ratio=2, min_width=min(longest, 24) or None)
+    table.add_column(
+        "KEY", overflow="fold", ratio=None if fit else 2, min_width=min(longest, 24) or None
+    )
     table.add_column("KIND", no_wrap=True)
-    table.add_column("OWNER", overflow="fold", ratio=1)
+    table.add_column("OWNER", overflow="fold", ratio=None if fit else 1)
     table.add_column("AGE", justify="right", no_wrap=True)
     table.add_column("LEASE", justify="right", no_wrap=True)
     table.add_column("FENCE", justify="right", no_wrap=True)
@@ -261,7 +267,16 @@ def run(
         # For scripts: one frame, no keys to press; a database error is the
         # command's one error line (exit 1), not a frame saying "retrying".
         state.refresh(manager, raising=True)
-        console.print(render(state, where, legend=False))
+        frame = render(state, where, legend=False)
+        if not console.is_terminal and not os.environ.get("COLUMNS"):
+            # In a pipe rich would assume 80 columns and fold the keys and
+            # owners a script reads: the frame gets the width it needs.
+            from rich.measure import Measurement
+
+            frame = render(state, where, legend=False, fit=True)
+            needed = Measurement.get(console, console.options.update_width(10**6), frame)
+            console = Console(width=max(needed.maximum, 80))
+        console.print(frame)
         return 0
     state.refresh(manager)
     keys_in = stream if stream is not None else sys.stdin

@@ -22,6 +22,14 @@ line of its own, starting with ``dblock``, ``flask dblock`` or
 * ``flask dblock ...`` and ``manage.py dblock_...`` lines are parsed by the
   Flask group's and the Django command's own parsers;
 * a ``cd`` names a directory of the repository;
+* a crontab line (five time fields, then a ``dblock`` command) is run as
+  cron runs it: its command part through ``sh -c``, in cron's bare
+  environment plus the variables its block sets (``DBLOCK_URL=...``), that
+  variable's value being the database the test provides: a crontab that
+  does not name the database fails, as it would under cron;
+* a variable set on a line of its own (``DBLOCK_URL=...``, ``export``) is
+  for the lines after it; the ``dblock run`` lines, shown "from a shell
+  where ``DBLOCK_URL`` is set", get it set to the test's database;
 * any other line must be in :data:`ALLOWED`, which says why it is not run
   here (a server it needs, a placeholder, the test that runs it elsewhere);
   a line matching nothing fails, so a new kind of line is never skipped
@@ -76,6 +84,12 @@ ALLOWED: dict[tuple[str, ...], str] = {
     ("celery",): "Celery beat needs a broker (tests/test_jobs_celery.py runs the scheduler)",
 }
 
+#: Variables the pages set on a line of their own, and what for.
+ENV_SET: dict[str, str] = {
+    "DBLOCK_URL=": "the database of the dblock lines after it (a crontab's: "
+    "test_crontab_lines_run_as_cron_runs_them gives it the test's database)",
+}
+
 #: ``dblock`` lines parsed but not run: the words they start with, and why.
 NOT_RUN: dict[tuple[str, ...], str] = {
     ("bench",): "the benchmark runs for minutes on the three servers (scripts/bench)",
@@ -88,6 +102,8 @@ PENDING: dict[str, str] = {}
 
 # A crontab entry: five time fields, then the command.
 CRON = re.compile(r"^(?:[\d*/,-]+\s+){5}")
+# A variable set on a line of its own (in a crontab, or a shell).
+ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 # A command in a help text: `...` or ``...``, or a line of its own.
 IN_HELP = re.compile(
     r"``((?:flask |\S*manage\.py |)dblock[ _][^`]+)``|`((?:flask |\S*manage\.py |)dblock[ _][^`]+)`"
@@ -191,6 +207,8 @@ def kind_of(words: list[str]) -> tuple[str, list[str]]:
             return "django", words[i + 1 :]
     if words[0] == "cd":
         return "cd", words[1:]
+    if all(ASSIGNMENT.match(word) for word in words):
+        return "env", words
     return "other", words
 
 
@@ -253,6 +271,10 @@ def test_every_line_is_checked(line: Line, tmp_path: Path) -> None:
         check_django(line, args)
     elif kind == "cd":
         assert (ROOT / args[0]).is_dir(), f"{line.where}: no directory {args[0]!r}"
+    elif kind == "env":
+        assert all(ASSIGNMENT.match(word).group(0) in ENV_SET for word in args), (  # type: ignore[union-attr]
+            f"{line.where}: {line.text!r} sets a variable nothing here knows: add it to ENV_SET"
+        )
     else:
         reason = allowed(args)
         assert reason is not None, (
@@ -289,6 +311,11 @@ def run_dblock(line: Line, args: list[str], tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DBLOCK_URL"}
     env["PYTHONWARNINGS"] = "ignore"
     url = f"sqlite:///{tmp_path / 'dblock.sqlite3'}"
+    if args[:1] == ["run"]:
+        # `dblock run` takes no default database: its lines are shown from a
+        # shell where DBLOCK_URL is set (the crontab's sets it; see
+        # test_crontab_lines_run_as_cron_runs_them).
+        env["DBLOCK_URL"] = url
     holder = None
     if not remote:
         with LockManager(url) as m:
@@ -399,6 +426,74 @@ def check_django(line: Line, args: list[str]) -> None:
         raise AssertionError(
             f"{line.where}: manage.py {shlex.join(args)} is refused: {exc}"
         ) from exc
+
+
+def crontabs() -> list[tuple[Block, list[str], list[str]]]:
+    """The blocks with a crontab line running ``dblock``: (block, the
+    variables it sets, its crontab lines)."""
+    found = []
+    for block in shell_blocks():
+        lines = [line.strip() for line in block.code.splitlines()]
+        cron = [line for line in lines if CRON.match(line) and "dblock " in CRON.sub("", line)]
+        cron = [line for line in cron if kind_of(shlex.split(CRON.sub("", line)))[0] == "dblock"]
+        if cron:
+            assigned = [line for line in lines if ASSIGNMENT.match(line) and " " not in line]
+            found.append((block, assigned, cron))
+    return found
+
+
+def test_the_crontab_lines_are_found() -> None:
+    """A guard: docs/jobs.md's crontab (the line cron runs on every host)."""
+    assert any(b.page.name == "jobs.md" for b, _, _ in crontabs())
+
+
+@pytest.mark.parametrize(
+    ("block", "assigned", "entries"), [pytest.param(*c, id=c[0].id) for c in crontabs()]
+)
+def test_crontab_lines_run_as_cron_runs_them(
+    block: Block, assigned: list[str], entries: list[str], private: LockManager, db_url: str
+) -> None:
+    """Each crontab line's command runs as cron would run it: ``sh -c``,
+    cron's bare environment (HOME, LOGNAME, SHELL, PATH=/usr/bin:/bin) and
+    the variables the crontab sets, ``DBLOCK_URL`` being the shared
+    database this test runs on (its own table). A crontab that names no
+    database fails here as it does under cron: ``dblock run`` has no default."""
+    env = {
+        "HOME": os.environ.get("HOME", "/"),
+        "LOGNAME": "cron",
+        "SHELL": "/bin/sh",
+        "PATH": "/usr/bin:/bin",
+        "PYTHONWARNINGS": "ignore",
+    }
+    for line in assigned:
+        name, _, value = line.partition("=")
+        env[name] = db_url if name == "DBLOCK_URL" else value
+    for entry in entries:
+        words = shlex.split(CRON.sub("", entry), comments=True)
+        _, args = kind_of(words)
+        # The venv's dblock (not on cron's PATH here), on the test's own
+        # table; the job's program (a placeholder, /usr/local/bin/cleanup)
+        # is `true`, so the run is taken, run and recorded on the database.
+        if "--" in args:
+            args = [*args[: args.index("--") + 1], "true"]
+        command = shlex.join([*COMMAND, "--table", private.config.table, *args])
+        done = subprocess.run(
+            ["sh", "-c", command],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        shown = f"{block.id}: {entry} -> {done.returncode}\n{done.stdout}\n{done.stderr}"
+        assert "Traceback" not in done.stderr, shown
+        assert done.returncode == 0, shown
+        if args[:1] == ["run"]:
+            from dblock._store.jobs import statements
+
+            (run,) = statements(private.store).latest(args[1])
+            assert run.outcome == "success", shown
 
 
 def test_a_mistaken_line_fails(tmp_path: Path) -> None:
