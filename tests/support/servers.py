@@ -16,6 +16,11 @@ and listens on 127.0.0.1 on a free port, and is removed on :meth:`close`.
 ``crash()`` stops the server the way a power cut would (PostgreSQL's
 immediate shutdown, SIGKILL for MariaDB: both recover from their logs on
 start); ``start()`` brings it back on the same port and data directory.
+
+A server that fails to start raises :class:`ServerFailed`, whose message
+ends with the last lines of its log and names a copy of its logs kept in
+``DBLOCK_TEST_SERVER_LOGS`` (``<tmp>/dblock-server-logs`` by default): its
+own directory goes when the test closes it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -42,6 +47,7 @@ __all__ = [
     "PrivatePostgres",
     "PrivatePostgresPair",
     "PrivateServer",
+    "ServerFailed",
     "free_port",
     "migrated",
     "pg_bindir",
@@ -49,9 +55,75 @@ __all__ = [
 
 
 def free_port() -> int:
+    """A port of 127.0.0.1 free *now*: any later ``bind`` to port 0, by
+    anyone on the machine, may be handed it again (see :func:`held_port`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def held_port() -> socket.socket:
+    """A port of 127.0.0.1 held for a server for as long as the returned
+    socket is open: bound with SO_REUSEADDR and never listening, it keeps
+    the kernel from handing the port to anyone else (a ``bind`` to port 0,
+    another test's :func:`free_port`, a plain ``bind`` to it), while the
+    server, which binds with SO_REUSEADDR too (mariadbd, postgres, Galera's
+    gcomm and IST listeners, the rsync daemon of a state transfer), still
+    listens on it, and again after a restart. A port from :func:`free_port`
+    is only free when it is chosen: a Galera joiner starts a minute later
+    on a loaded machine, and its SST port is bound later still."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def _port_of(held: socket.socket) -> int:
+    return int(held.getsockname()[1])
+
+
+#: Where the logs of a private server that failed to start are copied.
+LOGS_KEPT = Path(
+    os.environ.get("DBLOCK_TEST_SERVER_LOGS") or Path(tempfile.gettempdir()) / "dblock-server-logs"
+)
+_TAIL_LINES = 25
+
+
+class ServerFailed(RuntimeError):
+    """A private server did not start (or a cluster did not form). The
+    message says why, where a copy of the logs is, and the last lines of
+    the log that tells most."""
+
+
+def _tail(path: Path, lines: int = _TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(no log: {exc})"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+
+def keep_logs(what: str, logs: Iterable[Path], *, tail: Path | None = None) -> str:
+    """Copy ``logs`` (the files among them that exist) to a new directory of
+    :data:`LOGS_KEPT`, which outlives the server's own; return the text an
+    error adds: where they are, and the last lines of ``tail``."""
+    try:
+        LOGS_KEPT.mkdir(parents=True, exist_ok=True)
+        dest = Path(tempfile.mkdtemp(prefix=f"{what}-{time.strftime('%Y%m%d-%H%M%S')}-",
+                                     dir=LOGS_KEPT))  # fmt: skip
+        copied = 0
+        for log in logs:
+            if log.is_file():
+                # node1/server.log -> node1-server.log: the names stay apart.
+                shutil.copy2(log, dest / f"{log.parent.name}-{log.name}")
+                copied += 1
+        where = f"{copied} log(s) kept in {dest}"
+    except OSError as exc:
+        where = f"its logs could not be kept: {exc}"
+    text = f"\n[{where}]"
+    if tail is not None:
+        text += f"\n--- the last lines of {tail} ---\n{_tail(tail)}"
+    return text
 
 
 def _run(cmd: list[str], *, timeout: float = 120) -> None:
@@ -100,9 +172,19 @@ class PrivateServer:
         finally:
             engine.dispose()
 
+    #: Its ports, held for its life (see :func:`held_port`).
+    _held: tuple[socket.socket, ...] = ()
+
+    def _hold_port(self) -> int:
+        held = held_port()
+        self._held = (*self._held, held)
+        return _port_of(held)
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.stop()
+        for held in self._held:
+            held.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> PrivateServer:
@@ -158,16 +240,20 @@ class PrivatePostgres(PrivateServer):
         ``version``: the PostgreSQL major (the newest installed by default)."""
         self.version = version
         self.dir = Path(tempfile.mkdtemp(prefix="dblock-pg-"))
-        self.port = free_port()
+        self.port = self._hold_port()
         self.settings = settings
         self._as_postgres = os.geteuid() == 0
         if self._as_postgres:
             shutil.chown(self.dir, "postgres")
         self.data = self.dir / "data"
         initdb = _pg_bin("initdb", self.version)
-        self._pg(initdb, "-D", str(self.data), "--auth=trust", "-U", "postgres",
-                 "-E", "UTF8", "--no-sync")  # fmt: skip
-        self.start()
+        try:
+            self._pg(initdb, "-D", str(self.data), "--auth=trust", "-U", "postgres",
+                     "-E", "UTF8", "--no-sync")  # fmt: skip
+            self.start()
+        except BaseException:
+            self.close()  # (a failed start kept its log: see ServerFailed)
+            raise
 
     def _pg(self, *args: str) -> None:
         prefix = ["runuser", "-u", "postgres", "--"] if self._as_postgres else []
@@ -180,9 +266,14 @@ class PrivatePostgres(PrivateServer):
     def start(self) -> None:
         options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1"
         options += "".join(f" -c {name}={value}" for name, value in self.settings.items())
-        self._pg(_pg_bin("pg_ctl", self.version), "-D", str(self.data), "-l", str(self.dir / "log"),
-                 "-o", options, "-w", "start")  # fmt: skip
-        self.wait_ready()
+        log = self.dir / "log"
+        try:
+            self._pg(_pg_bin("pg_ctl", self.version), "-D", str(self.data), "-l", str(log),
+                     "-o", options, "-w", "start")  # fmt: skip
+            self.wait_ready()
+        except Exception as exc:
+            raise ServerFailed(f"postgresql did not start: {exc}"
+                               + keep_logs("postgresql", [log], tail=log)) from exc  # fmt: skip
 
     def crash(self) -> None:
         pg_ctl = _pg_bin("pg_ctl", self.version)
@@ -199,7 +290,7 @@ class PrivateMariaDB(PrivateServer):
     def __init__(self, *args: str) -> None:
         self.args = args  # more server options, as on its command line
         self.dir = Path(tempfile.mkdtemp(prefix="dblock-maria-"))
-        self.port = free_port()
+        self.port = self._hold_port()
         self.data = self.dir / "data"
         # A tmpdir of its own: a mariadbd starting deletes every #sql* file in
         # its tmpdir, so another private server starting meanwhile (another
@@ -209,16 +300,20 @@ class PrivateMariaDB(PrivateServer):
         self.tmp.mkdir()
         self._proc: subprocess.Popen[bytes] | None = None
         install = shutil.which("mariadb-install-db") or shutil.which("mysql_install_db")
-        if install is None:
-            raise RuntimeError("mariadb-install-db is not installed")
-        _run([install, "--no-defaults", f"--datadir={self.data}", "--skip-test-db",
-              "--auth-root-authentication-method=normal", "--user=root",
-              f"--tmpdir={self.tmp}"])  # fmt: skip
-        self.start()
-        engine = sa.create_engine(self.url.rsplit("/", 1)[0] + "/", poolclass=sa.pool.NullPool)
-        with engine.connect() as conn:
-            conn.exec_driver_sql("CREATE DATABASE IF NOT EXISTS test")
-        engine.dispose()
+        try:
+            if install is None:
+                raise RuntimeError("mariadb-install-db is not installed")
+            _run([install, "--no-defaults", f"--datadir={self.data}", "--skip-test-db",
+                  "--auth-root-authentication-method=normal", "--user=root",
+                  f"--tmpdir={self.tmp}"])  # fmt: skip
+            self.start()
+            engine = sa.create_engine(self.url.rsplit("/", 1)[0] + "/", poolclass=sa.pool.NullPool)
+            with engine.connect() as conn:
+                conn.exec_driver_sql("CREATE DATABASE IF NOT EXISTS test")
+            engine.dispose()
+        except BaseException:
+            self.close()  # (a failed start kept its log: see ServerFailed)
+            raise
 
     @property
     def url(self) -> str:
@@ -246,9 +341,14 @@ class PrivateMariaDB(PrivateServer):
         log.close()
         try:
             self._wait_up()
-        except BaseException:
+        except BaseException as exc:
             self.crash()
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            server_log = self.dir / "server.log"
+            raise ServerFailed(
+                f"{exc}" + keep_logs("mariadb", [server_log], tail=server_log)
+            ) from exc
 
     def _wait_up(self) -> None:
         # The database may not exist yet on the first start: ask the server only.
@@ -310,7 +410,7 @@ class PgBouncer(PrivateServer):
         self.dir = Path(tempfile.mkdtemp(prefix="dblock-pgbouncer-"))
         if os.geteuid() == 0:
             shutil.chown(self.dir, "postgres")  # pgbouncer runs as postgres: its log goes here
-        self.port = free_port()
+        self.port = self._hold_port()
         t = self.target
         (self.dir / "users.txt").write_text(f'"{t.username}" ""\n')
         (self.dir / "pgbouncer.ini").write_text(
@@ -352,9 +452,14 @@ pidfile = {self.dir / "pgbouncer.pid"}
         )
         try:
             self.wait_ready()
-        except BaseException:
+        except BaseException as exc:
             self.crash()
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            log = self.dir / "pgbouncer.log"
+            raise ServerFailed(
+                f"pgbouncer did not start: {exc}" + keep_logs("pgbouncer", [log], tail=log)
+            ) from exc
 
     def crash(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -394,10 +499,11 @@ class GaleraNode(PrivateServer):
         self.dir = cluster.dir / f"node{index}"
         self.dir.mkdir()
         self.data = data
-        self.port = free_port()
-        self.gcomm_port = free_port()
-        self.ist_port = free_port()
-        self.sst_port = free_port()
+        # Held for the cluster's life (see held_port): the joiners start
+        # long after their ports are chosen, and a node stopped by a test
+        # starts again on the same ones.
+        self._held = [held_port() for _ in range(4)]
+        self.port, self.gcomm_port, self.ist_port, self.sst_port = map(_port_of, self._held)
         self.cnf = self.dir / "my.cnf"
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -444,18 +550,25 @@ class GaleraNode(PrivateServer):
     def start(self, *, new_cluster: bool = False) -> None:
         """Start and wait until the node is Synced. After a crash the node
         first recovers its position, so it rejoins by IST, not a full SST."""
-        extra = ["--wsrep-new-cluster"] if new_cluster else []
-        position = self.recover() if not new_cluster else None
-        if position:
-            extra.append(f"--wsrep-start-position={position}")
-        self._proc = subprocess.Popen(
-            self._server(*extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
         try:
-            self._wait_synced()
-        except BaseException:
-            self.crash()
-            raise
+            extra = ["--wsrep-new-cluster"] if new_cluster else []
+            position = self.recover() if not new_cluster else None
+            if position:
+                extra.append(f"--wsrep-start-position={position}")
+            self._proc = subprocess.Popen(
+                self._server(*extra), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            try:
+                self._wait_synced()
+            except BaseException:
+                self.crash()
+                raise
+        except Exception as exc:
+            # The whole cluster's logs: a joiner's failure is often told by
+            # its donor (the state transfer's script runs there too).
+            kept = keep_logs(f"galera-node{self.index}", self.cluster.logs(),
+                             tail=self.dir / "server.log")  # fmt: skip
+            raise ServerFailed(f"{exc}{kept}") from exc
 
     def recover(self) -> str | None:
         """The position ``--wsrep-recover`` finds in a crashed node's datadir."""
@@ -502,6 +615,10 @@ class GaleraNode(PrivateServer):
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def release_ports(self) -> None:
+        for held in self._held:
+            held.close()
 
     def crash(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -571,6 +688,17 @@ class PrivateGalera:
     def urls(self) -> list[str]:
         return [n.url for n in self.nodes]
 
+    def logs(self) -> list[Path]:
+        """Every node's logs: the server's, ``--wsrep-recover``'s, and what the
+        state transfer leaves in its datadir (rsync's log and config, the
+        Galera state files)."""
+        found: list[Path] = []
+        for n in self.nodes:
+            found += sorted(n.dir.glob("*.log"))
+            for pattern in ("*.log", "*.err", "*.dat", "*.conf", "*.pid"):
+                found += sorted(n.data.glob(pattern))
+        return found
+
     def wait_size(self, size: int, timeout: float = 60.0) -> None:
         """Until every running node sees a primary component of ``size`` nodes."""
         deadline = time.monotonic() + timeout
@@ -594,6 +722,8 @@ class PrivateGalera:
         for n in reversed(self.nodes):
             with contextlib.suppress(Exception):
                 n.stop()
+        for n in self.nodes:
+            n.release_ports()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> PrivateGalera:

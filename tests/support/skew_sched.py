@@ -72,7 +72,10 @@ def build(store: str | None) -> Any:
     grace = int(os.environ.get("DBLOCK_JOBS_GRACE", str(max(1, int(2 * interval)))))
     jobstore = SQLAlchemyJobStore(url=store) if store else MemoryJobStore()
     scheduler = BackgroundScheduler(jobstores={"default": jobstore}, timezone="UTC")
-    locks = LockManager(url)
+    # DBLOCK_JOBS_RECHECK: the manager's notify_recheck (how often a waiter
+    # looks again without a wake-up), to tell a late wake-up from a busy lock.
+    recheck = os.environ.get("DBLOCK_JOBS_RECHECK")
+    locks = LockManager(url) if recheck is None else LockManager(url, notify_recheck=float(recheck))
     at_most = float(os.environ.get("DBLOCK_JOBS_AT_MOST", "30"))
     once_per_cluster(scheduler, _Runner(locks), at_most=at_most)
     scheduler.add_listener(jobs_app._record_skip(ledger), EVENT_JOB_SKIPPED)

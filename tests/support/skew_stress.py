@@ -1,7 +1,8 @@
 """Lost fire times under APScheduler on skewed clocks: issue 43's probe.
 
 ``python -m tests.support.skew_stress URL [--rounds 10] [--skew 10]
-[--interval 1] [--seconds 8] [--work 0.1] [--burners 2] [--max-instances 1]``
+[--interval 1] [--seconds 20] [--work 0.1] [--burners 2] [--max-instances 1]
+[--recheck S]``
 
 Each round starts three schedulers (tests/support/skew_sched.py) at once,
 under ``faketime`` at -SKEW, 0 and +SKEW seconds, each with dblock's
@@ -70,6 +71,7 @@ def one_round(args: argparse.Namespace, faketime: str, work_dir: Path, n: int) -
             "DBLOCK_JOBS_INTERVAL": str(args.interval),
             "DBLOCK_JOBS_WORK": str(args.work),
             "DBLOCK_JOBS_MAX_INSTANCES": str(args.max_instances),
+            **({"DBLOCK_JOBS_RECHECK": str(args.recheck)} if args.recheck else {}),
             "DBLOCK_JOBS_STORE": f"sqlite:///{work_dir / f'store{n}-{i}.sqlite'}",
             "FAKETIME_DONT_FAKE_MONOTONIC": "1",
             "PYTHONUNBUFFERED": "1",
@@ -110,6 +112,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--work", type=float, default=0.1)
     parser.add_argument("--burners", type=int, default=2)
     parser.add_argument("--max-instances", type=int, default=1)
+    parser.add_argument("--recheck", type=float, help="the managers' notify_recheck (seconds)")
     parser.add_argument("--keep", help="a directory to keep the schedulers' logs in")
     args = parser.parse_args(argv)
     faketime = shutil.which("faketime")
