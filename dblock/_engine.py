@@ -14,15 +14,16 @@ does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import URL, create_engine, event, make_url
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ArgumentError
 
 from .errors import LockArgumentError, install_hint
@@ -317,6 +318,36 @@ def sqlite_busy_total(engine: Engine) -> float | None:
     write lock in all, in slices of :data:`SQLITE_BUSY_SLICE_MS`; None for an
     engine dblock did not make (its connections wait as they were set up to)."""
     return _sqlite_busy.get(engine)
+
+
+@contextlib.contextmanager
+def sqlite_whole_wait(conn: Connection) -> Iterator[None]:
+    """Statements on ``conn`` that are not the store's (migrations: no retry
+    rule waits for them in slices) wait for the SQLite file's write lock
+    for the engine's whole busy timeout, as every statement did before the
+    slices; one slice again after (the connection goes back to the pool).
+    Nothing on an engine dblock did not make, or not on SQLite."""
+    total = sqlite_busy_total(conn.engine)
+    if total is None:
+        yield
+        return
+    dbapi_connection = conn.connection.dbapi_connection
+    _busy_timeout(dbapi_connection, round(total * 1000))
+    try:
+        yield
+    finally:
+        try:
+            _busy_timeout(dbapi_connection, SQLITE_BUSY_SLICE_MS)
+        except Exception:
+            conn.invalidate()  # never back in the pool with the whole wait
+
+
+def _busy_timeout(dbapi_connection: Any, ms: int) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {ms}")
+    finally:
+        cursor.close()
 
 
 def sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.schema import CreateTable
 
-from ._engine import mask
+from ._engine import mask, sqlite_whole_wait
 from .errors import BackendError
 from .schema import TableNames
 
@@ -57,7 +57,7 @@ def _transactional(engine: Engine) -> Iterator[Connection]:
     """A connection with the driver's default isolation (DDL in a transaction
     where the database has transactional DDL), even on dblock's AUTOCOMMIT engine."""
     try:
-        with engine.connect() as plain:
+        with engine.connect() as plain, sqlite_whole_wait(plain):
             yield plain.execution_options(isolation_level=plain.default_isolation_level)
     except SQLAlchemyError as exc:
         raise _failed(engine, exc) from exc
@@ -151,7 +151,7 @@ def _drop_tables(engine: Engine, tables: list[str]) -> None:
     indexes and triggers. Never raises: the migration's own error matters."""
     quote = engine.dialect.identifier_preparer.quote
     try:
-        with engine.connect() as conn:
+        with engine.connect() as conn, sqlite_whole_wait(conn):
             auto = conn.execution_options(isolation_level="AUTOCOMMIT")
             for table in reversed(tables):
                 auto.exec_driver_sql(f"DROP TABLE IF EXISTS {quote(table)}")

@@ -183,6 +183,33 @@ def test_the_asyncio_face_is_bounded_too(path: Path, locks: LockManager) -> None
     asyncio.run(run())
 
 
+def test_a_migration_still_waits_out_the_write_lock(tmp_path: Path) -> None:
+    """Statements that are not the store's (a migration's DDL) have no rule
+    waiting in slices: they wait the whole busy timeout, as before."""
+    import sqlite3
+
+    from dblock import migrations
+
+    migrations.head()  # alembic imported and its scripts read: the DDL comes at once
+    path = tmp_path / "migrate.sqlite3"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("PRAGMA journal_mode=WAL")
+    with LockManager(f"sqlite:///{path}") as m:
+        with m.engine.connect() as warm:  # the pool's connection, made before the lock is taken
+            warm.exec_driver_sql("SELECT 1")
+        other.execute("BEGIN IMMEDIATE")
+        timer = threading.Timer(1.0, lambda: other.execute("ROLLBACK"))
+        timer.start()
+        start = time.monotonic()
+        try:
+            m.create_schema()
+        finally:
+            timer.join()
+            other.close()
+        assert time.monotonic() - start >= 0.9
+        m.acquire("k", blocking=False).release()
+
+
 # -- paths that cannot be a database file -------------------------------------
 
 
