@@ -154,6 +154,10 @@ def _negative_values(argv: list[str]) -> list[str]:
                 out.append(f"{word}={value}")
                 continue
             out.append(word)
+            if value == "--":  # (no value: argparse says so) the command's, untouched
+                out.append(value)
+                out.extend(words)
+                break
             if value is not None:
                 out.append(value)
             continue

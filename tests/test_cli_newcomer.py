@@ -397,3 +397,15 @@ def test_getting_started_lists_every_option_of_locked_and_lock_many() -> None:
             if p.kind is inspect.Parameter.KEYWORD_ONLY
         }
         assert shown == named | set(LockArgs.__annotations__), name
+
+
+def test_the_commands_own_arguments_are_never_rewritten() -> None:
+    from dblock.cli import parse_args
+
+    args = parse_args(["run", "k", "--at-most", "-5s", "--", "cmd", "--at-most", "-5"])
+    assert args.argv == ["cmd", "--at-most", "-5"]
+    assert args.at_most == -5.0  # refused by the job's own check, naming at_most
+    args = parse_args(["run", "k", "--", "cmd", "--wait", "-1"])
+    assert args.argv == ["cmd", "--wait", "-1"]
+    with pytest.raises(SystemExit):
+        parse_args(["run", "k", "--wait", "--", "cmd", "--wait", "-1"])
