@@ -40,7 +40,7 @@ from dblock.contrib.apscheduler import (
     once_per_cluster,
 )
 from dblock.schema import to_utc
-from tests.support import jobs_app
+from tests.support import jobs_app, servers
 from tests.support.jobs_check import LONG, running, start, verdict, wait_until
 
 ANCHOR = "2020-01-01T00:00:00+00:00"  # every scheduler's interval starts here
@@ -433,6 +433,25 @@ def test_the_executor_reaches_the_database_as_the_scheduler_starts(make_manager:
         assert connects
     finally:
         s.shutdown()
+
+
+def test_a_database_that_does_not_answer_does_not_stop_the_scheduler_starting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The start's look at the database is best effort: refused, the
+    scheduler starts all the same and says so."""
+    port = servers.free_port()  # nothing listens there
+    with LockManager(f"postgresql+psycopg://postgres@127.0.0.1:{port}/x") as m:
+        s = _scheduler(m)
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, "dblock.contrib.apscheduler"):
+            s.start()
+        try:
+            assert s.running
+            assert time.monotonic() - began < 10
+            assert "first look at the database" in caplog.text
+        finally:
+            s.shutdown()
 
 
 @pytest.mark.databases("sqlite")

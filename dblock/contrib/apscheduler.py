@@ -419,8 +419,9 @@ class OncePerClusterExecutor(_OncePerCluster, ThreadPoolExecutor):  # type: igno
             future.result(_WARM_UP)
         except Exception as exc:  # (a timeout included: the probe goes on meanwhile)
             _log.warning(
-                "dblock: the database did not answer as the scheduler started (%s); "
-                "its first fire will connect",
+                "dblock: the executor's first look at the database, as the scheduler "
+                "started, failed or took longer than %g s (%s); its first fire tries again",
+                _WARM_UP,
                 exc or type(exc).__name__,
             )
 
