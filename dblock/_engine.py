@@ -306,7 +306,7 @@ SQLITE_BUSY_TOTAL = 30.0
 #: the file's write lock, after which SQLite answers "database is locked".
 #: SQLite's busy handler ignores ``interrupt()`` and holds a pysqlite
 #: statement in C (no signal handler runs), so the wait is cut this fine.
-SQLITE_BUSY_SLICE_MS = 25
+SQLITE_BUSY_SLICE_MS = 10
 
 # The total busy wait of each SQLite engine dblock made (SQLITE_BUSY_TOTAL,
 # or the caller's connect_args["timeout"]).

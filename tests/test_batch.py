@@ -56,7 +56,7 @@ def one_at_a_time(manager: LockManager) -> None:
     batcher._acquires.stall = batcher._releases.stall = float("inf")
     if manager.dialect == "sqlite":
         # An acquire waits for the file's write lock as long as the test
-        # holds it, not the 50 ms after which it would answer "held".
+        # holds it, not the 40 ms after which it would answer "held".
         manager.store.acquire_busy = 30.0  # type: ignore[attr-defined]
 
 

@@ -138,9 +138,10 @@ def test_a_cancellation_storm_on_a_healthy_database_logs_no_warning(
     quiet = mentions(caplog, "was interrupted with its statement sent", logging.DEBUG)
     # One DEBUG line per cancelled request whose statement was sent; with
     # group commit, one still queued behind the batches in flight was never
-    # sent, and has nothing to settle (SQLite: the held write lock keeps the
-    # first batches in flight).
-    assert 1 <= len(quiet) <= len(names)
+    # sent, and has nothing to settle. SQLite: most often none. Each INSERT
+    # waits for the write lock held here, which it never gets: cancelled in
+    # that wait (or between two attempts) it is known to have written nothing.
+    assert (0 if db_url.startswith("sqlite") else 1) <= len(quiet) <= len(names)
     # dblock's own lines: SQLAlchemy's pool may log the garbage collection of
     # another test's unreturned connection while this one runs (seen in CI).
     assert not [

@@ -435,7 +435,7 @@ def test_a_grant_that_came_back_expired_is_not_handed_back(
     manager = make_manager(batch=batch)
     if manager.dialect == "sqlite":
         # The statement waits for the write lock the gate holds, not the
-        # 50 ms after which it would answer "held" (tests/test_sqlite_busy.py).
+        # 40 ms after which it would answer "held" (tests/test_sqlite_busy.py).
         manager.store.acquire_busy = 30.0  # type: ignore[attr-defined]
     for blocking in (True, False):
         k = f"{key}:{blocking}"
