@@ -47,11 +47,14 @@ _UTC = timezone.utc
 #: How long an acquire attempt waits for the database file's write lock
 #: (another connection's transaction) before it answers "held": the lock
 #: then waits and tries again as for any holder, within its own timeout, or
-#: raises ``LockBusy`` (fail-fast). Kept well under 0.1 s: a request queued
-#: behind another's attempt (group commit) may wait for two of them. Write
-#: transactions of dblock's own take well under a millisecond; on a loaded
-#: machine (load 13 on 2 cores, 4 processes x 4 threads each locking its own
-#: key fail-fast) about 1 in 20,000 attempts still met the lock this long.
+#: raises ``LockBusy`` (fail-fast). Kept under 0.1 s with room for a request
+#: queued behind another's attempt (group commit: see retry). Write
+#: transactions of dblock's own take well under a millisecond, but a
+#: process preempted while it holds the lock holds it longer: on a machine
+#: at load 14 (2 cores), 8 processes x 4 threads each locking a key of its
+#: own fail-fast saw 1 request in 1,200-4,500 refused so (0 on the old code,
+#: whose slowest such request waited 1.07 s for the lock); 4 x 4 at load 13,
+#: none in 24,000.
 ACQUIRE_BUSY = 0.04
 #: How long a release (its DELETE), a hand-off (its UPDATE) or a renewal
 #: waits for the write lock before it fails with ``DatabaseUnreachable``:
@@ -317,14 +320,16 @@ class SQLiteStore(WokenStore):
         written either way."""
         if not sqlite_busy(exc):
             return None
-        acquire = sql is self._acquire_sql or sql.startswith(self._acquire_many_head)
+        batch = sql.startswith(self._acquire_many_head)
+        acquire = batch or sql is self._acquire_sql
         if acquire:
-            # An attempt that began while another's had just found the lock
-            # taken (it answered "held" within the last ACQUIRE_BUSY) waits
-            # one slice: a request queued behind that attempt (group
-            # commit), or a waiter's next try, is not kept twice as long.
             budget = self.acquire_busy
-            if attempt == 0 and _monotonic() - self._file_locked_at < budget:
+            if batch and attempt == 0 and _monotonic() - self._file_locked_at < budget:
+                # The requests of a batch queued behind an attempt that has
+                # just found the lock taken (it answered "held" within the
+                # last ACQUIRE_BUSY): one slice, so they do not wait twice
+                # as long. (A single attempt, a waiter's next try too, waits
+                # the whole ACQUIRE_BUSY: the lock may be free by then.)
                 budget = 0.0
         elif (
             sql is self._release_sql
