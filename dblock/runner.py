@@ -19,7 +19,8 @@ the child   the command ran: its own status (128 + N if signal N ended it)
 75          skipped: another host runs the job, or ran it less than
             ``--at-least`` ago, or its ``--fire-time`` ran (``EX_TEMPFAIL``;
             ``--skip-status N`` chooses another)
-2           bad arguments (``--at-least`` over ``--at-most``, a negative
+2           bad arguments (no ``--url`` nor ``$DBLOCK_URL``: no default
+            database, ``--at-least`` over ``--at-most``, a negative
             duration, a key that is no lock key): nothing was taken
 126 / 127   the command cannot be executed / is not found: nothing was taken
             (or, when ``execve`` refuses it, given back unrecorded)
