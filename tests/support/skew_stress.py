@@ -2,7 +2,7 @@
 
 ``python -m tests.support.skew_stress URL [--rounds 10] [--skew 10]
 [--interval 1] [--seconds 20] [--work 0.1] [--burners 2] [--max-instances 1]
-[--recheck S]``
+[--recheck S] [--no-coalesce]``
 
 Each round starts three schedulers (tests/support/skew_sched.py) at once,
 under ``faketime`` at -SKEW, 0 and +SKEW seconds, each with dblock's
@@ -12,6 +12,11 @@ spin on the CPU meanwhile. A fire time is *lost* when some scheduler fired
 it (a run, a skip, a fire turned away for ``max_instances``, a miss) or it
 lies between two that were, and no scheduler ran it. Prints a line per
 round and the totals; exit status 1 if any fire time was lost or run twice.
+
+A lost fire time is told by its rows: ``skip`` (a fire waited for the job's
+lock through its grace), ``missed`` (its turn came past its grace),
+``maxinst`` (APScheduler turned it away), none (never submitted: coalesced
+with the next by a scheduler that woke late, or never fired).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ def one_round(args: argparse.Namespace, faketime: str, work_dir: Path, n: int) -
             "DBLOCK_JOBS_WORK": str(args.work),
             "DBLOCK_JOBS_MAX_INSTANCES": str(args.max_instances),
             **({"DBLOCK_JOBS_RECHECK": str(args.recheck)} if args.recheck else {}),
+            "DBLOCK_JOBS_COALESCE": "0" if args.no_coalesce else "1",
             "DBLOCK_JOBS_STORE": f"sqlite:///{work_dir / f'store{n}-{i}.sqlite'}",
             "FAKETIME_DONT_FAKE_MONOTONIC": "1",
             "PYTHONUNBUFFERED": "1",
@@ -113,6 +119,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--burners", type=int, default=2)
     parser.add_argument("--max-instances", type=int, default=1)
     parser.add_argument("--recheck", type=float, help="the managers' notify_recheck (seconds)")
+    parser.add_argument(
+        "--no-coalesce", action="store_true", help="coalesce=False (APScheduler's default: True)"
+    )
     parser.add_argument("--keep", help="a directory to keep the schedulers' logs in")
     args = parser.parse_args(argv)
     faketime = shutil.which("faketime")
