@@ -134,9 +134,6 @@ class SQLiteStore(WokenStore):
         self._acquire_many_head = f"{head}SELECT v.column1"
         self._release_many_head = f"DELETE FROM {t} WHERE slot = '' AND lock_key IN ("
         self._renew_head = f"UPDATE {t} SET expires_at = "
-        # How long a busy statement waited on this engine's connections:
-        # one slice on an engine dblock made; on an engine passed in, its
-        # own busy timeout, unknown here (one failure is then the whole wait).
         #: How long an acquire attempt, and a release, wait for the write
         #: lock (:data:`ACQUIRE_BUSY`, :data:`RELEASE_BUSY`; a test that
         #: holds statements up with the write lock sets them longer).
@@ -144,6 +141,9 @@ class SQLiteStore(WokenStore):
         self.release_busy = RELEASE_BUSY
         # When an acquire attempt last answered "held" for the file's lock.
         self._file_locked_at = -float("inf")
+        # How long a busy statement waited on this engine's connections:
+        # one slice on an engine dblock made; on an engine passed in, its
+        # own busy timeout, unknown here (one failure is then the whole wait).
         total = sqlite_busy_total(engine)
         self._slice: float | None = None if total is None else _SLICE
         self._busy_total = total
