@@ -252,7 +252,7 @@ class Run:
         self.kept: list[Any] = []
         self.gens: dict[tuple[str, int], int] = {}
         self.used_keys: dict[str, str] = {}  # key -> family
-        self.ema: dict[tuple[str, str], float] = {}
+        self.ema: dict[tuple[str, str], list[float]] = {}
         self.progress = time.monotonic()
         self.phase = "setup"
         self.stop = threading.Event()
@@ -339,12 +339,22 @@ class Run:
     # -- one armed call ------------------------------------------------------------
 
     def delay_for(self, style: str, phase: str) -> int:
-        ema = self.ema.get((style, phase), 0.002)
-        return self.rng.randint(1, max(2, int(ema * 1.25e6)))
+        """Microseconds: 1 to 1.25 times a duration this call took lately
+        (one of the last 64 it took uninterrupted, at random). One call in
+        ``--measure-every`` is armed late enough to run whole: interrupted
+        calls teach nothing of their length, so without these the slow
+        ones would drop out and the delays shrink."""
+        if self.rng.random() < 1.0 / self.args.measure_every:
+            return 30_000_000
+        seen = self.ema.get((style, phase))
+        d = self.rng.choice(seen) if seen else 0.002
+        return self.rng.randint(1, max(2, int(d * 1.25e6)))
 
     def learn(self, style: str, phase: str, seconds: float) -> None:
-        old = self.ema.get((style, phase))
-        self.ema[(style, phase)] = seconds if old is None else old * 0.9 + seconds * 0.1
+        seen = self.ema.setdefault((style, phase), [])
+        seen.append(seconds)
+        if len(seen) > 64:
+            del seen[0]
 
     def armed(
         self, style: str, phase: str, call: Callable[[], Any], key: str
@@ -369,13 +379,14 @@ class Run:
             timer.disarm()
             kind, value, failure = "storm", None, exc
         except (LockBusy, LockTimeout) as exc:
+            elapsed = time.perf_counter() - started
             timer.disarm()
             kind, value, failure = "busy", None, exc
         except Exception as exc:
             timer.disarm()
             kind, value, failure = "error", None, exc
         raised = timer.serial_of_op
-        if kind == "ok":
+        if kind in ("ok", "busy") and not timer.serial_of_op:
             self.learn(style, phase, elapsed)
         if raised:
             self.counts[f"interrupted_{phase}"] += 1
@@ -1171,6 +1182,12 @@ def main(argv: list[str] | None = None) -> int:
         help="no progress for this long is a hang: dump stacks, exit 3 (60)",
     )
     parser.add_argument("--close-limit", type=float, default=1.0)
+    parser.add_argument(
+        "--measure-every",
+        type=float,
+        default=4.0,
+        help="one call in this many runs whole, to learn how long calls take (4)",
+    )
     parser.add_argument(
         "--track-pool",
         action="store_true",
