@@ -3,6 +3,7 @@
     .venv/bin/python scripts/signal_storm.py --db sqlite                 # smoke size (300)
     .venv/bin/python scripts/signal_storm.py --db postgresql --ops 20000 --json out.json
     .venv/bin/python scripts/signal_storm.py --url mysql+pymysql://root@127.0.0.1:3306/test
+    kill -USR1 <pid>    # end the loop now; the checks and the report follow
 
 Run from the repository root. The main thread loops: pick a kind of lock
 (exclusive fail-fast, exclusive waiting, exclusive in ``with``, fair,
@@ -259,6 +260,7 @@ class Run:
         self.logs = LogCount()
         self.prefix = f"storm:{uuid.uuid4().hex[:8]}"
         self.manager: LockManager | None = None
+        self.end_now = False
 
     # -- keys ----------------------------------------------------------------
 
@@ -327,6 +329,10 @@ class Run:
             except Exception as exc:
                 self.note_error(f"contender {name} release", exc)
             del handle
+
+    def end_loop(self, signum: int, frame: FrameType | None) -> None:
+        """SIGUSR1: end the loop after its current call, then check and report."""
+        self.end_now = True
 
     def note_error(self, where: str, exc: BaseException) -> None:
         label = f"{where}: {type(exc).__name__}"
@@ -545,6 +551,9 @@ class Run:
         while releases < args.ops:
             if deadline is not None and time.monotonic() > deadline:
                 self.result["ended_early"] = f"--seconds {args.seconds} reached"
+                break
+            if self.end_now:
+                self.result["ended_early"] = "SIGUSR1"
                 break
             self.progress = time.monotonic()
             family, style = rng.choice(STYLES)
@@ -949,6 +958,7 @@ class Run:
             for t in self.threads:
                 t.start()
             signal.signal(signal.SIGALRM, self.timer.handler)
+            signal.signal(signal.SIGUSR1, self.end_loop)
             started = time.monotonic()
             self.phase = "loop"
             try:
