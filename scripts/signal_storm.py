@@ -698,6 +698,7 @@ class Run:
         # (one per store), idle between statements: those are not leaks.
         self.result["pool_checked_out_raw"] = checked_out
         self.result["pool_mutex_locked"] = _pool_mutex_locked(m)
+        self.result["executor"] = _executor_state(m)
         self.result["pool_checked_out"] = len(leaks)
         self.result["pool_leaks"] = leaks[:15]
         self.result["pool_status"] = _pool_status(m)
@@ -867,6 +868,7 @@ class Run:
         self.result["hung_stacks"] = buf.getvalue()[-60000:]
         self.result["hung_threads"] = threading.active_count()
         self.result["pool_mutex_locked"] = _pool_mutex_locked(self.manager)
+        self.result["executor"] = _executor_state(self.manager)
         if self.manager is not None:
             self.result["pool_status"] = _pool_status(self.manager)
             try:
@@ -1020,6 +1022,18 @@ def _describe_entry(entry: Any) -> str:
                 value = len(value) if hasattr(value, "__len__") else value
             fields.append(f"{name}={str(value)[:80]}")
     return f"{type(entry).__name__}({', '.join(fields)})"
+
+
+def _executor_state(m: LockManager | None) -> dict[str, Any] | None:
+    """The manager's statement executor: connections idle on its own stack
+    (checked out of the pool, so counted by it) and the threads it counts
+    as waiting for the pool (a count left high by a signal is a leak too)."""
+    try:
+        assert m is not None
+        ex = m.store.executor  # type: ignore[attr-defined]
+        return {"idle": len(ex._idle), "pool_waiters": ex._pool_waiters}
+    except Exception as exc:
+        return {"unknown": repr(exc)[:200]}
 
 
 def _pool_mutex_locked(m: LockManager | None) -> bool | None:
