@@ -1030,7 +1030,7 @@ def _executor_state(m: LockManager | None) -> dict[str, Any] | None:
     as waiting for the pool (a count left high by a signal is a leak too)."""
     try:
         assert m is not None
-        ex = m.store.executor  # type: ignore[attr-defined]
+        ex = m.store.executor
         return {"idle": len(ex._idle), "pool_waiters": ex._pool_waiters}
     except Exception as exc:
         return {"unknown": repr(exc)[:200]}
