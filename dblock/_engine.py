@@ -228,6 +228,10 @@ def make_engine(
             # No extra of dblock's installs it: an application on psycopg2
             # brings its own (psycopg2 or psycopg2-binary).
             hint = "pip install psycopg2-binary, or use postgresql+psycopg://"
+        elif url.get_driver_name() == "mysqldb":
+            # mysql+mysqldb:// is mysqlclient, the C driver: its own extra
+            # (the mysql extra installs PyMySQL).
+            hint = install_hint("mysqlclient")
         else:
             hint = install_hint(_EXTRAS.get(backend, backend))
         raise LockArgumentError(

@@ -91,11 +91,6 @@ def test_pyproject_cites_pages_that_exist() -> None:
         assert (ROOT / page).is_file(), f"pyproject.toml cites {page}, which does not exist"
 
 
-@pytest.mark.xfail(
-    reason="the hint is made in dblock/_engine.py (make_engine: driver mysqldb -> the "
-    "mysqlclient extra), another engineer's file; the change is in issue 43's report",
-    strict=False,
-)
 def test_mysqlclient_missing_names_its_own_extra(tmp_path: Path) -> None:
     """``mysql+mysqldb://`` without mysqlclient: the hint installs mysqlclient
     (``.[mysqlclient]``), not PyMySQL (``.[mysql]``)."""

@@ -307,7 +307,7 @@ def test_dblock_jobs_shows_the_runs(private: LockManager, db_url: str, tmp_path:
             os.kill(int(Path(f"{out}.pid").read_text()), signal.SIGKILL)
     history = dblock(*on, "jobs", "alpha")
     assert history.returncode == 0
-    assert "1 runs of 'alpha'" in history.stdout
+    assert "1 run of 'alpha'" in history.stdout
 
 
 def test_dblock_jobs_without_the_record_says_to_migrate(db_url: str) -> None:
