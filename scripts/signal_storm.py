@@ -623,6 +623,14 @@ class Run:
                 self.result.setdefault("contenders_stuck", []).append(
                     {"thread": t.name, "stack": _stack_of(t)}
                 )
+        if _pool_mutex_locked(m):
+            # Every statement of every thread would wait for it for ever:
+            # nothing below could run. Report it as the hang it is.
+            self.result["pool_mutex_locked"] = True
+            self.phase = "final checks: the pool's mutex is held for good"
+            self.progress = 0.0  # (the watchdog takes it from here)
+            self.done.wait()
+        self.result["pool_mutex_locked"] = False
         self.phase = "releasing kept handles"
         for handle in self.kept:
             try:
@@ -697,7 +705,6 @@ class Run:
         # dblock keeps a few connections checked out on stacks of its own
         # (one per store), idle between statements: those are not leaks.
         self.result["pool_checked_out_raw"] = checked_out
-        self.result["pool_mutex_locked"] = _pool_mutex_locked(m)
         self.result["executor"] = _executor_state(m)
         self.result["pool_checked_out"] = len(leaks)
         self.result["pool_leaks"] = leaks[:15]
@@ -857,6 +864,11 @@ class Run:
         faulthandler.cancel_dump_traceback_later()
 
     def hung(self) -> None:
+        # Whatever the diagnosis below meets (a lock held for good), the
+        # process ends: the JSON may then be missing, the dump above is not.
+        ender = threading.Timer(30.0, os._exit, (3,))
+        ender.daemon = True
+        ender.start()
         buf = io.StringIO()
         for ident, frame in sys._current_frames().items():
             name = next((t.name for t in threading.enumerate() if t.ident == ident), "?")
@@ -867,9 +879,9 @@ class Run:
         self.result["hung"] = f"no progress for {self.args.hang} s in {self.phase!r}"
         self.result["hung_stacks"] = buf.getvalue()[-60000:]
         self.result["hung_threads"] = threading.active_count()
-        self.result["pool_mutex_locked"] = _pool_mutex_locked(self.manager)
+        self.result["pool_mutex_locked"] = locked = _pool_mutex_locked(self.manager)
         self.result["executor"] = _executor_state(self.manager)
-        if self.manager is not None:
+        if self.manager is not None and not locked:  # (status() takes the mutex)
             self.result["pool_status"] = _pool_status(self.manager)
             try:
                 self.result["pool_leaks"] = self.pool_leaks(self.manager)[:15]
