@@ -419,6 +419,33 @@ def test_fires_that_come_while_one_waits_for_the_lock_are_not_turned_away(
     assert _calls.count("fire") == len(fired)
 
 
+def test_fire_times_a_late_scheduler_coalesced_run_too(
+    db_url: str, manager: LockManager, key: str
+) -> None:
+    """A scheduler that wakes later than its next fire hands the executor
+    only the last fire due (``coalesce=True``, APScheduler's default); the
+    ones between may be fired by no other scheduler (under clock skew, the
+    times before the others' clocks), so the executor runs those still
+    within their grace. Staged: fires handed over as such a scheduler does,
+    one, then (three seconds on) only the third after it."""
+    _calls.clear()
+    s = _scheduler(manager)
+    s.start()
+    try:
+        job = s.add_job(_noted, IntervalTrigger(seconds=1, start_date=_ANCHOR), args=["fire"],
+                        id=key, misfire_grace_time=30, next_run_time=None)  # fmt: skip
+        assert job.coalesce
+        now = datetime.now(timezone.utc).replace(microsecond=0)
+        executor = s._lookup_executor("default")
+        executor.submit_job(job, [now - timedelta(seconds=4)])
+        executor.submit_job(job, [now - timedelta(seconds=1)])  # 3 s and 2 s ago coalesced
+        wait_until(lambda: _calls.count("fire") >= 4, timeout=20)
+    finally:
+        s.shutdown()
+    fired = _fire_times(db_url, key)
+    assert fired == [now - timedelta(seconds=k) for k in (4, 3, 2, 1)]
+
+
 def test_the_executor_reaches_the_database_as_the_scheduler_starts(make_manager: Any) -> None:
     """A manager's first statement connects and learns its server (1.4 s on
     a loaded machine); paid by the first fire, it made a scheduler started

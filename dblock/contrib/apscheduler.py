@@ -96,6 +96,9 @@ _log = logging.getLogger("dblock.contrib.apscheduler")
 #: How long a thread-pool executor's start waits for the database (see
 #: OncePerClusterExecutor._warm_up).
 _WARM_UP = 5.0
+#: At most this many coalesced fire times of a job are run after all (see
+#: _OncePerCluster._with_coalesced).
+_MAX_FILLED = 100
 
 
 class JobRunner(Protocol):
@@ -194,6 +197,8 @@ class _OncePerCluster:
         # the order they came (see submit_job); a job id is here while its
         # drainer works.
         self._queued: dict[str, deque[tuple[Any, list[datetime]]]] = {}
+        # The last fire time of each cluster job this scheduler submitted.
+        self._last_fire: dict[str, datetime] = {}
 
     def _resolve(self) -> Any:
         if self._runner is None:
@@ -252,17 +257,43 @@ class _OncePerCluster:
         assert self._lock is not None, "This executor has not been started yet"
         self._warn_clock_bound(job)
         with self._lock:
+            run_times = self._with_coalesced(job, list(run_times))
             queue = self._queued.get(job.id)
             if queue is not None:  # its drainer takes them in turn
-                queue.append((job, list(run_times)))
+                queue.append((job, run_times))
             else:
-                self._queued[job.id] = deque([(job, list(run_times))])
+                self._queued[job.id] = deque([(job, run_times)])
                 try:
                     self._start_drain(job.id)
                 except BaseException:
                     del self._queued[job.id]
                     raise
             self._instances[job.id] += 1
+
+    def _with_coalesced(self, job: Any, run_times: list[datetime]) -> list[datetime]:
+        """``run_times``, after the fire times APScheduler coalesced into them
+        (``coalesce=True``, its default: a scheduler that woke later than
+        the next fire hands over only the last one due) that are still
+        within their grace. Each fire time of a cluster job is a run of its
+        own, and the one that coalesced here may be fired by no other
+        scheduler (a clock behind the others is the only one to fire the
+        times before theirs): a scheduler that woke 1.2 s late after its
+        first fire lost the fire time between. Not for a job without a
+        grace (it would run every fire time of a pause), nor for fire
+        times older than the grace (they would only be missed)."""
+        last = self._last_fire.get(job.id)
+        self._last_fire[job.id] = run_times[-1]
+        if last is None or not job.coalesce or job.misfire_grace_time is None:
+            return run_times
+        now = datetime.now(timezone.utc)
+        grace = timedelta(seconds=job.misfire_grace_time)
+        between: list[datetime] = []
+        fire = job.trigger.get_next_fire_time(last, now)
+        while fire is not None and last < fire < run_times[0] and len(between) < _MAX_FILLED:
+            if now - fire <= grace:
+                between.append(fire)
+            last, fire = fire, job.trigger.get_next_fire_time(fire, now)
+        return between + run_times
 
     def _start_drain(self, job_id: str) -> None:
         raise NotImplementedError
@@ -374,7 +405,8 @@ class OncePerClusterExecutor(_OncePerCluster, ThreadPoolExecutor):  # type: igno
     job with no grace), then skips; ``wait=`` sets a fixed time instead.
     Fires of a job that come while an earlier one of this scheduler waits
     or runs queue behind it, whatever the job's ``max_instances`` (see
-    :meth:`submit_job`): none is turned away.
+    :meth:`submit_job`): none is turned away; nor coalesced while within
+    their grace.
     """
 
     def __init__(
