@@ -63,6 +63,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -623,14 +624,15 @@ class Run:
                 self.result.setdefault("contenders_stuck", []).append(
                     {"thread": t.name, "stack": _stack_of(t)}
                 )
-        if _pool_mutex_locked(m):
-            # Every statement of every thread would wait for it for ever:
+        held = _pool_mutex_locked(m)
+        if held and held.startswith("held"):
+            # Every other thread's statements would wait for it for ever:
             # nothing below could run. Report it as the hang it is.
-            self.result["pool_mutex_locked"] = True
+            self.result["pool_mutex_locked"] = held
             self.phase = "final checks: the pool's mutex is held for good"
             self.progress = 0.0  # (the watchdog takes it from here)
             self.done.wait()
-        self.result["pool_mutex_locked"] = False
+        self.result["pool_mutex_locked"] = held
         self.phase = "releasing kept handles"
         for handle in self.kept:
             try:
@@ -842,8 +844,8 @@ class Run:
             bad["hung"] = r["hung"]
         if r.get("stopped"):
             bad["stopped"] = r["stopped"]
-        if r.get("pool_mutex_locked"):
-            bad["pool_mutex_locked"] = True
+        if str(r.get("pool_mutex_locked") or "").startswith("held"):
+            bad["pool_mutex_locked"] = r["pool_mutex_locked"]
         if r.get("contenders_stuck"):
             bad["contenders_stuck"] = len(r["contenders_stuck"])
         close = r.get("close_s")
@@ -881,7 +883,7 @@ class Run:
         self.result["hung_threads"] = threading.active_count()
         self.result["pool_mutex_locked"] = locked = _pool_mutex_locked(self.manager)
         self.result["executor"] = _executor_state(self.manager)
-        if self.manager is not None and not locked:  # (status() takes the mutex)
+        if self.manager is not None and not locked:  # (status() may wait for the mutex)
             self.result["pool_status"] = _pool_status(self.manager)
             try:
                 self.result["pool_leaks"] = self.pool_leaks(self.manager)[:15]
@@ -1048,23 +1050,27 @@ def _executor_state(m: LockManager | None) -> dict[str, Any] | None:
         return {"unknown": repr(exc)[:200]}
 
 
-def _pool_mutex_locked(m: LockManager | None) -> bool | None:
-    """Whether the pool's queue mutex is taken now (SQLAlchemy's QueuePool:
-    a signal landing as ``Condition.__enter__`` returns in its ``get`` or
-    ``put`` leaves it taken for good, and every checkout then blocks)."""
+def _pool_mutex_locked(m: LockManager | None) -> str | None:
+    """Who holds the pool's queue mutex now, if anyone does for a second
+    (SQLAlchemy's QueuePool; an RLock: a signal landing as
+    ``Condition.__enter__`` returns in its ``get`` or ``put`` leaves it held
+    for good by the thread it landed in, which alone can still pass it;
+    every other thread's checkout and checkin then wait for ever). Empty
+    when free."""
     try:
         assert m is not None
         mutex = m.engine.pool._pool.mutex  # type: ignore[attr-defined]
-        if mutex.acquire(blocking=False):
-            mutex.release()
-            return False
-        time.sleep(0.2)  # (or a thread inside get/put right now: look again)
-        if mutex.acquire(timeout=1.0):
-            mutex.release()
-            return False
-        return True
-    except Exception:
-        return None
+        for _ in range(5):
+            found = re.search(r"owner=(\d+) count=(\d+)", repr(mutex))
+            if found is None or found.group(1) == "0":
+                return ""
+            time.sleep(0.2)
+        assert found is not None
+        owner = int(found.group(1))
+        name = next((t.name for t in threading.enumerate() if t.ident == owner), "?")
+        return f"held by thread {name} ({owner}), count {found.group(2)}"
+    except Exception as exc:
+        return f"unknown: {exc!r}"[:200]
 
 
 def _idle_kept(fairy: Any) -> bool:
@@ -1160,7 +1166,7 @@ def render(r: dict[str, Any]) -> str:
         )
         lines.append("  swallowed during: " + ", ".join(f"{k} x{n}" for k, n in where.items()))
     if r.get("pool_mutex_locked"):
-        lines.append("  the pool's queue mutex is held for good (a storm at Condition.__enter__)")
+        lines.append(f"  the pool's queue mutex is {r['pool_mutex_locked']} (for good)")
     raised_in = collections.Counter(
         " < ".join(s.get("raised_in", [])[:3]) for s in swallowed if s.get("raised_in")
     )

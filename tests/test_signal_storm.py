@@ -60,7 +60,7 @@ def test_signal_storm(db_url: str, tmp_path: Path) -> None:
     assert result["releases"] > 50, report
     assert not result.get("hung"), report
     assert not result.get("stopped"), report
-    assert not result.get("pool_mutex_locked"), report
+    assert not str(result.get("pool_mutex_locked") or "").startswith("held"), report
     nonzero = {name: result.get(name) for name in ZERO if result.get(name) != 0}
     assert nonzero == {}, report
     assert result["close_s"] < 1.0, report
