@@ -329,6 +329,7 @@ def test_two_schedulers_local_and_shared_jobs(manager: LockManager, key: str) ->
     its own; a ``local`` job runs in both."""
     _calls.clear()
     schedulers, skips = [], []
+    began = time.monotonic()
     for _ in range(2):
         s = _scheduler(manager)
         trigger = IntervalTrigger(seconds=1, start_date=_ANCHOR)
@@ -341,7 +342,10 @@ def test_two_schedulers_local_and_shared_jobs(manager: LockManager, key: str) ->
     for s in schedulers:
         s.shutdown()
     shared, local = _calls.count("shared"), _calls.count("local")
-    assert 2 <= shared <= 3
+    # One run per fire time of the window: 2.6 s of it, longer when the
+    # second scheduler is slow to start (its executor reaches the database
+    # first) while the first already fires.
+    assert 2 <= shared <= int(time.monotonic() - began) + 1
     assert local >= 2 * shared - 1  # in both
     assert sum(len(s) for s in skips) >= shared - 1
 
