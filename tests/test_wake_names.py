@@ -36,7 +36,7 @@ SLOW = {"notify_recheck": 30.0, "poll_initial": 30.0, "poll_max": 30.0}
 RACING = {"notify_recheck": 30.0, "poll_initial": 0.005, "poll_max": 30.0}
 # A wake-up's bound here: the target is 100 ms; a shared, loaded server and
 # machine get some room, polling or the re-check none.
-WAKE = 1.0
+WAKE = 2.0
 
 
 def waker_of(manager: LockManager) -> Any:

@@ -345,6 +345,7 @@ PROBE_SQL = (
 
 # KILL's answers: no such session (gone already); not ours to kill.
 _NO_SUCH_THREAD = 1094
+_NO_SUCH_COLUMN = 1054
 _NOT_OWNER = (1095, 1227)
 
 
@@ -386,9 +387,13 @@ class NamedLockWaker(Waker):
     #: The longest pause between probes that found the name free, while the
     #: key's holders are known to name it (see _serve): a few GRACEs.
     RACE_CAP = 0.02
-    #: A session seen holding the name of a key we hold for this long is a
-    #: former holder's that cannot let it go (a stopped process): killed.
+    #: A session holding the name of a key we hold, idle on the server this
+    #: long, is a former holder's that cannot let it go (a stopped process):
+    #: killed (see _settle).
     STALE = 0.5
+    #: How long a try at a name finds it held before that session's idle
+    #: time is asked (a probe's instant, a running holder's lag: not asked).
+    SUSPECT = 0.05
     #: The longest pause between tries at a name held by another session.
     BLOCKED_RETRY = 1.0
     #: How often the keys beyond the slots are looked at (see _run_looker),
@@ -410,6 +415,8 @@ class NamedLockWaker(Waker):
         self._timeout = config.notify_recheck
         self._names: dict[str, str] = {}
         # Holder side (guarded by _hmutex).
+        # MariaDB's idle time in milliseconds (MySQL has seconds only).
+        self._idle_ms = "TIME_MS"
         # Entered as ``with self._hlock`` (a lock's C-level __enter__), never
         # ``with self._hmutex``: Condition.__enter__ is a Python frame, and a
         # signal handler's exception as it returned left the lock held, every
@@ -427,10 +434,10 @@ class NamedLockWaker(Waker):
         # as ours was let go (others_wait()).
         self._waited: dict[str, float] = {}
         # key -> (the session that held its name when ours could not take
-        # it, since when it was seen holding it): see _settle. Kept across
-        # our holds of the key, so short ones add up.
+        # it, since when in this hold of ours it was seen holding it): see
+        # _settle.
         self._blocked: dict[str, tuple[int, float]] = {}
-        self._kill: set[int] = set()  # stale sessions to kill in the next pass
+        self._suspects: set[int] = set()  # sessions to kill if idle STALE (next pass)
         self._can_kill = True  # until the server says we may not
         self._holder: threading.Thread | None = None
         # When the holder thread wakes by itself (inf: only when told; -inf:
@@ -482,6 +489,7 @@ class NamedLockWaker(Waker):
             now = _monotonic()
             hot = key in self._subs or now - self._hot.get(key, -self.HOT) < self.HOT
             due = now + (0.0 if hot else self.GRACE)
+            self._blocked.pop(key, None)  # (a new hold)
             holder = self._holder
             if holder is None or not holder.is_alive():
                 # (Not alive: made, but an exception came before it started.)
@@ -554,9 +562,9 @@ class NamedLockWaker(Waker):
             # Never named: a stale session may still hold the name, and the
             # waiters of other processes block on it, not knowing of this
             # release. Killed, it lets them go (see _settle).
-            seen = self._blocked.get(key)
-            if seen is not None and self._can_kill and _monotonic() - seen[1] >= self.STALE:
-                self._kill.add(seen[0])
+            seen = self._blocked.pop(key, None)
+            if seen is not None and self._can_kill:
+                self._suspects.add(seen[0])
                 self._hmutex.notify()
 
     def _run_holder(self) -> None:  # noqa: PLR0912, PLR0915 - the thread's loop
@@ -575,7 +583,7 @@ class NamedLockWaker(Waker):
                     drop = self._drop & self._have
                     kept = self._have - drop
                     take = [k for k, due in self._want.items() if due <= now and k not in kept]
-                    kill, self._kill = self._kill, set()
+                    kill, self._suspects = self._suspects, set()
                     if drop or take or kill:
                         break
                     later = [due for k, due in self._want.items() if k not in kept]
@@ -645,8 +653,30 @@ class NamedLockWaker(Waker):
             if drop or take:
                 self._settle(drop, take, row)
 
-    def _kill_stale(self, conn: Any, sessions: set[int]) -> None:
-        """Kill the sessions that held the names of keys we hold (see _settle)."""
+    def _kill_stale(self, conn: Any, suspects: set[int]) -> None:
+        """Kill those of ``suspects`` (sessions that held the names of keys we
+        hold) idle on the server for :attr:`STALE` seconds (see _settle)."""
+        ids = ", ".join(str(int(s)) for s in suspects)
+        self.statements += 1
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(
+                    "SELECT ID FROM information_schema.PROCESSLIST "
+                    f"WHERE ID IN ({ids}) AND COMMAND = 'Sleep' AND {self._idle_ms} >= %s",
+                    (round(self.STALE * 1000),),
+                )
+                sessions = [int(r[0]) for r in cursor.fetchall()]
+        except Exception as exc:
+            if getattr(exc, "args", (None,))[0] != _NO_SUCH_COLUMN or self._idle_ms != "TIME_MS":
+                raise
+            self._idle_ms = "TIME * 1000"  # MySQL: whole seconds
+            return
+        if sessions:
+            with self._hlock:  # their names are free in a moment: try again then
+                soon = _monotonic() + 0.005
+                for key, (holder, _) in self._blocked.items():
+                    if holder in sessions and key in self._want:
+                        self._want[key] = soon
         for session in sessions:
             self.statements += 1
             try:
@@ -682,12 +712,18 @@ class NamedLockWaker(Waker):
         block on a name nobody lets go at our release (they woke at their
         re-check only), and we used to try again every 2 ms for as long as
         we held the key (~480 statements a second). Now the pause between
-        tries doubles, and once the same session has held the name for
-        :attr:`STALE` seconds it is killed: the server lets its names go,
-        its waiters wake and look again, and we take the name. (Killing it
-        costs a live process no more than a reconnection of its names
-        thread: a name is only ever a hint, the row is the truth.) A user
-        without the right to kill it tries again once a second."""
+        tries doubles (to :attr:`BLOCKED_RETRY`), and a session seen holding
+        the name for :attr:`SUSPECT` seconds of our hold, or at a release of
+        ours that never took the name, is killed if the server says it has
+        been idle for :attr:`STALE` seconds: the server lets its names go,
+        its waiters wake and look again, and we take the name. The server's
+        idle time, not ours, tells a stopped process from a running one
+        whose names thread merely lags (it sends its statements): a running
+        former holder of a hot key is never killed for being seen holding
+        the name at the start of each of our runs. (Killing a live one
+        would cost it no more than a reconnection of its names thread: a
+        name is only ever a hint, the row is the truth.) A user who may not
+        kill it (or see it) tries again once a second."""
         got = row[2 * len(drop) :]
         with self._hlock:
             self._have -= drop
@@ -714,13 +750,10 @@ class NamedLockWaker(Waker):
                         self._blocked.clear()
                     self._blocked[key] = (holder, since)
                     age = now - since
-                    if age >= self.STALE and self._can_kill:
-                        self._kill.add(holder)
-                        # Again right after the kill (the server lets the
-                        # session's names go as it ends, a moment later).
-                        self._want[key] = now + 0.005
-                    else:
-                        self._want[key] = now + min(max(age, 0.002), self.BLOCKED_RETRY)
+                    if age >= self.SUSPECT and self._can_kill:
+                        # Killed with our next try if idle STALE seconds.
+                        self._suspects.add(holder)
+                    self._want[key] = now + min(max(age, 0.002), self.BLOCKED_RETRY)
 
     # -- waiter side -------------------------------------------------------------
 
