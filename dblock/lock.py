@@ -499,7 +499,11 @@ class Locker:
             renew=config.renew, max_hold=config.max_hold, on_lost=config.on_lost
         )
         self.renewer: Renewer[HeldLock] = Renewer(
-            store, idle_tick=config.ttl * RENEW_AT, abandon=self._abandon, reap=self._reap
+            store,
+            idle_tick=config.ttl * RENEW_AT,
+            abandon=self._abandon,
+            reap=self._reap,
+            collected=self._release_collected,
         )
         store.wake_cleaner = self._post_noop
         #: What sends the row statements of this process's threads: the
@@ -697,7 +701,7 @@ class Locker:
             )
         )
 
-    def _acquire_alone(  # noqa: PLR0917 - the hot path, inlined
+    def _acquire_alone(  # noqa: PLR0912, PLR0915, PLR0917 - the hot path, inlined
         self,
         key: str,
         me: object,
@@ -719,7 +723,13 @@ class Locker:
         try:
             entry = None if self._closing or store.has_orphans else self.registry.claim(key, me)
         except BaseException:
-            self.run(self._forget_left_behind(key, me))
+            try:
+                self.run(self._forget_left_behind(key, me))
+            except BaseException:
+                # Cut off as it started (a signal at a frame's first
+                # instruction): once more, it finds what the first left.
+                self.run(self._forget_left_behind(key, me))
+                raise
             raise
         if entry is None:
             return self.run(
@@ -774,7 +784,13 @@ class Locker:
                 self.telemetry.granted_at_once()
             return held
         except BaseException as exc:
-            self._alone_failed(exc, entry, me, token=token, held=held, first=first)
+            try:
+                self._alone_failed(exc, entry, me, token=token, held=held, first=first)
+            except BaseException:
+                # Cut off as it started: once more (each of its steps is
+                # done once: the claim, the orphan's token, the leave's owner).
+                self._alone_failed(exc, entry, me, token=token, held=held, first=first)
+                raise
             raise
 
     def _alone_failed(
@@ -802,7 +818,7 @@ class Locker:
         # before returning it: level 1 goes with that lock's release (when it
         # is collected), not before its row is gone.
         if entry.owner is me and entry.held is None:
-            self._leave(entry)
+            self._leave(entry, None, me)
 
     @property
     def _handoff_limit(self) -> int:
@@ -1037,7 +1053,7 @@ class Locker:
             if entry.owner is me:
                 # (Not ours any more: evicted as an owner that could never run
                 # again, its coroutine now closed by the garbage collector.)
-                self._leave(entry)
+                self._leave(entry, None, me)
         else:
             yield from self._forget_left_behind(key, me)
 
@@ -1050,7 +1066,7 @@ class Locker:
             return
         left = self.registry.left_behind(key, me)
         if isinstance(left, Entry):
-            self._leave(left)
+            self._leave(left, None, me)
         elif left is not None:
             yield from self._withdraw(left)
 
@@ -1161,13 +1177,18 @@ class Locker:
         if isinstance(grant, HeldLock):
             yield from self._give_back(grant)
             return
+        owner = entry.owner  # (ours: the key was handed to us)
         try:
             if isinstance(grant, str):  # a failed hand-off: the row may carry this token
                 yield from self._delete_row(entry.key, grant)
             elif isinstance(grant, Seat):  # our place in the fair queue: leave it
                 yield from self._leave_queue(entry.key, grant.token)
         finally:
-            self._leave(entry)
+            try:
+                self._leave(entry, None, owner)
+            except BaseException:
+                self._leave(entry, None, owner)  # cut off as it started: see _leave
+                raise
 
     def _give_back(self, held: HeldLock) -> Op[None]:
         """Release a lock its acquirer never got to return (interrupted, or
@@ -1176,13 +1197,18 @@ class Locker:
             return
         held._released = True
         entry = held._entry
+        owner = entry.owner
         if entry.held is held._ref:
             entry.leaving = True  # (before held: see _let_go)
             entry.held = None
         try:
             yield from self._delete_row(held.key, held.token)
         finally:
-            self._leave(entry)
+            try:
+                self._leave(entry, None, owner)
+            except BaseException:
+                self._leave(entry, None, owner)  # cut off as it started: see _leave
+                raise
 
     def _leave_queue(self, key: str, token: str) -> Op[None]:
         """Best effort, as :meth:`_delete_row`: delete a fair request's rows."""
@@ -1499,13 +1525,18 @@ class Locker:
             held._released = True
             entry.leaving = True
             entry.held = None
+            owner = entry.owner
             try:
                 self._let_go(held)
                 deleted = self._rows.release(held.key, held.token)
             except BaseException as exc:
                 return self._release_failed(held, exc)
             finally:
-                self._leave(entry)
+                try:
+                    self._leave(entry, None, owner)
+                except BaseException:
+                    self._leave(entry, None, owner)  # cut off as it started: see _leave
+                    raise
             if not deleted:
                 raise LockLost(held.key, "its row was gone or held by another owner at release")
             return True
@@ -1587,7 +1618,7 @@ class Locker:
             return partial(fair_sql(self.store).leave_steps, held.key, held.token)
         return None
 
-    def release_steps(  # noqa: PLR0912
+    def release_steps(  # noqa: PLR0912, PLR0915
         self, held: HeldLock, force: bool, *, keep: float = 0.0
     ) -> Op[bool]:
         """Release, written once for threads and tasks (see :meth:`acquire_steps`).
@@ -1612,6 +1643,7 @@ class Locker:
         held._released = True
         entry.leaving = True
         entry.held = None
+        owner = entry.owner
         waiter: Waiter | None = None
         grace: float | None = None
         try:
@@ -1650,7 +1682,11 @@ class Locker:
             raise
         finally:
             if waiter is None:
-                self._leave(entry, grace)
+                try:
+                    self._leave(entry, grace, owner)
+                except BaseException:
+                    self._leave(entry, grace, owner)  # cut off as it started: see _leave
+                    raise
         if held._lost is not None:
             raise LockLost(held.key, held._lost)
         if not deleted:
@@ -2075,28 +2111,49 @@ class Locker:
             raise
         return True
 
-    def _leave(self, entry: Entry, grace: float | None = None) -> None:
+    def _leave(self, entry: Entry, grace: float | None = None, owner: object = None) -> None:
         """Pass level 1 on (the next thread acquires the row itself, after
-        ``grace`` seconds if given: see _GiveWay) or forget the key."""
+        ``grace`` seconds if given: see _GiveWay) or forget the key.
+
+        ``owner``: who held the key when the caller decided to leave it,
+        read by the caller before its ``try``. With it, a second call is a
+        no-op once the first has passed the key on or forgotten it, so a
+        caller whose call was cut off as this method *started* (a signal
+        handler's exception at a frame's first instruction, before any
+        ``try`` here can catch it) calls it once more from its ``except``::
+
+            try:
+                self._leave(entry, grace, owner)
+            except BaseException:
+                self._leave(entry, grace, owner)
+                raise
+
+        Without that the key stayed being let go, in this process, for as
+        long as the process lived."""
         if not self._local:
             return
         grant = None if grace is None else _GiveWay(grace)
-        owner = entry.owner
+        if owner is None:
+            owner = entry.owner
         try:
-            waiter = self.registry.leave(entry)
+            waiter = self.registry.leave(entry, owner)
             if waiter is not None:
                 waiter.wake(grant)
         except BaseException:
             # A signal handler's exception cut this short: finish it, or the
             # key stays ours for as long as the process lives, or the thread
             # it was passed to sleeps until its timeout (for ever by default).
-            if self.registry.get(entry.key) is entry and entry.owner is owner:
-                waiter = self.registry.leave(entry)  # not passed on yet
-                if waiter is not None:
-                    waiter.wake(grant)
-            elif entry.heir is not None and not entry.heir.ready:
-                entry.heir.wake(grant)
+            self._finish_leave(entry, grant, owner)
             raise
+
+    def _finish_leave(self, entry: Entry, grant: _GiveWay | None, owner: object) -> None:
+        """What :meth:`_leave` left undone when it was cut off: the key not
+        passed on yet, or passed on to a thread not woken yet."""
+        waiter = self.registry.leave(entry, owner)  # (nothing if passed on already)
+        if waiter is not None:
+            waiter.wake(grant)
+        elif entry.heir is not None and not entry.heir.ready:
+            entry.heir.wake(grant)
 
 
 def _thrown_in(steps: Op[T], exc: BaseException) -> Any:

@@ -333,12 +333,17 @@ class Registry:
         with self._mutex:
             return self._pass(entry)
 
-    def leave(self, entry: Entry) -> Waiter | None:
+    def leave(self, entry: Entry, owner: object = None) -> Waiter | None:
         """The owner is done with the key: hand it to the next waiter (returned,
-        for the caller to wake) or forget the key."""
+        for the caller to wake) or forget the key. With ``owner``, only if it
+        still owns the key: a second call after the first passed it on (a
+        clean-up repeating a step that may or may not have run) changes
+        nothing."""
         with self._mutex:
             if self._entries.get(entry.key) is not entry:
                 return None  # evicted meanwhile (see evict): nothing of ours left
+            if owner is not None and entry.owner is not owner:
+                return None  # passed on already
             waiter = self._pass(entry) if entry.queue else None
             if waiter is None:
                 del self._entries[entry.key]

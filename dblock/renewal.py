@@ -144,6 +144,7 @@ class Renewer(Generic[L]):
         idle_tick: float,
         abandon: Callable[[L, str], None],
         reap: Callable[[], None] | None = None,
+        collected: Callable[[Any], None] | None = None,
     ) -> None:
         self._store = store
         self._idle_tick = idle_tick
@@ -151,6 +152,11 @@ class Renewer(Generic[L]):
         self._abandon = abandon
         # Pass on the keys of level 1 whose owners can never run again.
         self._reap = reap
+        # Release a watched lock nobody can reach any more, given its weak
+        # reference: its weak-reference callback posts that as a job, but a
+        # signal handler's exception can cut the callback off before it
+        # posts (CPython then only prints it), and the key stayed taken.
+        self._collected = collected
         # The manager's telemetry recorder, when it reports (set by the lock facade).
         self.telemetry: Recorder | None = None
         # token -> weak reference to the lock: renewal never keeps it alive.
@@ -160,7 +166,12 @@ class Renewer(Generic[L]):
         self.callbacks = Callbacks()
         # Reentrant: a lock collected while this thread holds the condition
         # posts its release from inside (weak-reference callbacks run anywhere).
-        self._cond = threading.Condition(threading.RLock())
+        # Taken as ``with self._mutex`` (a lock written in C), never ``with
+        # self._cond``: Condition.__enter__ is Python, and a signal handler's
+        # exception landing as it returns left the mutex held for good, and
+        # renewal stopped for every lock of the process.
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         # When the thread will look next; +inf while it is looking, so that
         # track() during a pass always flags the pass as stale (_dirty).
         self._wake_at = float("inf")
@@ -198,15 +209,30 @@ class Renewer(Generic[L]):
             self._nudge()
 
     def _nudge(self) -> None:
-        with self._cond:
+        with self._mutex:
             # Not while the interpreter finalizes (a lock collected as its
             # module's globals go): such a thread never starts, and start()
             # would wait for it for ever.
             if self._thread is None and not self._stopping and not sys.is_finalizing():
-                self._thread = threading.Thread(
+                thread = self._thread = threading.Thread(
                     target=self._run, name="dblock-renewal", daemon=True
                 )
-                _threads.start(self._thread)
+                try:
+                    _threads.start(thread)
+                except RuntimeError:  # no new thread now (interpreter exit)
+                    self._thread = None
+                    raise
+                except BaseException:
+                    # Cut off by a signal handler's exception: if the thread
+                    # never started, the next nudge must start one (else
+                    # renewal never ran again in this process). Once started
+                    # it runs until close(), so is_alive() tells.
+                    deadline = _monotonic() + 1.0
+                    while not thread.is_alive() and _monotonic() < deadline:
+                        time.sleep(0.005)
+                    if not thread.is_alive():
+                        self._thread = None
+                    raise
             self._dirty = True
             self._cond.notify()
 
@@ -227,7 +253,7 @@ class Renewer(Generic[L]):
     # -- life cycle --------------------------------------------------------
 
     def close(self) -> None:
-        with self._cond:
+        with self._mutex:
             self._stopping = True
             thread = self._thread
             self._cond.notify()
@@ -241,7 +267,8 @@ class Renewer(Generic[L]):
         self._held = {}
         self._jobs = deque()
         self.callbacks.after_fork()
-        self._cond = threading.Condition(threading.RLock())
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         self._wake_at = float("inf")
         self._dirty = False
         self._thread = None
@@ -250,7 +277,7 @@ class Renewer(Generic[L]):
 
     def _run(self) -> None:
         while True:
-            with self._cond:
+            with self._mutex:
                 if not self._dirty and not self._stopping:
                     delay = self._wake_at - _monotonic()
                     if delay > 0:
@@ -265,7 +292,7 @@ class Renewer(Generic[L]):
             except Exception:  # never let the thread die with locks to watch
                 log.exception("dblock: renewal pass failed")
                 plan = _monotonic() + RETRY_MAX
-            with self._cond:
+            with self._mutex:
                 self._wake_at = plan
 
     def run_jobs(self) -> None:
@@ -279,7 +306,7 @@ class Renewer(Generic[L]):
             except Exception:
                 log.exception("dblock: releasing an abandoned lock failed")
 
-    def _tick(self) -> float:
+    def _tick(self) -> float:  # noqa: PLR0912 - one branch per state of a watched lock
         """Release what was abandoned, renew what is due, mark what is lost;
         return when to look next."""
         self.run_jobs()
@@ -290,10 +317,21 @@ class Renewer(Generic[L]):
         now = _monotonic()
         due: list[L] = []
         next_check = now + self._idle_tick
-        for ref in list(self._held.values()):
+        for token, ref in list(self._held.items()):
             held = ref()
             if held is None:
-                continue  # collected: its release is posted as a job
+                # Collected: its release is posted as a job, unless the
+                # weak-reference callback was cut off first (then here).
+                if self._collected is not None and getattr(ref, "live", False):
+                    self._collected(ref)
+                continue
+            if not getattr(ref, "live", True):
+                # Claimed for release, and the release was cut off before
+                # it stopped the watch (a signal handler's exception as
+                # untrack started): renewing it would fail for ever, its
+                # row gone, at every pass.
+                self._held.pop(token, None)
+                continue
             if not held._deferred and not owner_alive(held._owner):
                 self._abandon(held, owner_gone_reason(held._owner))
                 continue

@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy.exc as sa_exc
@@ -312,7 +312,7 @@ class AsyncStore:
         A statement that found the write lock taken after one slice raises
         (marked as having waited that long): the store's rule says whether
         it waits another slice (:meth:`run`), as on the blocking engine."""
-        cancelled: asyncio.CancelledError | None = None
+        cancelled: BaseException | None = None
         while True:
             self.statements += 1
             running: list[Any] = []  # the aiosqlite connection, while the statement runs
@@ -320,11 +320,22 @@ class AsyncStore:
                 statement = self._statement(pool, sql, params, fetch, lastrowid, running)
             else:
                 statement = self._direct_statement(pool, sql, params, fetch, lastrowid, running)
-            inner = asyncio.ensure_future(statement)
-            while not inner.done():
+            # The task starts at the loop's next turn, and only if the gate
+            # was opened: a signal handler's exception landing as
+            # ensure_future returned (before ``inner`` is ours to wait for)
+            # leaves a task that sends nothing, instead of an INSERT that
+            # commits behind our back.
+            gate = [False]
+            inner = asyncio.ensure_future(_gated(gate, statement))
+            gate[0] = True
+            while True:
                 try:
+                    if inner.done():
+                        break
                     await asyncio.wait((inner,))
-                except asyncio.CancelledError as exc:
+                except BaseException as exc:
+                    # Cancelled, or a signal handler's exception: the
+                    # statement is cut short, never abandoned (see above).
                     cancelled = cancelled or exc
                     for driver in running:
                         with contextlib.suppress(Exception):  # closed meanwhile
@@ -687,3 +698,12 @@ async def _close(conn: PoolProxiedConnection) -> None:
 def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+async def _gated(gate: list[bool], statement: Coroutine[Any, Any, Result]) -> Result:
+    """Run ``statement`` if the gate is open by the time this task starts;
+    else close it unsent (see :meth:`AsyncStore._run_sqlite`)."""
+    if not gate[0]:
+        statement.close()
+        raise asyncio.CancelledError("abandoned before it was sent")
+    return await statement

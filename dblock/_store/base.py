@@ -41,6 +41,7 @@ from ..errors import (
     BackendError,
     ConnectionLost,
     DatabaseUnreachable,
+    DBLockError,
     PoolerMismatch,
     PoolExhausted,
     SchemaMissing,
@@ -1072,6 +1073,14 @@ class Store:
                         self._give_up_orphan(key, exc)
                     continue
                 except Exception as exc:
+                    if _callers_own(exc):
+                        # Not the statement's failure but the caller's own
+                        # exception (a signal handler's: a SIGALRM request
+                        # timeout, Celery's soft time limit) landing while
+                        # the DELETE ran: it is the caller's to see, and
+                        # the orphan stays for the renewal thread's next try.
+                        self.wake_cleaner()
+                        raise
                     self._orphans.popleft()
                     self._settles.pop(token, None)
                     self._give_up_orphan(key, exc)
@@ -1262,3 +1271,26 @@ class Store:
 
 def first(rows: Sequence[tuple[Any, ...]]) -> tuple[Any, ...] | None:
     return rows[0] if rows else None
+
+
+#: What a statement itself raises when it cannot be sent or answered: the
+#: driver's errors (wrapped by SQLAlchemy, or dblock's own), and what a
+#: driver raises encoding a value it cannot send.
+_STATEMENT_ERRORS = (
+    DBLockError,
+    sa_exc.SQLAlchemyError,
+    UnicodeError,
+    TypeError,
+    ValueError,
+    OverflowError,
+)
+
+
+def _callers_own(exc: BaseException) -> bool:
+    """Is ``exc``, raised while an orphan's statement ran, the caller's own
+    (a signal handler's, which CPython runs only on the main thread) rather
+    than the statement's failure?"""
+    return (
+        not isinstance(exc, _STATEMENT_ERRORS)
+        and threading.current_thread() is threading.main_thread()
+    )

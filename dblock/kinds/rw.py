@@ -25,10 +25,13 @@ its own; holders sharing one database hold are renewed by one statement.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
@@ -42,12 +45,13 @@ from ..errors import (
     KindMismatch,
     LockBusy,
     LockLost,
+    LockNotAcquired,
     LockNotHeld,
     LockTimeout,
     ManagerClosed,
     UpgradeRefused,
 )
-from ..lock import HeldLock, Locker, LockOptions, release_at_close
+from ..lock import HeldLock, Locker, LockOptions, _Ref, release_at_close
 from ..registry import current_owner, owner_name, thread_owner
 from ..renewal import RENEW_AT, Renewer
 from ..steps import refuse_on_event_loop
@@ -92,13 +96,27 @@ class _Hold:
 
 
 class _Who:
-    """What HeldLock reads from a registry entry: the key and the owner."""
+    """What HeldLock reads from a registry entry (the key and the owner),
+    and what it takes to release a handle nobody can reach any more (its
+    weak reference keeps this, see RwLocker._collected): the key's entry,
+    the mode and the hold."""
 
-    __slots__ = ("key", "owner")
+    __slots__ = ("entry", "hold", "key", "mode", "owner")
 
-    def __init__(self, key: str, owner: object) -> None:
-        self.key = key
+    def __init__(self, entry: _Entry, owner: object, mode: str, hold: _Hold) -> None:
+        self.key = entry.key
         self.owner = owner
+        self.entry = entry
+        self.mode = mode
+        self.hold = hold
+
+
+def _refs(entry: _Entry) -> list[_Ref]:
+    """The handles of ``entry``'s holders (weak references)."""
+    refs = list(entry.readers.values())
+    if entry.writer is not None:
+        refs.append(entry.writer)
+    return refs
 
 
 class _Request:
@@ -116,8 +134,10 @@ class _Entry:
 
     def __init__(self, key: str) -> None:
         self.key = key
-        self.readers: dict[object, RwHeld] = {}
-        self.writer: RwHeld | None = None
+        # Each holder's handle, weakly (its _Ref): a handle dropped without
+        # release is collected and released, as an exclusive lock's is.
+        self.readers: dict[object, _Ref] = {}
+        self.writer: _Ref | None = None
         self.hold: _Hold | None = None
         # A statement on the hold is under way (acquire, release, downgrade):
         # nobody else may start one or join meanwhile.
@@ -156,7 +176,7 @@ class RwHeld(HeldLock):
         now = _monotonic()
         super().__init__(
             cast(Locker, rw),
-            cast(Any, _Who(entry.key, owner)),
+            cast(Any, _Who(entry, owner, mode, hold)),
             token=f"{hold.token}:{rw._serial}",
             owner=label,
             ttl=ttl,
@@ -248,15 +268,13 @@ class RwLocker:
             cast(Store, _Renewals(store, self.statements)),
             idle_tick=config.ttl * RENEW_AT,
             abandon=self._abandon,
+            collected=self._release_collected,
         )
         # Renewals (and how late they run) reported as the exclusive locks' are.
         self.renewer.telemetry = locker.telemetry
         self._collect = self._collected  # the callback HeldLock's weak reference takes
 
     # -- what HeldLock asks of its locker ------------------------------------
-
-    def _collected(self, ref: object) -> None:
-        """Handles are kept by their entry until released: never collected held."""
 
     def extend(self, held: HeldLock, ttl: float) -> None:
         assert isinstance(held, RwHeld)
@@ -287,53 +305,110 @@ class RwLocker:
         opts = options or self.defaults
         me = current_owner()
         deadline = None if timeout is None else _monotonic() + timeout
-        with self._mutex:
-            if self._closing:
-                raise ManagerClosed("this LockManager is closed")
-            entry = self._entries.get(key)
-            if entry is None:
-                # Nobody here holds or wants the key: straight to the database.
-                if self._locker.registry.get(key) is not None:
-                    raise KindMismatch(
-                        key, requested="rw", existing="exclusive", where="in this process"
-                    )
-                entry = self._entries[key] = _Entry(key)
-            else:
-                mine = self._reenter(entry, me, mode, ttl, opts)
-                if mine is not None:
-                    return mine
-                lead = self._queue(entry, _Request(mode, me), blocking, deadline, timeout)
-                if not lead:  # shared the read hold of this process
-                    assert entry.hold is not None
-                    label = self._locker.owner_label(me)
-                    return self._new_holder(entry, me, entry.hold, READ, label, ttl, opts)
-            entry.busy = True
-        # Level 2: this request alone talks to the database for this key.
-        label = self._locker.owner_label(me)
-        hold: _Hold | None = None
+        # Set with no call before the try that undoes them: this request
+        # leads (the entry is busy), and the hold it was granted (see
+        # _acquire_row: a call's result can be lost as the call returns).
+        entry: _Entry | None = None
+        got: list[_Hold] = []
+        done: list[Any] = [False, None]  # _lead_done ran; the holder it made
+        label = ""
         try:
-            hold = self._acquire_row(key, mode, label, blocking, deadline, timeout, ttl)
-        finally:
             with self._mutex:
-                entry.busy = False
-                if hold is not None:
-                    entry.hold = hold
-                    entry.joins = 0
-                    entry.draining = False
-                    held = self._new_holder(entry, me, hold, mode, label, ttl, opts)
+                if self._closing:
+                    raise ManagerClosed("this LockManager is closed")
+                found = self._entries.get(key)
+                if found is None:
+                    # Nobody here holds or wants the key: straight to the database.
+                    if self._locker.registry.get(key) is not None:
+                        raise KindMismatch(
+                            key, requested="rw", existing="exclusive", where="in this process"
+                        )
+                    found = self._entries[key] = _Entry(key)
                 else:
-                    self._forget(entry)
-                if entry.queue:
-                    self._changed.notify_all()
+                    mine = self._reenter(found, me, mode, ttl, opts)
+                    if mine is not None:
+                        return mine
+                    lead = self._queue(found, _Request(mode, me), blocking, deadline, timeout)
+                    if not lead:  # shared the read hold of this process
+                        assert found.hold is not None
+                        label = self._locker.owner_label(me)
+                        return self._new_holder(found, me, found.hold, READ, label, ttl, opts)
+                found.busy = True
+                entry = found
+            # Level 2: this request alone talks to the database for this key.
+            label = self._locker.owner_label(me)
+            self._acquire_row(key, mode, label, blocking, deadline, timeout, ttl, got)
+        finally:
+            if entry is not None:
+                try:
+                    self._lead_done(entry, me, mode, label, ttl, opts, got, done)
+                except BaseException:
+                    self._lead_done(entry, me, mode, label, ttl, opts, got, done)  # see there
+                    raise
+        held: RwHeld | None = done[1]
+        if held is None:  # (never: no hold means _acquire_row raised)
+            raise LockNotAcquired(f"lock {key!r} not acquired", key=key, level=2)
         return held
+
+    def _lead_done(  # noqa: PLR0917 - private: the lead's state
+        self,
+        entry: _Entry,
+        me: object,
+        mode: str,
+        label: str,
+        ttl: float,
+        opts: LockOptions,
+        got: list[_Hold],
+        done: list[Any],
+    ) -> None:
+        """The lead's request has its answer (``got``: the hold, if granted):
+        the entry is idle again, and the hold becomes ``me``'s (``done[1]``).
+        Called from a ``finally``, and once more if a signal handler's
+        exception cut that call off: ``done[0]`` makes the repeat finish
+        what the first left, never do it twice."""
+        with self._mutex:
+            if done[0]:
+                hold = got[0] if got else None
+                unheld = not any(r() is not None for r in _refs(entry))
+                if hold is not None and done[1] is None and entry.hold is hold and unheld:
+                    # Cut off before the holder existed: give the row back.
+                    entry.hold = None
+                    self._forget(entry)
+                    self._orphan_hold(entry.key, mode, hold)
+                self._changed.notify_all()
+                return
+            done[0] = True
+            entry.busy = False
+            if got:
+                hold = got[0]
+                entry.hold = hold
+                entry.joins = 0
+                entry.draining = False
+                done[1] = self._new_holder(entry, me, hold, mode, label, ttl, opts)
+            else:
+                self._forget(entry)
+            if entry.queue:
+                self._changed.notify_all()
+
+    def _orphan_hold(self, key: str, mode: str, hold: _Hold) -> None:
+        """Give back a granted hold nobody took (the renewal thread sends it)."""
+        if mode == WRITE:
+            self.store.add_orphan(key, hold.token)
+        else:
+            settle = functools.partial(self.statements.release_read_steps, key, hold.token)
+            self.store.add_orphan(key, hold.token, settle=settle)
+        self.renewer.post(noop)
 
     def _reenter(
         self, entry: _Entry, me: object, mode: str, ttl: float, opts: LockOptions
     ) -> RwHeld | None:
         """Under the mutex: what ``me`` already holds answers at once."""
-        writer = entry.writer
+        # (A handle collected and not released yet counts as nobody's here:
+        # its release is on its way, and this request waits for it.)
+        writer = None if entry.writer is None else cast("RwHeld | None", entry.writer())
         if mode == READ:
-            mine = entry.readers.get(me)
+            ref = entry.readers.get(me)
+            mine = None if ref is None else cast("RwHeld | None", ref())
             if mine is not None:
                 if mine._lost is not None:
                     raise LockLost(entry.key, mine._lost)
@@ -475,9 +550,9 @@ class RwLocker:
             options=opts,
         )
         if mode == READ:
-            entry.readers[me] = held
+            entry.readers[me] = held._ref
         else:
-            entry.writer = held
+            entry.writer = held._ref
         self.renewer.track(held)
         held._ref.tracked = True
         return held
@@ -491,9 +566,13 @@ class RwLocker:
         deadline: float | None,
         timeout: float | None,
         ttl: float,
-    ) -> _Hold:
-        """Level 2: grant statements until granted (or refused, or out of time).
-        A waiting writer keeps an intent row, so new readers hold back."""
+        got: list[_Hold],
+    ) -> None:
+        """Level 2: grant statements until granted (or refused, or out of
+        time): the hold is put in ``got`` (a call's result can be lost to a
+        signal handler's exception as the call returns; what is in ``got``
+        the caller owns). A waiting writer keeps an intent row, so new
+        readers hold back."""
         store, statements = self.store, self.statements
         token = intent = os.urandom(16).hex()
         wait = None
@@ -520,6 +599,11 @@ class RwLocker:
                         unsure = False
                     if row is None:
                         row = store.drive(statements.grant_steps(mode, key, token, owner, ttl))
+                    if row is not None and row.granted:
+                        epoch = token if mode == WRITE else row.token
+                        expires_mono = sent_at + row.expires_in
+                        got.append(_Hold(mode, epoch, row.fence, row.expires_at, expires_mono))
+                        return
                 except BackendError as exc:
                     if store.lost_contention(exc):
                         row = None  # an InnoDB deadlock victim: contention, try again
@@ -534,14 +618,14 @@ class RwLocker:
                         self._ride_out(key, exc, deadline, outage, waiting=waiting)
                         continue
                 except BaseException as exc:
+                    if got:
+                        raise  # granted, and the caller has the hold
                     if mode == WRITE and not never_sent(exc):
                         self._orphan(key, token)
+                    # (A read share cut off so is left to its lease: which
+                    # read phase it joined, if any, is not known here.)
                     raise
                 outage = None
-                if row is not None and row.granted:
-                    epoch = token if mode == WRITE else row.token
-                    expires_mono = sent_at + row.expires_in
-                    return _Hold(mode, epoch, row.fence, row.expires_at, expires_mono)
                 limit = self._refused(key, row, blocking, deadline, timeout)
                 waiting = True
                 if mode == WRITE:  # our intent row, renewed before it runs out
@@ -649,63 +733,142 @@ class RwLocker:
         return self._let_go(held, None)
 
     def _let_go(self, held: RwHeld, revoked: str | None) -> bool:
-        """Release every level of ``held``; the statement it takes, if any."""
-        entry = held._rw
-        hold = held._hold
-        with self._mutex:
-            if held._released:
-                return False
-            held._released = True
-            held._ref.live = False
-            self.renewer.untrack(held)
-            if revoked is not None:
-                held._revoked = True
-                if held._lost is None:
-                    held._lost = revoked
-                    self.renewer.notify_lost(held)
-            statement = self._leave(entry, held)
-        if statement is None:
-            return self._outcome(held, True)
-        key, statements, drive = held.key, self.statements, self.store.drive
+        """Release every level of ``held``."""
+        return self._let_go_ref(held._ref, held, revoked)
+
+    def _let_go_ref(self, ref: _Ref, held: RwHeld | None, revoked: str | None) -> bool:
+        """Release every level of the handle ``ref`` refers to (``held``, or
+        None once it was collected): False if it was released already.
+
+        A signal handler's exception can land after any call here (the
+        mutex's release included): once the handle is claimed, whatever cut
+        this off, level 1 lets the key go and the statement is sent (on the
+        renewal thread) and the entry made idle again; before, the key
+        stayed busy, or listed as held, in this process for good."""
+        who: _Who = ref.entry  # type: ignore[assignment]
+        entry, hold = who.entry, who.hold
+        claimed = False
+        progress = [0]  # 1: _send_release's first line ran (it finishes the entry)
+        statement: str | None = None
         try:
-            if statement == "release_read":
-                ok = drive(statements.release_read_steps(key, hold.token))
-            elif statement == "release_write":
-                ok = drive(statements.release_write_steps(key, hold.token))
-            else:
-                ok = drive(statements.downgrade_steps(key, hold.token))
-        except BackendError as exc:
-            log.error(
-                "dblock: releasing %r failed; the row stays until its lease ends or the "
-                "sweeper removes it: %s",
-                key,
-                exc,
-            )
-            if statement == "release_write":
-                # Deleted (if still ours) as soon as the database answers again.
-                self.store.add_orphan(key, hold.token, released=True)
-            self._finish(entry, held, hold, statement, statement != "downgrade")
-            return False
+            with self._mutex:
+                if not ref.live or (held is not None and held._released):
+                    return False
+                ref.live = False
+                if held is not None:
+                    held._released = True
+                claimed = True
+                try:
+                    statement = self._leave(entry, who, ref)
+                except BaseException:
+                    statement = self._leave(entry, who, ref)  # once more: it repeats, no more
+                    raise
+                self.renewer.untrack_token(ref.token)
+                if revoked is not None and held is not None:
+                    held._revoked = True
+                    if held._lost is None:
+                        held._lost = revoked
+                        self.renewer.notify_lost(held)
+            if statement is None:
+                return True if held is None else self._outcome(held, True)
+            ok = self._send_release(entry, who.key, hold, statement, progress)
         except BaseException:
-            self._finish(entry, held, hold, statement, statement != "downgrade")
+            if claimed and not progress[0]:
+                self.renewer.untrack_token(ref.token)
+                if statement is not None:
+                    self.renewer.post(
+                        functools.partial(self._send_release, entry, who.key, hold, statement, [0])
+                    )
             raise
-        self._finish(entry, held, hold, statement, ok)
+        if held is None:
+            return ok
         if not ok and held._lost is None:
             held._lost = "its row was gone or held by another owner at release"
         return self._outcome(held, True)
 
+    def _collected(self, ref: object) -> None:
+        """Weak-reference callback: a handle nobody can reach any more, not
+        released. Runs wherever the last reference went (even inside a
+        mutex), so it only warns and hands the release to the renewal thread
+        (whose pass also finds it, should this be cut off)."""
+        assert isinstance(ref, _Ref)
+        if not ref.live or self._locker.pid != os.getpid():
+            return  # (a forked child's copy of its parent's lock)
+        try:
+            warnings.warn(
+                f"dblock: lock {ref.key!r} was never released; releasing it now",
+                ResourceWarning,
+                stacklevel=2,
+            )
+        finally:
+            with contextlib.suppress(RuntimeError):  # (no new thread at interpreter exit)
+                self.renewer.post(functools.partial(self._release_collected, ref))
+
+    def _release_collected(self, ref: _Ref) -> None:
+        if ref.live:
+            log.warning("dblock: lock %r was never released by its holder; releasing it", ref.key)
+            self._let_go_ref(ref, None, None)
+
+    def _send_release(
+        self, entry: _Entry, key: str, hold: _Hold, statement: str, progress: list[int]
+    ) -> bool:
+        """Send the statement a release's hold needs; the entry is idle again
+        after it, whatever happened. ``progress`` is marked first thing (no
+        call before the ``try``): a caller cut off as this frame started
+        finds it unmarked and has the renewal thread do it all instead; and
+        :meth:`_finish` marks it done, so that its clean-up may repeat it."""
+        progress[0] = 1
+        statements, drive = self.statements, self.store.drive
+        ok = statement != "downgrade"  # (what a failure leaves the hold: see _finish)
+        try:
+            try:
+                if statement == "release_read":
+                    ok = drive(statements.release_read_steps(key, hold.token))
+                elif statement == "release_write":
+                    ok = drive(statements.release_write_steps(key, hold.token))
+                else:
+                    ok = drive(statements.downgrade_steps(key, hold.token))
+            except BackendError as exc:
+                log.error(
+                    "dblock: releasing %r failed; the row stays until its lease ends or the "
+                    "sweeper removes it: %s",
+                    key,
+                    exc,
+                )
+                if statement == "release_write":
+                    # Deleted (if still ours) as soon as the database answers again.
+                    self.store.add_orphan(key, hold.token, released=True)
+                return False  # (the entry is finished below)
+            except BaseException:
+                if statement == "release_write":
+                    # Cut off with the statement perhaps not committed.
+                    self.store.add_orphan(key, hold.token, released=True)
+                    self.renewer.post(noop)
+                raise
+        finally:
+            try:
+                self._finish(entry, hold, statement, ok, progress)
+            except BaseException:
+                self._finish(entry, hold, statement, ok, progress)  # cut off as it started
+                raise
+        return ok
+
     @staticmethod
-    def _leave(entry: _Entry, held: RwHeld) -> str | None:
-        """Under the mutex: take ``held`` out of level 1; the statement its
-        database hold needs now, if any (and the entry is busy until it ran)."""
-        me = held._owner
-        if held.mode == READ:
-            entry.readers.pop(me, None)
+    def _leave(entry: _Entry, who: _Who, ref: _Ref) -> str | None:
+        """Under the mutex: take the handle ``ref`` out of level 1; the
+        statement its database hold needs now, if any (and the entry is busy
+        until it ran). Called twice for one handle (a clean-up repeating a
+        step that may or may not have run), it answers the same."""
+        me = who.owner
+        if who.mode == READ:
+            if entry.readers.get(me) is ref:
+                del entry.readers[me]
             if entry.writer is not None or entry.readers:
                 return None  # the hold is still someone else's here
             statement = "release_read"
         else:
-            entry.writer = None
+            if entry.writer is ref:
+                entry.writer = None
             statement = "downgrade" if me in entry.readers else "release_write"
         entry.busy = True
         if statement != "downgrade":
@@ -713,9 +876,19 @@ class RwLocker:
             entry.draining = False
         return statement
 
-    def _finish(self, entry: _Entry, held: RwHeld, hold: _Hold, statement: str, ok: bool) -> None:
+    def _finish(
+        self, entry: _Entry, hold: _Hold, statement: str, ok: bool, progress: list[int]
+    ) -> None:
+        """The entry is idle again after a release's statement. Done once
+        (``progress``); a repeat only wakes the waiters again, which a cut
+        off first call may not have done."""
         lost_readers: list[RwHeld] = []
         with self._mutex:
+            if progress[0] == 2:
+                self._forget(entry)
+                self._changed.notify_all()
+                return
+            progress[0] = 2
             entry.busy = False
             if statement == "downgrade":
                 hold.mode = READ
@@ -723,7 +896,8 @@ class RwLocker:
                 entry.joins = 1
                 if not ok:
                     hold.lost = "its row was gone or held by another owner at downgrade"
-                    lost_readers = list(entry.readers.values())
+                    found = (ref() for ref in entry.readers.values())
+                    lost_readers = [cast(RwHeld, r) for r in found if r is not None]
             self._forget(entry)
             self._changed.notify_all()
         for reader in lost_readers:

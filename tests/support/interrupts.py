@@ -7,7 +7,9 @@ those points are: right after a call returns, at a backward jump, and as a
 frame starts or resumes after a plain ``yield`` (not after ``yield from``
 or ``await``). :func:`interrupt_at` arms a tracer that raises
 :class:`Interrupt` at the ``n``-th such point inside chosen source files,
-so a test can walk ``n`` = 1, 2, ... through every one of them.
+so a test can walk ``n`` = 1, 2, ... through every one of them. A frame's
+start is seen through the tracer's ``call`` event (no ``opcode`` event is
+sent for it), the rest through ``opcode`` events.
 
 A tracer sees an instruction just before it runs, so "right after a call"
 is raised at the next instruction; where that instruction lies in another
@@ -91,6 +93,22 @@ def interrupt_at(n: int, *files: str) -> Iterator[Armed]:
     def start(frame: FrameType, event: str, arg: Any) -> Callable[..., Any] | None:
         last.pop(id(frame), None)  # (a new frame may have a dead one's id)
         if frame.f_code.co_filename.endswith(files):
+            # A frame starting, or resuming after a plain ``yield``, is a
+            # point too (its RESUME checks for signals), and the ``call``
+            # event is the only place a tracer sees it: no ``opcode`` event
+            # is sent for that RESUME. Raised here, the exception leaves the
+            # frame before its first line, as a handler's would.
+            code = frame.f_code
+            offset = frame.f_lasti
+            resume = offset >= 0 and dis.opname[code.co_code[offset]] == "RESUME"
+            if resume and code.co_code[offset + 1] < 2:
+                armed.points += 1
+                if armed.points == n:
+                    armed.where = (
+                        f"{code.co_name} starts "
+                        f"({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
+                    )
+                    raise Interrupt
             frame.f_trace_opcodes = True
             return local
         return None
