@@ -708,6 +708,7 @@ class Run:
         # (one per store), idle between statements: those are not leaks.
         self.result["pool_checked_out_raw"] = checked_out
         self.result["executor"] = _executor_state(m)
+        self.result["pool_accounting"] = _pool_accounting(m)
         self.result["pool_checked_out"] = len(leaks)
         self.result["pool_leaks"] = leaks[:15]
         self.result["pool_status"] = _pool_status(m)
@@ -883,6 +884,7 @@ class Run:
         self.result["hung_threads"] = threading.active_count()
         self.result["pool_mutex_locked"] = locked = _pool_mutex_locked(self.manager)
         self.result["executor"] = _executor_state(self.manager)
+        self.result["pool_accounting"] = _pool_accounting(self.manager)
         if self.manager is not None and not locked:  # (status() may wait for the mutex)
             self.result["pool_status"] = _pool_status(self.manager)
             try:
@@ -1046,6 +1048,33 @@ def _executor_state(m: LockManager | None) -> dict[str, Any] | None:
         assert m is not None
         ex = m.store.executor
         return {"idle": len(ex._idle), "pool_waiters": ex._pool_waiters}
+    except Exception as exc:
+        return {"unknown": repr(exc)[:200]}
+
+
+def _pool_accounting(m: LockManager | None) -> dict[str, Any] | None:
+    """What the pool believes (its overflow counter, the connections in its
+    queue, read without its mutex) against the connection records the
+    collector finds in use: more checked out than records in use is a
+    counter a signal left wrong (a checkout that never happened)."""
+    try:
+        assert m is not None
+        pool: Any = m.engine.pool
+        in_use = sum(
+            1
+            for obj in gc.get_objects()
+            if type(obj).__name__ == "_ConnectionRecord"
+            and getattr(obj, "_ConnectionRecord__pool", None) is pool
+            and getattr(obj, "fairy_ref", None) is not None
+        )
+        queued = len(pool._pool.queue)
+        size = pool._pool.maxsize
+        return {
+            "overflow": pool._overflow,
+            "in_queue": queued,
+            "believed_checked_out": size - queued + pool._overflow,
+            "records_in_use": in_use,
+        }
     except Exception as exc:
         return {"unknown": repr(exc)[:200]}
 
