@@ -896,8 +896,24 @@ class Run:
             self.result["failures"] = self.failures()
             self.write()
             print(render(self.result), file=sys.stderr)
+            if not self.args.keep:
+                self.drop_table()  # (on an engine of its own: the run's pool is stuck)
         finally:
             os._exit(3)
+
+    def drop_table(self) -> None:
+        """Drop the run's lock table on a fresh connection, its rows first
+        (a downgrade refuses live rows of the newer kinds)."""
+        engine = sa.create_engine(self.url, poolclass=sa.pool.NullPool)
+        try:
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DELETE FROM {self.table}"))
+            with LockManager(engine, table=self.table) as admin:
+                admin.drop_schema()
+        except Exception as exc:
+            print(f"could not drop {self.table}: {exc}", file=sys.stderr)
+        finally:
+            engine.dispose()
 
     def write(self) -> None:
         if self.args.json:
@@ -991,13 +1007,7 @@ class Run:
             self.done.set()
             faulthandler.cancel_dump_traceback_later()
             if not args.keep:
-                try:
-                    with self.raw.begin() as conn:  # rows left would refuse the downgrade
-                        conn.execute(sa.text(f"DELETE FROM {self.table}"))
-                    with LockManager(self.url, table=self.table) as admin:
-                        admin.drop_schema()
-                except Exception as exc:
-                    print(f"could not drop {self.table}: {exc}", file=sys.stderr)
+                self.drop_table()
             self.raw.dispose()
         self.summarise()
         self.result["failures"] = self.failures()
