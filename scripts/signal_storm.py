@@ -608,6 +608,8 @@ class Run:
                 if left is not None:
                     landing = self.last_landing.get(key, {})
                     self.stranded_now.append({"key": key, "op": phase, **landing, **left})
+                    # Left in this process (level 1, renewers) or only a row.
+                    self.counts["stranded_now_local" if left["local"] else "stranded_now_row"] += 1
                     self.retire(family, i)
         self.result["acquires"] = acquires
         self.result["releases"] = releases
