@@ -529,6 +529,9 @@ class Locker:
         self.renewer.telemetry = self.telemetry
         # The weak-reference callback of every held lock, bound once (not per lock).
         self._collect: Callable[[_Ref], None] = self._collected
+        # What release_at_exit claimed, and the tokens whose release it posted.
+        self._exit_candidates: list[HeldLock] = []
+        self._exit_posted: set[str] = set()
         _lockers.add(self)
 
     def _post_noop(self) -> None:
@@ -575,7 +578,9 @@ class Locker:
     #: releases (see :meth:`release_at_exit`); then the rows are left to their leases.
     EXIT_RELEASES = 3.0
 
-    def release_at_exit(self, seconds: float) -> threading.Event | None:
+    def release_at_exit(
+        self, seconds: float, cut: list[BaseException] | None = None
+    ) -> threading.Event | None:
         """At interpreter exit (``dblock.manager``'s atexit hook): take every
         lock whose holder can never run again (the main thread, whose code
         is done; a thread or task that ended; a task whose loop no longer
@@ -588,22 +593,46 @@ class Locker:
 
         Nothing here for a forked child (its registry was cleared; a child
         forked by other means must not release its parent's rows), nor for
-        a row released already: a job's row kept for ``at_least`` stays."""
+        a row released already: a job's row kept for ``at_least`` stays.
+        ``cut``: where an exception that cut the claims short goes (the
+        locks claimed so far are still released), for the caller to raise
+        once it has waited."""
         if self.pid != os.getpid() or self._closing:
             return None  # (closed: close() released what it held)
         me = _current_thread()
-        taken: list[HeldLock] = []
-        for held in self.renewer.held_locks():
-            if _runs_at_exit(held._owner, me) or not self._claim(held):
-                continue
-            held._released = True
-            held._revoked = True
-            held._lost = "released at interpreter exit"
-            entry = held._entry
-            if entry.held is held._ref:
-                entry.leaving = True  # (before held: see _let_go)
-                entry.held = None
-            taken.append(held)
+        # Kept on the locker, not in a local: a run cut off after claiming
+        # (the renewal pass then stops watching what it claimed) leaves them
+        # to the next run, atexit's second call (see dblock.manager).
+        candidates = self._exit_candidates
+        try:
+            candidates.extend(
+                held for held in self.renewer.held_locks() if not _runs_at_exit(held._owner, me)
+            )
+            for held in candidates:
+                ref = held._ref
+                if not ref.live:
+                    continue  # somebody else claimed it first
+                # Claimed and marked with no call in between (see _let_go):
+                # the mark, not a list it joins, says it is ours to delete.
+                ref.live = False
+                held._released = True
+                held._revoked = True
+                held._lost = _AT_EXIT
+                entry = held._entry
+                if entry.held is ref:
+                    entry.leaving = True  # (before held: see _let_go)
+                    entry.held = None
+        except BaseException as exc:
+            # Whatever cut the loop off (a signal handler's exception at
+            # exit), the locks claimed so far are released below; the
+            # caller raises it once they are.
+            if cut is None:
+                raise
+            cut.append(exc)
+        posted = self._exit_posted
+        taken = [h for h in candidates if h._lost is _AT_EXIT and h.token not in posted]
+        for held in taken:
+            self.renewer.untrack(held)
         if not taken and not self.renewer.running:
             return None
         # Posted after whatever the renewal thread has in hand (a collected
@@ -638,6 +667,7 @@ class Locker:
 
         try:
             self.renewer.post(release_all)
+            posted.update(held.token for held in taken)
         except RuntimeError:  # no renewal thread, and none can start now
             done.set()
             log.warning(
@@ -1701,7 +1731,12 @@ class Locker:
         run_ended = self._run_ended(entry, held, keep)
         if run_ended is None:  # nobody seen lately: ask (MySQL's waiter names)
             asking = self.store.others_wait_steps(held.key)
-            run_ended = asking is not None and bool((yield (STEPS, asking)))
+            try:
+                run_ended = asking is not None and bool((yield (STEPS, asking)))
+            except BackendError:
+                # Only a hint (whether to give way): a killed connection or
+                # an outage fails the release's own statement, if anything.
+                run_ended = False
             if not run_ended:
                 entry.handoffs = 0  # a new run: asked again at its end, not at every grant
         # A lost lock's row is deleted too if it is still ours (renewal
@@ -2212,6 +2247,11 @@ def release_at_close(
             len(locks),
             seconds,
         )
+
+
+#: What a lock released at interpreter exit is marked lost with (and how
+#: release_at_exit knows the locks it claimed).
+_AT_EXIT = "released at interpreter exit"
 
 
 def _release_op(key: str, token: str) -> Op[bool]:

@@ -737,14 +737,29 @@ def _release_at_exit() -> None:
     ``Locker.EXIT_RELEASES`` seconds leaves the rows to their leases, and
     says so. (``kill -9`` runs nothing: the lease ends those.)"""
     pending = []
-    for locker in live_lockers():
-        try:
-            done = locker.release_at_exit(locker.EXIT_RELEASES)
-        except Exception:  # never let one manager keep the others' rows
-            log.exception("dblock: releasing locks at interpreter exit failed")
-            continue
-        if done is not None:
-            pending.append((locker, done))
+    # A signal handler's exception (a second Ctrl-C, SIGTERM's SystemExit)
+    # cutting a manager's claims short: the locks claimed so far are still
+    # released, the other managers' too, and it is raised at the end.
+    cut: list[BaseException] = []
+    try:
+        for locker in live_lockers():
+            try:
+                done = locker.release_at_exit(locker.EXIT_RELEASES, cut)
+            except Exception:  # never let one manager keep the others' rows
+                log.exception("dblock: releasing locks at interpreter exit failed")
+                continue
+            except BaseException as exc:  # (a signal handler's: as above)
+                cut.append(exc)
+                continue
+            if done is not None:
+                pending.append((locker, done))
+        _wait_at_exit(pending)
+    finally:
+        if cut:
+            raise cut[0]
+
+
+def _wait_at_exit(pending: list[tuple[Locker, threading.Event]]) -> None:
     if not pending:
         return
     deadline = time.monotonic() + max(locker.EXIT_RELEASES for locker, _ in pending)
@@ -758,4 +773,9 @@ def _release_at_exit() -> None:
             )
 
 
+atexit.register(_release_at_exit)
+# Once more, after the first (atexit runs its hooks last registered first):
+# a signal handler's exception landing as the first started (a frame's first
+# instruction, before any ``try`` of ours) would leave every row to its
+# lease. The second finds nothing to do when the first did its work.
 atexit.register(_release_at_exit)

@@ -209,6 +209,11 @@ class Renewer(Generic[L]):
             self._nudge()
 
     def _nudge(self) -> None:
+        if sys.is_finalizing():
+            # Nothing runs a job now (a lock collected as its module's
+            # globals go: the lease ends it), and the renewal thread, frozen
+            # where finalization found it, may hold the mutex for ever.
+            return
         with self._mutex:
             # Not while the interpreter finalizes (a lock collected as its
             # module's globals go): such a thread never starts, and start()

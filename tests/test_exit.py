@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -288,3 +289,43 @@ def test_an_exit_does_not_wait_for_a_database_that_does_not_answer(
     let_go.set()
     with manager.lock(key, timeout=30):  # the lease (or the held DELETE) ends it
         pass
+
+
+def test_an_exit_interrupted_anywhere_in_its_release_still_releases(
+    manager: LockManager, db_url: str, key: str, tmp_path: Path
+) -> None:
+    """A signal handler's exception (a second Ctrl-C, SIGTERM's SystemExit)
+    at each point of the atexit hook's code where CPython can raise it,
+    frame starts included: the row is still released at exit, not left for
+    its lease (60 s), and the exception is not swallowed (Python prints it).
+    Before: one landing after a lock was claimed and before the release was
+    posted left the row for its lease."""
+    n = 0
+    while True:
+        n += 1
+        note = tmp_path / f"point-{n}"
+        done = _run(
+            db_url,
+            key,
+            f"""
+            import atexit
+            sys.path.insert(0, {os.path.dirname(_HERE)!r})
+            from tests.support.interrupts import arm
+            locks = LockManager(URL, ttl=60)
+            held = locks.acquire(KEY)
+            armed = arm({n}, "dblock/manager.py", "dblock/lock.py", "dblock/renewal.py",
+                        note={str(note)!r})
+            atexit.register(armed.start)  # (runs before dblock's hook: LIFO)
+            """,
+        )
+        deadline = time.monotonic() + 5
+        while row_of(manager, key) is not None:
+            assert time.monotonic() < deadline, (
+                f"interrupted at point {n} ({note.read_text() if note.exists() else '-'}):"
+                f" the row stayed\n{done.stderr}"
+            )
+            time.sleep(0.05)
+        if not note.exists():
+            break  # an exit went by without reaching point n
+        assert "Interrupt" in done.stderr, f"{note.read_text()}: swallowed\n{done.stderr}"
+    assert n > 3

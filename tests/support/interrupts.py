@@ -59,11 +59,27 @@ class Armed:
         self.points = 0
         self.where: str | None = None
 
+    def start(self) -> None:
+        """Set the tracer on this thread (see :func:`arm`)."""
+
 
 @contextmanager
 def interrupt_at(n: int, *files: str) -> Iterator[Armed]:
     """Raise :class:`Interrupt` at the ``n``-th point (see the module's
     docstring) in a frame of any of ``files`` (path endings) on this thread."""
+    armed = arm(n, *files)
+    armed.start()
+    try:
+        yield armed
+    finally:
+        sys.settrace(None)
+
+
+def arm(n: int, *files: str, note: str | None = None) -> Armed:
+    """What :func:`interrupt_at` does, without a ``with``: ``armed.start()``
+    sets the tracer (an ``atexit`` hook, say), ``sys.settrace(None)`` ends it.
+    ``note``: a file the point it raised at is written to, as it raises (for
+    a process that cannot report otherwise, at its exit)."""
     armed = Armed()
     last: dict[int, int] = {}  # frame id -> offset of its previous instruction
 
@@ -87,6 +103,7 @@ def interrupt_at(n: int, *files: str) -> Iterator[Armed]:
                 armed.where = (
                     f"{code.co_name} ({code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
                 )
+                _note(note, armed.where)
                 raise Interrupt  # (tracing ends here: CPython unsets a tracer that raises)
         return local
 
@@ -108,16 +125,20 @@ def interrupt_at(n: int, *files: str) -> Iterator[Armed]:
                         f"{code.co_name} starts "
                         f"({code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno})"
                     )
+                    _note(note, armed.where)
                     raise Interrupt
             frame.f_trace_opcodes = True
             return local
         return None
 
-    sys.settrace(start)
-    try:
-        yield armed
-    finally:
-        sys.settrace(None)
+    armed.start = lambda: sys.settrace(start)  # type: ignore[method-assign]
+    return armed
+
+
+def _note(path: str | None, where: str | None) -> None:
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(where or "")
 
 
 def raise_in(thread: threading.Thread, exc: type[BaseException]) -> None:
