@@ -33,7 +33,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from ..errors import KindMismatch
-from .base import Grant, Holder, Steps
+from .base import Grant, Holder, Result, Steps
 from .sqlparts import SQLITE_NOW, key_lock, mysql_grant, mysql_take_over, notify, sqlite_grant
 
 if TYPE_CHECKING:
@@ -458,23 +458,60 @@ class SQLiteFair(FairSQL):
             f"FROM {t} WHERE lock_key = :key AND (slot = '' OR ({_Q} AND fence <= :ticket "
             f"AND (expires_at > {now} OR token = :token)))"
         )
+        # Another connection holding the file's write lock: a write of the
+        # acquire path answers "held" within the exclusive lock's bound (its
+        # steps read it so, see _locked), a release (or a withdrawal from
+        # the queue) gives up after its (see SQLiteStore.retry).
+        from .sqlite import SQLiteStore
 
-    def enter_steps(
+        if isinstance(store, SQLiteStore):
+            store.bound_busy(
+                acquire=[
+                    self._enter_sql,
+                    self._head_if_empty_sql,
+                    self._head_if_first_sql,
+                    self._enqueue_sql,
+                    self._rename_sql,
+                    self._renew_sql,
+                    self._drop_queued_sql,
+                ],
+                release=[self._leave_sql],
+            )
+
+    def _locked(self, result: Result) -> Holder | None:
+        """A write of the acquire path found the file's write lock taken by
+        another connection (nothing written): held, as the exclusive lock
+        answers then."""
+        from .sqlite import file_was_locked
+
+        if not file_was_locked(result):
+            return None
+        return Holder(getattr(self.store, "busy_holder", None), None, None)
+
+    def enter_steps(  # noqa: PLR0911 - each write may find the file locked
         self, key: str, token: str, owner: str, ttl: float, *, enqueue: bool
     ) -> Steps[Grant | Holder | Queued]:
 
         params: dict[str, Any] = {"key": key, "owner": owner, "token": token, "ttl": ttl}
         if enqueue:
-            entered = (yield self._enter_sql, params, True, False).rows
+            result = yield self._enter_sql, params, True, False
+            entered = result.rows
             if entered:
                 slot, ticket, expires_at, now = entered[0]
                 if slot == "":
                     return sqlite_grant((ticket, expires_at, now))
                 return (yield from self._queued_steps(key, token, ticket, params))
+            locked = self._locked(result)
+            if locked is not None:  # not queued: the request waits and enters again
+                return locked
             # Nothing written: an expired head of another kind. The two steps.
-        rows = (yield self._head_if_empty_sql, params, True, False).rows
+        result = yield self._head_if_empty_sql, params, True, False
+        rows = result.rows
         if rows:
             return sqlite_grant(rows[0])
+        locked = self._locked(result)
+        if locked is not None:
+            return locked
         if not enqueue:
             params["ticket"] = 2**63 - 1
             found = (yield self._blocker_sql, params, True, False).rows
@@ -482,7 +519,11 @@ class SQLiteFair(FairSQL):
                 return Holder(None, None, 0.0)
             _check_kind(key, found[0][2])
             return Holder(found[0][0], None, found[0][1])
-        (ticket,) = (yield self._enqueue_sql, params, True, False).rows[0]
+        result = yield self._enqueue_sql, params, True, False
+        locked = self._locked(result)
+        if locked is not None:
+            return locked
+        (ticket,) = result.rows[0]
         return (yield from self._queued_steps(key, token, ticket, params))
 
     def _queued_steps(
@@ -494,7 +535,7 @@ class SQLiteFair(FairSQL):
         look = _Look(key, token, ticket, rows)
         return look.queued() if look.mine else Queued(ticket, None, 0.0)
 
-    def turn_steps(
+    def turn_steps(  # noqa: PLR0911 - each write may find the file locked
         self, key: str, token: str, ticket: int, owner: str, ttl: float
     ) -> Steps[Grant | Queued | Dropped]:
 
@@ -505,18 +546,28 @@ class SQLiteFair(FairSQL):
         look = _Look(key, token, ticket, rows)
         if look.mine is None or look.mine <= 0:
             return DROPPED  # gone, or dead: never revived
+        # A write that found the file's write lock taken by another
+        # connection wrote nothing: our turn (or our row's renewal) waits
+        # for the next look, our row still live.
         if look.due:
             if look.head is None:
-                got = (yield self._rename_sql, params, True, False).rows
-                if got:
-                    return sqlite_grant(got[0])
-            got = (yield self._head_if_first_sql, params, True, False).rows
-            if got:
+                result = yield self._rename_sql, params, True, False
+                if result.rows:
+                    return sqlite_grant(result.rows[0])
+                if self._locked(result) is not None:
+                    return look.queued()
+            result = yield self._head_if_first_sql, params, True, False
+            if result.rows:
+                # (Found locked, the queue row stays: it carries our token,
+                # so a look skips it as the holder's and the release deletes it.)
                 yield self._drop_queued_sql, params, False, False
-                return sqlite_grant(got[0])
-        renew = look.mine < ttl * 2 / 3
-        if renew and not (yield self._renew_sql, params, False, False).rowcount:
-            return DROPPED
+                return sqlite_grant(result.rows[0])
+            if self._locked(result) is not None:
+                return look.queued()
+        if look.mine < ttl * 2 / 3:
+            result = yield self._renew_sql, params, False, False
+            if not result.rowcount and self._locked(result) is None:
+                return DROPPED
         return look.queued()
 
     def leave_steps(self, key: str, token: str) -> Steps[bool]:

@@ -124,6 +124,13 @@ class PermitStore(Store):
                 f"FROM {t} WHERE lock_key = :key"
             )
             self._takeover_sql = None
+            # The file's write lock taken by another connection: an attempt
+            # answers "held" within the exclusive lock's bound, a release
+            # gives up after its (see SQLiteStore.retry).
+            from .sqlite import SQLiteStore
+
+            if isinstance(base, SQLiteStore):
+                base.bound_busy(acquire=[self._acquire_sql], release=[self._release_sql])
         else:  # MySQL / MariaDB: INSERT IGNORE, and an expired permit is deleted first
             now = "UTC_TIMESTAMP(6)"
             self._acquire_sql = (
@@ -160,7 +167,7 @@ class PermitStore(Store):
         for _ in range(n + 2):
             grant = yield from self._insert_steps(k, slot, n, token=token, owner=owner, ttl=ttl)
             if grant is not None:
-                return grant
+                return grant  # (or, SQLite, the file's write lock held by another connection)
             rows = (yield self._rows_sql, {"key": k}, True, False).rows
             found = yield from self._decide_steps(k, n, token, rows)
             if not isinstance(found, str):
@@ -170,13 +177,19 @@ class PermitStore(Store):
 
     def _insert_steps(
         self, key: str, slot: str, n: int, *, token: str, owner: str, ttl: float
-    ) -> Steps[Grant | None]:
+    ) -> Steps[Grant | Holder | None]:
         params = {"key": key, "slot": slot, "n": n, "owner": owner, "token": token}
         if self.dialect in ("mysql", "mariadb"):
             return (yield from self._mysql_insert_steps(params, ttl))
         params["ttl"] = ttl
-        rows = (yield self._acquire_sql, params, True, False).rows
+        result = yield self._acquire_sql, params, True, False
+        rows = result.rows
         if not rows:
+            if self.dialect == "sqlite":
+                from .sqlite import file_was_locked
+
+                if file_was_locked(result):  # nothing written: held, by whom is unknown
+                    return Holder(self.base.busy_holder, None, None)  # type: ignore[attr-defined]
             return None
         fence, expires_at, now = rows[0]
         if self.dialect == "sqlite":

@@ -358,17 +358,45 @@ class SQLiteRw(RwStatements):
         )
         self._drop_intent_sql = f"DELETE FROM {t} WHERE lock_key = :key AND slot = :slot"
         self._holder_sql = f"SELECT false, {cols} FROM {t} WHERE lock_key = :key AND slot = ''"
+        self._intent_there_sql = f"SELECT 1 FROM {t} WHERE lock_key = :key AND slot = :slot"
         self._now = SQLITE_NOW
+        # Another connection holding the file's write lock: a grant (or a
+        # writer's intent) answers "held" within the exclusive lock's bound,
+        # a release or downgrade gives up after its (see SQLiteStore.retry).
+        from .sqlite import SQLiteStore
+
+        self._sqlite = store if isinstance(store, SQLiteStore) else None
+        if self._sqlite is not None:
+            self._sqlite.bound_busy(
+                acquire=[self._read_sql, self._write_sql, self._intent_sql, self._drop_intent_sql],
+                release=[
+                    self._delete_last_sql,
+                    self._decrement_sql,
+                    self._release_write_sql,
+                    self._downgrade_sql,
+                ],
+            )
+
+    def _locked(self, result: Result) -> RwRow | None:
+        """A grant that found the file's write lock taken by another
+        connection (nothing written): held by it, for how long unknown."""
+        from .sqlite import file_was_locked
+
+        if self._sqlite is None or not file_was_locked(result):
+            return None
+        never = datetime.fromtimestamp(0, _UTC)
+        return RwRow(False, "rw", "", "", self._sqlite.busy_holder, 0, never, float("inf"), 0)
 
     def grant_steps(
         self, mode: str, key: str, token: str, owner: str, ttl: float
     ) -> Steps[RwRow | None]:
         sql = self._read_sql if mode == READ else self._write_sql
         params = {"key": key, "mode": mode, "token": token, "owner": owner, "ttl": ttl}
-        rows = (yield sql, params, True, False).rows
+        result = yield sql, params, True, False
+        rows = result.rows
         if rows:
             return _row(rows[0])
-        return (yield from self.holder_steps(key))
+        return self._locked(result) or (yield from self.holder_steps(key))
 
     def release_read_steps(self, key: str, epoch: str) -> Steps[bool]:
         params = {"key": key, "token": epoch}
@@ -389,7 +417,17 @@ class SQLiteRw(RwStatements):
         yield self._intent_sql, {**params, "ttl": ttl}, False, False
 
     def drop_intent_steps(self, key: str, token: str) -> Steps[None]:
-        yield self._drop_intent_sql, {"key": key, "slot": _intent_slot(token)}, False, False
+        params = {"key": key, "slot": _intent_slot(token)}
+        result = yield self._drop_intent_sql, params, False, False
+        # The file's write lock taken by another connection: the acquire's
+        # own time is not spent on it. Said (a warning) only if the row is
+        # there: it holds new readers back until its lease ends.
+        if (
+            self._sqlite is not None
+            and self._locked(result) is not None
+            and (yield self._intent_there_sql, params, True, False).rows
+        ):
+            raise self._sqlite.file_locked(RuntimeError("database is locked"), None)
 
     def renew(self, locks: Sequence[tuple[str, str, float]]) -> dict[str, Lease]:
         params: dict[str, object] = {}

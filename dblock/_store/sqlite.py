@@ -17,6 +17,9 @@ fails with ``DatabaseUnreachable`` (a release then returns False and its row
 is deleted once the file is free, as after an outage); anything else the
 connection's whole busy timeout (30 s, or ``connect_args["timeout"]``).
 Before, every statement waited up to 30 s, whatever the request's timeout.
+The fair queue's, the read/write lock's and the semaphore's statements are
+told apart the same way (:meth:`SQLiteStore.bound_busy`), and their steps
+read the "held" answer (:func:`file_was_locked`) as the exclusive lock's do.
 """
 
 from __future__ import annotations
@@ -77,6 +80,14 @@ WAITED = "_dblock_busy_waited"
 #: What an acquire statement that found the write lock taken answers
 #: (:meth:`SQLiteStore.retry`), told by identity from any real result.
 _FILE_LOCKED = Result((), 0, None)
+
+
+def file_was_locked(result: Result) -> bool:
+    """``result`` is the answer of an acquire statement that gave up waiting
+    for the file's write lock (:meth:`SQLiteStore.retry`): nothing was
+    written, and who holds the key is unknown (the steps answer "held" by
+    :attr:`SQLiteStore.busy_holder`)."""
+    return result is _FILE_LOCKED
 
 
 # When the statement under way began to wait for the write lock (the
@@ -150,6 +161,12 @@ class SQLiteStore(WokenStore):
         database = engine.url.database or ""
         self._file = os.path.abspath(database) if database else "(unnamed)"
         self._busy_holder = f"another connection, which had the database file {self._file} locked"
+        # The statements of the other kinds (fair queue, read/write,
+        # semaphore permits) waiting as an acquire or as a release (see
+        # bound_busy): replaced whole, never changed in place.
+        self._acquire_like: frozenset[str] = frozenset()
+        self._release_like: frozenset[str] = frozenset()
+        self._rules_lock = threading.Lock()
         # Wake-ups of other processes' waiters (see dblock._store.wake):
         # beside a database file, when notify is on; else waiters poll.
         self._wake_dir = _wake_dir(engine) if config.notify else None
@@ -175,6 +192,23 @@ class SQLiteStore(WokenStore):
                 return Holder(row_owner, row_token, expires_at - now, kind)
             # released between the two statements: try once more
         return Holder(None, None, None)
+
+    @property
+    def busy_holder(self) -> str:
+        """Who holds a key whose acquire statement found the file's write lock taken."""
+        return self._busy_holder
+
+    def bound_busy(self, *, acquire: Sequence[str] = (), release: Sequence[str] = ()) -> None:
+        """The statements of another kind (the fair queue's, the read/write
+        lock's, the semaphore's permits) whose wait for the file's write
+        lock is bounded as the exclusive lock's are (see :meth:`retry`):
+        ``acquire`` ones wait :attr:`acquire_busy`, then answer
+        :data:`_FILE_LOCKED` (their steps must read it as "held", see
+        :func:`file_was_locked`); ``release`` ones wait :attr:`release_busy`,
+        then raise ``DatabaseUnreachable``. Told by their text."""
+        with self._rules_lock:
+            self._acquire_like = self._acquire_like | frozenset(acquire)
+            self._release_like = self._release_like | frozenset(release)
 
     def release_steps(self, key: str, token: str) -> Steps[bool]:
         gone = (yield self._release_sql, {"key": key, "token": token}, False, False).rowcount > 0
@@ -209,6 +243,7 @@ class SQLiteStore(WokenStore):
         if waker is not None:
             waker.forget()  # the parent's socket and thread are the parent's
         self._waker_lock = threading.Lock()
+        self._rules_lock = threading.Lock()
         super().after_fork()
 
     # Group commit (dblock._store.batch): the single upsert for many keys,
@@ -321,7 +356,7 @@ class SQLiteStore(WokenStore):
         if not sqlite_busy(exc):
             return None
         batch = sql.startswith(self._acquire_many_head)
-        acquire = batch or sql is self._acquire_sql
+        acquire = batch or sql is self._acquire_sql or sql in self._acquire_like
         if acquire:
             budget = self.acquire_busy
             if batch and attempt == 0 and _monotonic() - self._file_locked_at < budget:
@@ -334,6 +369,7 @@ class SQLiteStore(WokenStore):
         elif (
             sql is self._release_sql
             or sql is self._transfer_sql
+            or sql in self._release_like
             or sql.startswith(self._release_many_head)
             or sql.startswith(self._renew_head)
         ):

@@ -322,6 +322,12 @@ class _FairRequest:
         held._ticket = self.ticket
         return held
 
+    def _now_waiting(self) -> None:
+        if not self.waiting:
+            self.waiting = True
+            if self.watch is not None:
+                self.watch.waiting(2)
+
     def _wait(self, result: Holder | Queued, sent_at: float) -> Op[HeldLock | None]:
         """Not our turn: refused (fail-fast, no time left), or wait until it
         may have come; the lock if the release handed it to us (PostgreSQL)."""
@@ -329,7 +335,15 @@ class _FairRequest:
         if isinstance(result, Holder):  # not queued: fail-fast, or no time left
             if not self.blocking:
                 raise LockBusy(key, level=2, holder=result.owner)
-            raise LockTimeout(key, timeout=self.timeout or 0.0, level=2, holder=result.owner)
+            limit = self._left()
+            if limit <= 0:
+                raise LockTimeout(key, timeout=self.timeout or 0.0, level=2, holder=result.owner)
+            # Time left, yet not queued: SQLite's file write lock was taken
+            # by another connection (nothing written). Wait as the exclusive
+            # lock does for such a holder, then enter again.
+            self._now_waiting()
+            yield (WAIT, key, limit, sent_at)
+            return None
         ticket = self.ticket = result.ticket
         if result.lease is not None:
             self.lease, self.lease_sent = result.lease, sent_at
@@ -344,10 +358,7 @@ class _FairRequest:
             # Polling: look again soon enough to notice moving up.
             config = store.config
             limit = min(limit, poll_cap(result, config.poll_initial, config.poll_max))
-        if not self.waiting:
-            self.waiting = True
-            if self.watch is not None:
-                self.watch.waiting(2)
+        self._now_waiting()
         # Polling dialects poll afresh (from poll_initial) when whom we
         # wait behind changes: the first waiter must notice a release soon.
         blocker = None if store.can_notify else (result.owner, result.first)
