@@ -128,7 +128,12 @@ STORM_CLASSES = tuple(type(f"Storm{i}", (Storm,), {}) for i in range(256))
 class Timer:
     """One-shot SIGALRM armed around a call; its handler raises at most once per arming."""
 
-    def __init__(self) -> None:
+    def __init__(self, land_in: str = "anywhere") -> None:
+        # "dblock": raise only where the signal finds dblock's own code
+        # running (its innermost frame); elsewhere (SQLAlchemy's pool, a
+        # driver, threading) the arming passes unraised, counted apart.
+        self.land_in = land_in
+        self.foreign = 0  # signals that found other code running, not raised (land_in dblock)
         self.armed = False
         self.raised = 0  # handler raises
         self.fired_idle = 0  # signals that came when disarmed (nothing raised)
@@ -140,6 +145,11 @@ class Timer:
             self.fired_idle += 1
             return
         self.armed = False  # one raise per arming, whatever comes next
+        if self.land_in == "dblock" and (
+            frame is None or "/dblock/" not in frame.f_code.co_filename.replace("\\", "/")
+        ):
+            self.foreign += 1
+            return
         self.raised += 1
         self.serial_of_op = self.raised
         # Where it lands, innermost first (a swallowed one leaves no traceback).
@@ -227,7 +237,7 @@ class Run:
         self.url = url
         self.rng = random.Random(args.seed)
         self.table = f"dblock_storm_{uuid.uuid4().hex[:8]}"
-        self.timer = Timer()
+        self.timer = Timer(args.land_in)
         self.result: dict[str, Any] = {
             "url": sa.make_url(url).render_as_string(hide_password=True),
             "table": self.table,
@@ -794,6 +804,7 @@ class Run:
         t = self.timer
         caught = len(self.caught_serials)
         r["raised"] = t.raised
+        r["foreign"] = t.foreign
         r["caught"] = caught
         r["swallowed"] = t.raised - caught
         r["swallowed_detail"] = [
@@ -1269,6 +1280,14 @@ def main(argv: list[str] | None = None) -> int:
         help="no progress for this long is a hang: dump stacks, exit 3 (60)",
     )
     parser.add_argument("--close-limit", type=float, default=1.0)
+    parser.add_argument(
+        "--land-in",
+        choices=("anywhere", "dblock"),
+        default="anywhere",
+        help="raise wherever the signal lands (anywhere), or only where it finds dblock's "
+        "own code running (dblock: what dblock alone can answer for; a signal inside "
+        "SQLAlchemy's pool or a driver passes, counted as 'foreign')",
+    )
     parser.add_argument(
         "--measure-every",
         type=float,

@@ -756,7 +756,7 @@ class Store:
         # token: the statement to send instead (a fair-queue request's rows
         # all go, a job's released row is kept for its at_least).
         self._settles: dict[str, Callable[[], Steps[bool]]] = {}
-        self._orphans_lock = threading.Lock()
+        self._orphans_lock = threading.RLock()
         # Statements whose caller gave up on them while they may still be
         # on their way to, or running in, the server (see unsettled()).
         self._unsettled: set[object] = set()
@@ -914,7 +914,7 @@ class Store:
         self.executor.forget_idle()
         self._orphans.clear()
         self._settles = {}
-        self._orphans_lock = threading.Lock()
+        self._orphans_lock = threading.RLock()
         self._unsettled.clear()  # in place: a semaphore's store shares it
 
     # -- orphans -----------------------------------------------------------
@@ -1037,7 +1037,7 @@ class Store:
         if self._orphans:
             self.wake_cleaner()
 
-    def clean_orphans(self) -> None:
+    def clean_orphans(self) -> None:  # noqa: PLR0912 - one branch per outcome
         """Delete rows left by acquisitions whose outcome we never learned.
 
         While the database does not answer, every orphan waits for it. An
@@ -1048,8 +1048,19 @@ class Store:
         way its row, if it exists, is left to its lease and the sweeper, and
         no orphan ever holds up the others or the caller. While a statement
         given up on still runs (:meth:`unsettled`), they all wait for it."""
-        if not self._orphans or self._unsettled or not self._orphans_lock.acquire(blocking=False):
+        if not self._orphans or self._unsettled:
             return
+        lock = self._orphans_lock
+        try:
+            if not lock.acquire(blocking=False):
+                return
+        except BaseException:
+            # A signal handler's exception as acquire() returned: if it took
+            # the lock, give it back (an RLock: only its owner can), or no
+            # orphan of this process was ever deleted again.
+            with contextlib.suppress(RuntimeError):
+                lock.release()
+            raise
         try:
             for _ in range(len(self._orphans)):
                 key, token, failures, owed = self._orphans[0]
@@ -1094,7 +1105,7 @@ class Store:
                     key,
                 )
         finally:
-            self._orphans_lock.release()
+            lock.release()
 
     def _report_unreachable(self) -> None:
         """The database does not answer: say so, once, of every acquisition

@@ -63,7 +63,7 @@ class PermitStore(Store):
         self._orphans = type(base._orphans)()
         self._settles: dict[str, Any] = {}  # (no fair queue here, but clean_orphans reads it)
         self._kind_sql: dict[Any, Any] = {}
-        self._orphans_lock = threading.Lock()
+        self._orphans_lock = threading.RLock()
         # Statements still running after their caller gave up run on the
         # base store's engines: its orphans and ours wait for the same ones.
         self._unsettled = base._unsettled
@@ -313,7 +313,7 @@ class PermitStore(Store):
     def after_fork(self) -> None:
         self._orphans.clear()
         self._settles = {}
-        self._orphans_lock = threading.Lock()
+        self._orphans_lock = threading.RLock()
 
 
 def _seconds(expires_at: Any, now: Any) -> float:
