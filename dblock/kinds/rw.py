@@ -622,8 +622,18 @@ class RwLocker:
                         raise  # granted, and the caller has the hold
                     if mode == WRITE and not never_sent(exc):
                         self._orphan(key, token)
-                    # (A read share cut off so is left to its lease: which
-                    # read phase it joined, if any, is not known here.)
+                    elif mode == READ and not never_sent(exc):
+                        # A read phase this grant began carries its token
+                        # (the epoch): ended by the renewal thread at once.
+                        # One it only joined cannot be told from one it did
+                        # not join (counts carry no names): that share ends
+                        # with the phase's lease.
+                        store.add_orphan(
+                            key,
+                            token,
+                            settle=functools.partial(statements.release_read_steps, key, token),
+                        )
+                        self.renewer.post(noop)
                     raise
                 outage = None
                 limit = self._refused(key, row, blocking, deadline, timeout)
