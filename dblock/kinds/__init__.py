@@ -1,7 +1,8 @@
 """More kinds of lock than the exclusive one (issue 12): one module each.
 
 * :mod:`dblock.kinds.semaphore`: N permits per key (``LockManager.semaphore``).
-* read-write locks and the fair queue are added here as ``rw.py`` and ``fair.py``.
+* :mod:`dblock.kinds.rw`: read-write locks (``LockManager.read_lock``/``write_lock``).
+* :mod:`dblock.kinds.fair`: the fair queue (``LockManager.lock(key, fair=True)``).
 
 Shared conventions (the table since revision 0002, see ``dblock.schema``):
 every row has ``(lock_key, slot)`` as its key and carries ``kind``,
