@@ -388,3 +388,54 @@ def test_an_asyncio_request_interrupted_anywhere_leaves_nothing_taken(
         sys.unraisablehook = hook
         m.close()
         checker.close()
+
+
+_STORE_FILES = (
+    "dblock/_store/base.py",
+    "dblock/_store/batch.py",
+    "dblock/_store/sqlite.py",
+    "dblock/_store/postgresql.py",
+    "dblock/_store/mysql.py",
+)
+
+
+@pytest.mark.parametrize("op", ["acquire", "release"])
+def test_an_exclusive_request_interrupted_anywhere_in_the_store_leaves_nothing_taken(
+    db_url: str, key: str, op: str
+) -> None:
+    """The exclusive lock's walks through the store's own code (executor,
+    group commit, dialect). Before: an exception as the orphan clean-up's
+    non-blocking lock was taken left that lock held, and no orphan of the
+    process was deleted again (rows stayed for their leases)."""
+    m = LockManager(db_url, ttl=30)  # (a row left behind would outlive the walk's 10 s)
+    checker = LockManager(db_url, ttl=30)
+    try:
+        n = 0
+        while True:
+            n += 1
+            held = m.acquire(key, timeout=10) if op == "release" else None
+            reached = False
+            with interrupt_at(n, *_STORE_FILES) as armed:
+                try:
+                    if held is not None:
+                        held.release()
+                    else:
+                        held = m.acquire(key, timeout=10)
+                except Interrupt:
+                    reached = True
+            if armed.where is not None:
+                assert reached, f"interrupted in {armed.where}: the exception was swallowed"
+            if op == "acquire" and held is not None:
+                held.release()
+            held = None
+            deadline = time.monotonic() + 10
+            while not _free_elsewhere(checker, "exclusive", key):
+                assert time.monotonic() < deadline, f"interrupted in {armed.where}: key stayed"
+                time.sleep(0.01)
+            m.acquire(key, timeout=5).release()
+            if armed.points < n:
+                break
+        assert n > 5
+    finally:
+        m.close()
+        checker.close()

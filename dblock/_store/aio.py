@@ -486,6 +486,9 @@ class AsyncStore:
                 statement = steps.send(await run(*statement))
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        except BaseException:
+            steps.close()  # (their clean-up here, not in the collector: see Store.drive)
+            raise
 
     def _all_pools(self) -> list[_LoopPool]:
         """Every pool, forgotten by the store (a pool keeps its loop, for

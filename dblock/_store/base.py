@@ -835,6 +835,12 @@ class Store:
                 statement = steps.send(run(*statement))
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        except BaseException:
+            # Their clean-up (a ``finally`` around a statement) runs here,
+            # where an exception it meets reaches the caller, not later in
+            # the garbage collector, which only prints it.
+            steps.close()
+            raise
 
     def retry(self, sql: str, exc: BackendError, attempt: int) -> Result | float | None:
         """What to do when ``sql`` failed with ``exc`` (its ``attempt``-th
