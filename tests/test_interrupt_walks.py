@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from dblock import LockBusy, LockManager
+from dblock import LockBusy, LockManager, LockTimeout
 from tests.support.interrupts import Interrupt, interrupt_at
 
 _FILES = (
@@ -146,7 +146,7 @@ def _settled(
             collect_at = float("inf")
         time.sleep(0.01)
     try:
-        KINDS[kind](m, key, 5.0).release()  # this thread's own next request
+        KINDS[kind](m, key, 15.0).release()  # this thread's own next request
     except Exception as exc:
         raise AssertionError(f"interrupted in {where}: the next request failed: {exc!r}") from exc
 
@@ -360,11 +360,12 @@ def test_an_asyncio_request_interrupted_anywhere_leaves_nothing_taken(
                     gc.collect()
                     collect_at = float("inf")
                 await asyncio.sleep(0.01)
+            deadline = time.monotonic() + 15
             while True:  # (a dropped permit leaves level 1 just after its row)
                 try:
                     await (await _aacquire(a, kind, key, 5.0)).release()
                     break
-                except LockBusy as exc:
+                except (LockBusy, LockTimeout) as exc:
                     if time.monotonic() > deadline:
                         raise AssertionError(
                             f"interrupted in {armed.where}: the next request failed: {exc!r}"

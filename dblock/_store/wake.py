@@ -420,8 +420,11 @@ class NamedLockWaker(Waker):
         # Entered as ``with self._hlock`` (a lock's C-level __enter__), never
         # ``with self._hmutex``: Condition.__enter__ is a Python frame, and a
         # signal handler's exception as it returned left the lock held, every
-        # grant of the process then blocked in took() (see Bell).
-        self._hlock = threading.Lock()
+        # grant of the process then blocked in took() (see Bell). Reentrant:
+        # the garbage collector may finalize an abandoned statement's steps
+        # (whose clean-up lets a name go) on the names thread while it holds
+        # this lock, which then waited for itself for ever.
+        self._hlock = threading.RLock()
         self._hmutex = threading.Condition(self._hlock)
         self._want: dict[str, float] = {}  # key -> when to take its name (monotonic)
         self._have: set[str] = set()
