@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import dis
 import functools
+import gc
 import sys
 import threading
 import time
@@ -67,12 +68,23 @@ class Armed:
 def interrupt_at(n: int, *files: str) -> Iterator[Armed]:
     """Raise :class:`Interrupt` at the ``n``-th point (see the module's
     docstring) in a frame of any of ``files`` (path endings) on this thread."""
+    # The cyclic garbage collector runs weak-reference callbacks and
+    # finalizers of objects an earlier walk step left in cycles (a handle
+    # held by a traceback) at whatever allocation it likes: a point counted
+    # in one step could then be one of those, not of the code walked, and
+    # CPython swallows what is raised there. Collect first, and not during.
+    # (A callback a plain ``del`` runs still runs: reference counting.)
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
     armed = arm(n, *files)
     armed.start()
     try:
         yield armed
     finally:
         sys.settrace(None)
+        if enabled:
+            gc.enable()
 
 
 def arm(n: int, *files: str, note: str | None = None) -> Armed:
