@@ -11,6 +11,7 @@ of ``dblock/`` read with ``ast``, this fails when
 * an arrow of :data:`ALLOWED_UP` is no longer drawn by any import, or there
   are more than three of them (issue 44's target);
 * two modules import each other, directly or round a circle;
+* a module imports an underscored name of a module in another package;
 * the picture of the floors, ``docs/img/floors.svg``, is not the one the map
   draws. Draw it again with::
 
@@ -236,6 +237,34 @@ def test_no_import_circle(floors: list[hm.Floor], imports: list[hm.Import]) -> N
             for n in range(len(circle) - 1)
         ]
         pytest.fail("an import circle:\n" + "\n".join(steps))
+
+
+def package_of(module: str) -> str:
+    """The package a module is in (a package's ``__init__`` is in the package itself)."""
+    return module if hm.modules()[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def test_no_module_imports_another_packages_private_name(imports: list[hm.Import]) -> None:
+    """docs/internals.md: an underscored name in a module is its package's own.
+
+    An underscored *module* (``_threads.py``, ``_store/``) is private to the
+    package it is in, subpackages included, which the imports above already
+    keep inside dblock/: this is about the names in a module.
+    """
+    known = hm.modules()
+    problems = [
+        f"{i.place}: {entry(i.source)} imports {name} from {entry(i.target)}, a private name of "
+        f"another package ({package_of(i.target)}): give it a name without the underscore "
+        "(a documented in-package name or a Protocol), or move the importer beside it"
+        for i in imports
+        for name in i.names
+        if name.startswith("_")
+        and not name.startswith("__")
+        and f"{i.target}.{name}" not in known
+        and not i.target.endswith(f".{name}")  # the module itself: the floors keep those
+        and package_of(i.source) != package_of(i.target)
+    ]
+    assert not problems, "\n".join(problems)
 
 
 def allowed_arrows() -> list[tuple[str, str, str]]:
