@@ -15,12 +15,13 @@ does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import URL, create_engine, event, make_url
 from sqlalchemy.engine import Connection, Engine
@@ -30,9 +31,12 @@ from .errors import LockArgumentError, install_hint
 
 __all__ = [
     "DEFAULT_URL",
+    "Dialect",
     "borrow",
     "check_engine_options",
     "check_url",
+    "dialect_of",
+    "file_database",
     "make_engine",
     "mask",
     "mask_text",
@@ -55,6 +59,141 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "sqlite": ("pysqlite",),
 }
 _EXTRAS = {"postgresql": "postgresql", "mysql": "mysql", "mariadb": "mysql"}
+
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Dialect:
+    """What dblock decides by the database it speaks to, decided once.
+
+    The facts a dialect name says are fixed by :func:`dialect_of` from the
+    URL (before any engine is made); what only the server can say (MySQL or
+    MariaDB, its version, RETURNING, Galera, the AUTO-INC mode) is read by
+    the store at its first connection and kept in the copy
+    :meth:`connected` makes (``Store.dialect``). Every kind, the engine's
+    making and the command line read these flags instead of comparing
+    dialect names; the one place that turns a name into flags is the table
+    below, and a kind's statements come from its dialect's class through
+    :meth:`pick` (``Store.kind_sql``)."""
+
+    #: SQLAlchemy's name for it, as the URL spells it (``mariadb`` stays ``mariadb``).
+    name: str
+    #: Which store module speaks it (``dblock._store.<family>``): postgresql,
+    #: mysql (MySQL and MariaDB alike: one way, whatever the URL's name) or sqlite.
+    family: str
+    #: One file on this machine (SQLite): no server to share an engine's pool
+    #: with, a directory to make, WAL pragmas, and the file's write lock
+    #: waited for in slices.
+    file: bool
+    #: The connection charset asked for when the URL names none (the MySQL
+    #: family's utf8mb4: a key or owner of any Unicode text).
+    charset: str | None
+    #: LISTEN/NOTIFY (PostgreSQL): ``listen_url`` applies, and a release
+    #: answers with rows (its NOTIFY's SELECT).
+    notifies: bool
+    #: The driver may prepare statements on the server (psycopg 3), which a
+    #: transaction-mode pooler cannot follow: turned off with ``pooler=True``.
+    prepares: bool
+    #: The exclusive lock's acquire takes its lease in microseconds
+    #: (``ttl_us``: the SQL adds an INTERVAL … MICROSECOND), else in
+    #: seconds (``ttl``); see :meth:`lease_params`.
+    lease_us: bool
+    #: INSERT … RETURNING: known from the name on PostgreSQL and SQLite, from
+    #: the server's version on the MySQL family (None until it was read).
+    returning: bool | None
+    #: A Galera cluster (MariaDB with ``wsrep_on``): None until read.
+    galera: bool | None
+    #: The server's version string, once read (the MySQL family).
+    server_version: str | None = None
+    #: InnoDB's ``innodb_autoinc_lock_mode``, once read (the MySQL family).
+    autoinc_mode: int | None = None
+    #: A granted row's fence is drawn again while the row is ours (InnoDB's
+    #: AUTO-INC mode 2 with RETURNING; see dblock._store.mysql).
+    redraws_fences: bool = False
+
+    @property
+    def known(self) -> bool:
+        """Whether what the server says is known (always, but on the MySQL
+        family before its first connection)."""
+        return self.returning is not None
+
+    def pick(self, *, postgresql: T, mysql: T, sqlite: T) -> T:
+        """The one of three that is this dialect's family's (a kind's class
+        of statements, a driver's rule): the one way code outside the
+        dialect modules chooses by dialect."""
+        return {"postgresql": postgresql, "mysql": mysql, "sqlite": sqlite}[self.family]
+
+    def lease_params(self, ttl: float) -> dict[str, Any]:
+        """The exclusive acquire's lease parameter for ``ttl`` seconds."""
+        return {"ttl_us": round(ttl * 1e6)} if self.lease_us else {"ttl": ttl}
+
+    def connected(self, **server: Any) -> Dialect:
+        """This dialect with what its server said at the first connection."""
+        return dataclasses.replace(self, **server)
+
+
+_POSTGRESQL = Dialect(
+    "postgresql",
+    "postgresql",
+    file=False,
+    charset=None,
+    notifies=True,
+    prepares=True,
+    lease_us=False,
+    returning=True,
+    galera=False,
+)
+_MYSQL = Dialect(
+    "mysql",
+    "mysql",
+    file=False,
+    charset="utf8mb4",
+    notifies=False,
+    prepares=False,
+    lease_us=True,
+    returning=None,
+    galera=None,
+)
+_SQLITE = Dialect(
+    "sqlite",
+    "sqlite",
+    file=True,
+    charset=None,
+    notifies=False,
+    prepares=False,
+    lease_us=False,
+    returning=True,
+    galera=False,
+)
+# The one table from a dialect's name to its facts (the drivers: SUPPORTED).
+_DIALECTS: dict[str, Dialect] = {
+    "postgresql": _POSTGRESQL,
+    "mysql": _MYSQL,
+    "mariadb": dataclasses.replace(_MYSQL, name="mariadb"),
+    "sqlite": _SQLITE,
+}
+
+
+def dialect_of(name: str | URL) -> Dialect:
+    """The facts of the dialect ``name`` (or of a URL's), before any
+    connection: refused as :func:`check_dialect` refuses an unknown one."""
+    if isinstance(name, URL):
+        name = name.get_backend_name()
+    found = _DIALECTS.get(name)
+    if found is None:
+        check_dialect(name, "")
+        raise AssertionError(name)  # check_dialect raised for every name not here
+    return found
+
+
+def file_database(url: str | URL) -> bool:
+    """Whether ``url`` (or a dialect name) is a database in one local file
+    (SQLite: see :attr:`Dialect.file`); False for one dblock does not speak,
+    which is refused where the URL is used."""
+    found = _DIALECTS.get(url if isinstance(url, str) else url.get_backend_name())
+    return found is not None and found.file
 
 
 def check_dialect(dialect: str, driver: str) -> None:
@@ -179,9 +318,9 @@ def borrow(
     # The driver spelled out: the connections are that driver's, and a bare
     # postgresql:// must not turn into dblock's default driver on the way.
     url = engine.url.set(drivername=f"{engine.url.get_backend_name()}+{engine.dialect.driver}")
-    sqlite = url.get_backend_name() == "sqlite"
-    kwargs = check_engine_options(options, name=name, borrowed=not sqlite)
-    if sqlite:
+    file = file_database(url)
+    kwargs = check_engine_options(options, name=name, borrowed=not file)
+    if file:
         return url, kwargs
     pool: Any = engine.pool
     inherited: dict[str, Any] = {"creator": pool._creator}
@@ -202,7 +341,8 @@ def make_engine(
     }
     backend = url.get_backend_name()
     check_url(url)
-    if backend == "sqlite":
+    dialect = dialect_of(backend)
+    if dialect.file:
         database = url.database or ""
         if database in ("", ":memory:") or "mode=memory" in str(url):
             raise LockArgumentError(
@@ -218,8 +358,8 @@ def make_engine(
             "check_same_thread": False,
             **(options.get("connect_args") or {}),
         }
-    elif backend in ("mysql", "mariadb") and "charset" not in url.query:
-        url = url.update_query_dict({"charset": "utf8mb4"})
+    elif dialect.charset is not None and "charset" not in url.query:
+        url = url.update_query_dict({"charset": dialect.charset})
     kwargs.update(options)
     try:
         engine = create_engine(url, **kwargs)
@@ -239,11 +379,11 @@ def make_engine(
         ) from exc
     except (ArgumentError, TypeError) as exc:
         raise LockArgumentError(f"cannot make an engine for {mask(url)}: {exc}") from exc
-    if backend == "sqlite":
+    if dialect.file:
         event.listen(engine, "connect", sqlite_pragmas)
         busy = options["connect_args"].get("timeout", SQLITE_BUSY_TOTAL)
         _sqlite_busy[engine] = float(busy) if isinstance(busy, (int, float)) else SQLITE_BUSY_TOTAL
-    if pooler and backend == "postgresql" and url.get_driver_name() == "psycopg":
+    if pooler and dialect.prepares and url.get_driver_name() == "psycopg":
         # psycopg2 never prepares a statement: nothing to turn off.
         event.listen(engine, "connect", _never_prepare)
     return engine

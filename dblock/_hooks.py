@@ -36,6 +36,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from ._engine import Dialect
 from ._store.aio import async_url as _async_url
 from .aio import AsyncLockManager
 from .manager import LockManager
@@ -74,18 +75,21 @@ class LockStatements:
     returning: bool
     #: The release answers with rows to be fetched (PostgreSQL's NOTIFY SELECT).
     release_returns: bool
+    #: The acquire's rows name the holder, granted or not (PostgreSQL's).
+    names_holder: bool = False
+    #: The store's dialect, whose flags say the lease's unit.
+    facts: Dialect | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def acquire_params(self, ttl: float) -> dict[str, Any]:
         """The lease parameter, in the unit this database's statement takes."""
-        if self.dialect == "mysql":
-            return {"ttl_us": round(ttl * 1e6)}
-        return {"ttl": ttl}
+        assert self.facts is not None
+        return self.facts.lease_params(ttl)
 
     def granted(self, rows: Any, rowcount: int, token: str) -> bool:
         """Whether the acquire's answer (its fetched rows, its row count)
         granted the lock to ``token``: PostgreSQL's answers with the holder
         either way."""
-        if self.dialect == "postgresql":
+        if self.names_holder:
             return bool(rows) and rows[0][0] == token
         if self.returning:
             return bool(rows)
@@ -95,18 +99,20 @@ class LockStatements:
 def lock_statements(manager: LockManager) -> LockStatements:
     """What ``manager`` sends to take and give back an exclusive lock.
 
-    On MariaDB this asks the server once which INSERT dblock sends (with
-    RETURNING from 10.5), as the store itself does on its first lock."""
-    store: Any = manager.store
-    dialect = manager.dialect
-    if dialect == "mysql":
-        store._capabilities()
-        returning = bool(store.returning)
-        acquire = store._insert_returning_sql if returning else store._insert_sql
-        return LockStatements(dialect, acquire, store._release_sql, {}, returning, False)
-    release_params = {"channel": store._channel} if dialect == "postgresql" else {}
+    On MySQL and MariaDB (``mysql://`` or ``mariadb://`` alike) this asks
+    the server once which INSERT dblock sends (with RETURNING from MariaDB
+    10.5), as the store itself does on its first lock."""
+    store = manager.store
+    sql = store.exclusive_sql()
     return LockStatements(
-        dialect, store._acquire_sql, store._release_sql, release_params, True, True
+        store.dialect.name,
+        sql.acquire,
+        sql.release,
+        sql.release_params,
+        sql.returning,
+        sql.release_returns,
+        sql.names_holder,
+        store.dialect,
     )
 
 
@@ -156,13 +162,13 @@ class ListenerView:
     @property
     def thread(self) -> threading.Thread | None:
         """The thread that listens (``None`` until a first waiter)."""
-        thread: threading.Thread | None = self._listener._thread
+        thread: threading.Thread | None = self._listener.thread
         return thread
 
     @property
     def buckets(self) -> int:
         """The channels (buckets of keys) it listens to now."""
-        return len(getattr(self._listener, "_listened", ()))
+        return len(self._listener.listened)
 
 
 def listener_of(manager: LockManager) -> ListenerView | None:

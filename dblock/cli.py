@@ -35,7 +35,7 @@ from typing import NoReturn
 from sqlalchemy import URL
 
 from . import __version__, migrations
-from ._engine import ENV_URL, check_url, mask, mask_text, resolve_url
+from ._engine import ENV_URL, check_url, file_database, mask, mask_text, resolve_url
 from ._store.admin import LockRow, LockStats, TableHealth, filter_phrase, rows_json
 from ._store.jobs import RunRow
 from .config import Config
@@ -571,7 +571,7 @@ def _manager(args: argparse.Namespace) -> LockManager:
     creates the database (an SQLite file, or its directories)."""
     table = _names(args).table
     url = resolve_url(args.url)
-    if url.get_backend_name() == "sqlite":
+    if file_database(url):
         database = url.database or ""
         if database and not database.startswith("file:") and database != ":memory:":
             path = Path(database).expanduser()
@@ -646,7 +646,7 @@ def _migrate_sql(url: URL, names: TableNames, start: str | None) -> int:
 def _current_revision(url: URL, names: TableNames) -> str | None:
     """The revision the database at ``url`` is at (None: dblock was never
     migrated there, or the SQLite file does not exist: it is not made)."""
-    if url.get_backend_name() == "sqlite":
+    if file_database(url):
         database = url.database or ""
         if database in ("", ":memory:") or (
             not database.startswith("file:") and not Path(database).expanduser().is_file()

@@ -176,13 +176,14 @@ class AsyncStore:
         self.store = store
         url = async_url(store.engine.url)
         backend = url.get_backend_name()
+        dialect = store.dialect
         options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
-        if backend == "sqlite":
+        if dialect.file:
             # As the blocking engine: the pragmas at connect wait this long
             # for the file's write lock; statements wait in slices after.
             options["connect_args"] = {"timeout": SQLITE_BUSY_TOTAL}
-        elif backend in ("mysql", "mariadb") and "charset" not in url.query:
-            url = url.update_query_dict({"charset": "utf8mb4"})
+        elif dialect.charset is not None and "charset" not in url.query:
+            url = url.update_query_dict({"charset": dialect.charset})
         options.update(engine_options or {})
         self._url = url
         self._options = options
@@ -197,7 +198,7 @@ class AsyncStore:
         # sqlite_pragmas), since SQLite's busy handler ignores interrupt();
         # the store says how many slices each statement may wait (run,
         # SQLiteStore.retry).
-        self._finish = backend == "sqlite"
+        self._finish = dialect.file
         #: Statements sent (for the benchmark: exact on every path, and free).
         self.statements = 0
         # The first loop's pool; its engine is ``engine`` (event listeners
@@ -232,9 +233,9 @@ class AsyncStore:
         # Per connection, as on the blocking engine: WAL and NORMAL sync on
         # SQLite (without them every commit waits for an fsync, ~2 ms here),
         # no prepared statements through a transaction-mode pooler.
-        if self._backend == "sqlite":
+        if self.store.dialect.file:
             event.listen(sync_engine, "connect", sqlite_pragmas)
-        elif self._backend == "postgresql" and self.store.config.pooler:
+        elif self.store.dialect.prepares and self.store.config.pooler:
             event.listen(sync_engine, "connect", _never_prepare_async)
         return engine
 

@@ -34,7 +34,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
 from .. import _threads
-from .._engine import mask, mask_text
+from .._engine import Dialect, dialect_of, mask, mask_text
 from ..config import Config
 from ..errors import (
     AuthenticationFailed,
@@ -51,6 +51,7 @@ from .admin import COLUMNS, LockRow, LockStats, SweepReason, TableHealth, lock_r
 
 __all__ = [
     "Backoff",
+    "ExclusiveSQL",
     "Executor",
     "Grant",
     "Holder",
@@ -122,6 +123,24 @@ class Holder:
 # they mean to it.
 Interrupted = ConnectionLost
 Unreachable = DatabaseUnreachable
+
+
+@dataclasses.dataclass(frozen=True)
+class ExclusiveSQL:
+    """The exclusive lock's acquire and release as a store sends them
+    (:meth:`Store.exclusive_sql`, read by ``dblock._hooks`` for the
+    benchmark), in the driver's paramstyle."""
+
+    acquire: str
+    release: str
+    #: What the release takes beyond ``key`` and ``token``.
+    release_params: dict[str, Any]
+    #: The acquire answers with rows (else its row count says).
+    returning: bool
+    #: The release answers with rows to be fetched.
+    release_returns: bool
+    #: The acquire's rows name the holder, granted or not (else a row is a grant).
+    names_holder: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -749,6 +768,9 @@ class Store:
             is_missing_table=self.is_missing_table,
         )
         self.quoted = engine.dialect.identifier_preparer.quote
+        #: What this store's database is and can do: from the dialect's name
+        #: now, with the server's own facts once :meth:`server_steps` ran.
+        self.dialect: Dialect = dialect_of(engine.dialect.name)
         # (key, token) pairs whose acquisition may have committed although the
         # caller was told it failed; deleted as soon as the database answers.
         self._orphans: deque[tuple[str, str, int, bool]] = deque()
@@ -775,6 +797,20 @@ class Store:
         if found is None:
             found = self._kind_sql[make] = make(self)
         return cast("K", found)
+
+    def server_steps(self) -> Steps[Dialect]:
+        """Read what only the server can say of the dialect (once: the
+        dialect's store sets :attr:`dialect` the first time); nothing to
+        read where the name says it all."""
+        yield from ()  # nothing to send
+        return self.dialect
+
+    def known_dialect(self) -> Dialect:
+        """:attr:`dialect`, the server's facts read first if need be (one
+        blocking statement or three, once per store)."""
+        if not self.dialect.known:
+            self.drive(self.server_steps())
+        return self.dialect
 
     # -- the contract ------------------------------------------------------
 
@@ -813,6 +849,11 @@ class Store:
     def release_many_steps(self, requests: Sequence[tuple[str, str]]) -> Steps[list[bool]]:
         """Group commit: :meth:`release_steps` for each ``(key, token)`` of
         distinct keys, answered in order."""
+        raise NotImplementedError
+
+    def exclusive_sql(self) -> ExclusiveSQL:
+        """The exclusive lock's two statements as this store sends them (on
+        the MySQL family, once the server said whether it has RETURNING)."""
         raise NotImplementedError
 
     def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:

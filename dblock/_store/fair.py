@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import KindMismatch
 from .base import Grant, Holder, Result, Steps
@@ -38,6 +38,7 @@ from .sqlparts import SQLITE_NOW, key_lock, mysql_grant, mysql_take_over, notify
 
 if TYPE_CHECKING:
     from .base import Store
+    from .postgresql import PostgresStore
 
 __all__ = [
     "DROPPED",
@@ -325,7 +326,7 @@ class PostgresFair(FairSQL):
         return bool(released), Grant(ticket, expires_at, (expires_at - now).total_seconds())
 
     def handed(self, address: str) -> int | None:
-        listener = getattr(self.store, "_listener", None)
+        listener = cast("PostgresStore", self.store).made_listener
         return None if listener is None else listener.take_handed(address)
 
     def enter_steps(
@@ -701,8 +702,8 @@ class MySQLFair(FairSQL):
         """MariaDB 10.5+, not Galera, fences drawn under the AUTO-INC lock
         (known once the capabilities were read: always, by the time a lock
         is released)."""
-        store: Any = self.store
-        return bool(store.returning) and store.galera is False and not store.redraws_fences
+        dialect = self.store.dialect
+        return bool(dialect.returning) and dialect.galera is False and not dialect.redraws_fences
 
     def _on_galera(self, store: Any) -> None:
         """Galera: every statement that decides or reads the order carries the
@@ -730,9 +731,9 @@ class MySQLFair(FairSQL):
     def _ready_steps(self) -> Steps[None]:
         """The store's capabilities known, and the statements fit for them."""
         store: Any = self.store
-        if store.returning is None:
-            yield from store._capabilities_steps()
-        if store.galera and not self._galera:
+        if not store.dialect.known:
+            yield from store.server_steps()
+        if store.dialect.galera and not self._galera:
             self._on_galera(store)
 
     def _head_steps(
@@ -833,8 +834,8 @@ class MySQLFair(FairSQL):
         """A granted waiter's queue row stays to its release, whose DELETE …
         RETURNING tells the head apart (MariaDB; see the class docstring).
         Not on Galera, whose fair path stays as it was (see turn_steps)."""
-        store: Any = self.store
-        return bool(store.returning) and not store.galera
+        dialect = self.store.dialect
+        return bool(dialect.returning) and not dialect.galera
 
     def leave_steps(self, key: str, token: str) -> Steps[bool]:
         params = {"key": key, "token": token}
@@ -944,6 +945,7 @@ def fair_sql(store: Store) -> FairSQL:
 
 
 def _for_dialect(store: Store) -> FairSQL:
-    dialect = store.engine.dialect.name
-    cls = {"postgresql": PostgresFair, "sqlite": SQLiteFair}.get(dialect, MySQLFair)
+    cls: type[FairSQL] = store.dialect.pick(
+        postgresql=PostgresFair, mysql=MySQLFair, sqlite=SQLiteFair
+    )
     return cls(store)

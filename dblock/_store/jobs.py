@@ -110,8 +110,7 @@ def statements(store: Store) -> JobSQL:
 
 
 def _for_dialect(store: Store) -> JobSQL:
-    dialect = store.engine.dialect.name
-    cls = _Postgres if dialect == "postgresql" else _SQLite if dialect == "sqlite" else _MySQL
+    cls: type[JobSQL] = store.dialect.pick(postgresql=_Postgres, mysql=_MySQL, sqlite=_SQLite)
     return cls(store)
 
 

@@ -60,11 +60,12 @@ from typing import Any, ClassVar
 
 from sqlalchemy.engine import Engine
 
+from .._engine import Dialect
 from ..config import Config
 from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, TableHealth, lock_row
-from .base import Grant, Holder, Interrupted, Lease, Result, Steps, log
+from .base import ExclusiveSQL, Grant, Holder, Interrupted, Lease, Result, Steps, Store, log
 from .sqlparts import mysql_grant, mysql_take_over
 from .wake import PROBE_SQL, NamedLockWaker, WokenStore
 
@@ -86,6 +87,21 @@ _GALERA_INSERT = "SET STATEMENT wsrep_retry_autocommit=0, wsrep_sync_wait=4 FOR 
 _GALERA_READ = "SET STATEMENT wsrep_sync_wait=1 FOR "
 
 
+class _DialectFlag:
+    """A flag of the store's :class:`~dblock._engine.Dialect` read as the
+    store's attribute (what the other kinds and the tests read); setting it
+    (a test that turns RETURNING off) makes the dialect's copy say so."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, store: Any, owner: Any = None) -> Any:
+        return getattr(store.dialect, self.name)
+
+    def __set__(self, store: Any, value: Any) -> None:
+        store.dialect = store.dialect.connected(**{self.name: value})
+
+
 @register("mysql", "mariadb")
 class MySQLStore(WokenStore):
     # MariaDB (RETURNING) hands a held row to the next local thread with
@@ -93,11 +109,16 @@ class MySQLStore(WokenStore):
     # the server is known. MySQL proper: every local grant is a row of its own.
     can_transfer = False
     reserves_fences = False
-    # InnoDB without its AUTO-INC lock (innodb_autoinc_lock_mode = 2: Galera
-    # requires it, MySQL 8 defaults to it) draws a fence before it finds the
-    # key free: a granted row's fence is drawn again once the row is ours
-    # (see _ours), where the server has RETURNING. Set once the server is known.
-    redraws_fences = False
+    # What the server said at the first connection (server_steps), read
+    # from the store's dialect: RETURNING (MariaDB 10.5+), Galera, and
+    # whether a granted row's fence is drawn again: InnoDB without its
+    # AUTO-INC lock (innodb_autoinc_lock_mode = 2: Galera requires it, MySQL
+    # 8 defaults to it) draws a fence before it finds the key free, so a
+    # granted row's fence is drawn again once the row is ours (see _ours),
+    # where the server has RETURNING. None (False) until the server is known.
+    returning = _DialectFlag("returning")
+    galera = _DialectFlag("galera")
+    redraws_fences = _DialectFlag("redraws_fences")
     # PROCESSLIST shows a user its own threads (see Store.settle_later).
     alive_sql: ClassVar[str | None] = (
         "SELECT 1 FROM information_schema.PROCESSLIST WHERE ID = %(id)s"
@@ -134,9 +155,7 @@ class MySQLStore(WokenStore):
         )
         self._now_sql = f"SELECT {now}"
         self._t = t
-        # Capabilities are read from the server on first use, not at import.
-        self.returning: bool | None = None
-        self.galera: bool | None = None
+        # The server's facts are read on first use, not at import (server_steps).
         self._galera_sql = (
             _GALERA_INSERT + self._insert_sql,
             _GALERA_INSERT + self._insert_returning_sql,
@@ -158,7 +177,7 @@ class MySQLStore(WokenStore):
         self._waker: NamedLockWaker | None = None
         self._waker_lock = threading.Lock()
 
-    def _capabilities_steps(self) -> Steps[None]:
+    def server_steps(self) -> Steps[Dialect]:
         # Read from the server on first use, not at import; idempotent (only
         # assignments of values computed in advance), so two first uses
         # racing each other do no harm.
@@ -170,10 +189,9 @@ class MySQLStore(WokenStore):
         if galera:
             # Other strings: retry() tells the INSERTs apart by identity.
             self._insert_sql, self._insert_returning_sql, self._holder_sql = self._galera_sql
-        self.galera = galera
         (mode,) = (yield "SELECT @@innodb_autoinc_lock_mode", {}, True, False).rows[0]
         returning = _mariadb_returning(str(version))
-        if int(mode) >= 2 and self.returning is None and not returning:
+        if int(mode) >= 2 and not self.dialect.known and not returning:
             log.warning(
                 "dblock: innodb_autoinc_lock_mode = %s on %s: InnoDB may hand out fences "
                 "out of order under load, so a fence can be smaller than the one granted "
@@ -181,9 +199,15 @@ class MySQLStore(WokenStore):
                 mode,
                 self.executor.engine.url.render_as_string(hide_password=True),
             )
-        self.redraws_fences = returning and int(mode) >= 2
-        self.returning = returning
-        self.can_transfer = self.reserves_fences = self.returning
+        self.dialect = self.dialect.connected(
+            server_version=str(version),
+            galera=galera,
+            autoinc_mode=int(mode),
+            redraws_fences=returning and int(mode) >= 2,
+            returning=returning,
+        )
+        self.can_transfer = self.reserves_fences = returning
+        return self.dialect
 
     def for_galera(
         self,
@@ -220,9 +244,8 @@ class MySQLStore(WokenStore):
             return sql
         return _GALERA_READ + sql if read else sql
 
-    def _capabilities(self) -> None:
-        if self.returning is None:
-            self.drive(self._capabilities_steps())
+    #: The tests' older name of :meth:`known_dialect`.
+    _capabilities = Store.known_dialect
 
     def _server_offset_steps(self) -> Steps[float]:
         """Server clock minus ours, refreshed every ten minutes (MySQL only)."""
@@ -236,8 +259,8 @@ class MySQLStore(WokenStore):
         return self._offset
 
     def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
-        if self.returning is None:
-            yield from self._capabilities_steps()
+        if not self.dialect.known:
+            yield from self.server_steps()
         params = {"key": key, "owner": owner, "token": token, "ttl_us": round(ttl * 1e6)}
         for _ in range(_RACE_RETRIES):
             if self.returning:
@@ -346,6 +369,11 @@ class MySQLStore(WokenStore):
             return None
         return Holder(row_owner, row_token, expires_in)
 
+    def exclusive_sql(self) -> ExclusiveSQL:
+        returning = bool(self.known_dialect().returning)  # one statement, once per store
+        acquire = self._insert_returning_sql if returning else self._insert_sql
+        return ExclusiveSQL(acquire, self._release_sql, {}, returning, False)
+
     def release_steps(self, key: str, token: str) -> Steps[bool]:
         try:
             return (
@@ -418,8 +446,8 @@ class MySQLStore(WokenStore):
     def acquire_many_steps(
         self, requests: Sequence[tuple[str, str, str, float]]
     ) -> Steps[list[Grant | Holder]]:
-        if self.returning is None:
-            yield from self._capabilities_steps()
+        if not self.dialect.known:
+            yield from self.server_steps()
         if not self.returning:
             alone: list[Grant | Holder] = []
             for request in requests:
@@ -491,8 +519,8 @@ class MySQLStore(WokenStore):
         return grant
 
     def release_many_steps(self, requests: Sequence[tuple[str, str]]) -> Steps[list[bool]]:
-        if self.returning is None:
-            yield from self._capabilities_steps()
+        if not self.dialect.known:
+            yield from self.server_steps()
         if not self.returning:
             gone_alone: list[bool] = []
             for key, token in requests:
@@ -557,8 +585,7 @@ class MySQLStore(WokenStore):
     now_sql: ClassVar[str] = "UTC_TIMESTAMP(6)"
 
     def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
-        if self.returning is None:
-            self._capabilities()
+        self.known_dialect()
         t = self.quoted(self.names.table)
         column = reason.column
         old = f"{column} <= UTC_TIMESTAMP(6) - INTERVAL %(older_us)s MICROSECOND"

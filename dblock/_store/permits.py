@@ -13,6 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from .._engine import Dialect
 from ..errors import BackendError
 from ..schema import SEMAPHORE, describe
 from .base import Grant, Holder, Lease, Result, Steps, Store, Wait
@@ -24,6 +25,7 @@ __all__ = ["PermitStore", "local_key", "real_key", "size_index"]
 _MYSQL_VICTIM = (1213, 1205, 1467)
 _MYSQL_RETRIES = 8
 _SEP = "\x00"  # never in a key: keys.check_key refuses NUL
+_COLS = "lock_key, slot, kind, mode, holders, permits, owner, token"
 
 
 def local_key(key: str, n: int, index: int) -> str:
@@ -69,94 +71,17 @@ class PermitStore(Store):
         self._unsettled = base._unsettled
         #: key -> N, while some local permit of the key is held or asked for.
         self.permits_of: dict[str, int] = {}  # (only for KindMismatch in this process)
-        self.dialect = dialect = base.engine.dialect.name
-        t = self.quoted(self.names.table)
-        cols = "lock_key, slot, kind, mode, holders, permits, owner, token"
-        if dialect == "postgresql":
-            seq = self.quoted(self.names.sequence).replace("'", "''")
-            mismatch = (
-                f"SELECT FROM {t} AS b WHERE b.lock_key = %(key)s "
-                f"AND (b.kind <> 'semaphore' OR b.permits IS DISTINCT FROM %(n)s)"
-            )
-            self._acquire_sql = (
-                f"WITH {key_lock(self.names.table)}, "
-                f"ins AS (INSERT INTO {t} AS t ({cols}, fence, acquired_at, expires_at) "
-                f"SELECT %(key)s, %(slot)s, 'semaphore', 'permit', 1, %(n)s, %(owner)s, "
-                f"%(token)s, nextval('{seq}'), now(), "
-                f"now() + make_interval(secs => %(ttl)s) FROM lk WHERE NOT EXISTS ({mismatch}) "
-                f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
-                f"token = excluded.token, fence = excluded.fence, "
-                f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
-                f"WHERE t.expires_at <= now() AND t.kind = 'semaphore' "
-                f"AND t.permits = excluded.permits "
-                f"RETURNING t.fence, t.expires_at) "
-                f"SELECT fence, expires_at, now() FROM ins"
-            )
-            self._release_sql = (
-                f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
-                f"AND kind = 'semaphore' RETURNING lock_key) "
-                f"SELECT {notify('lock_key')} FROM gone"
-            )
-            self._rows_sql = (
-                f"SELECT slot, kind, permits, owner, token, fence, expires_at, now() "
-                f"FROM {t} WHERE lock_key = %(key)s"
-            )
-            self._takeover_sql = None
-        elif dialect == "sqlite":
-            NOW = SQLITE_NOW
-            fence = f"(SELECT value + 1 FROM {self.quoted(self.names.fence_table)} WHERE id = 1)"
-            self._acquire_sql = (
-                f"INSERT INTO {t} ({cols}, fence, acquired_at, expires_at) "
-                f"SELECT :key, :slot, 'semaphore', 'permit', 1, :n, :owner, :token, {fence}, "
-                f"{NOW}, {NOW} + :ttl WHERE NOT EXISTS (SELECT 1 FROM {t} AS b "
-                f"WHERE b.lock_key = :key AND (b.kind <> 'semaphore' OR b.permits IS NOT :n)) "
-                f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
-                f"token = excluded.token, fence = excluded.fence, "
-                f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
-                f"WHERE {t}.expires_at <= excluded.acquired_at AND {t}.kind = 'semaphore' "
-                f"RETURNING fence, expires_at, acquired_at"
-            )
-            self._release_sql = (
-                f"DELETE FROM {t} WHERE lock_key = :key AND token = :token AND kind = 'semaphore'"
-            )
-            self._rows_sql = (
-                f"SELECT slot, kind, permits, owner, token, fence, expires_at, {NOW} "
-                f"FROM {t} WHERE lock_key = :key"
-            )
-            self._takeover_sql = None
-            # The file's write lock taken by another connection: an attempt
-            # answers "held" within the exclusive lock's bound, a release
-            # gives up after its (see SQLiteStore.retry).
-            from .sqlite import SQLiteStore
+        #: This dialect's permit statements (one class per dialect, below).
+        self.sql: PermitSQL = base.kind_sql(permit_sql)
 
-            if isinstance(base, SQLiteStore):
-                base.bound_busy(acquire=[self._acquire_sql], release=[self._release_sql])
-        else:  # MySQL / MariaDB: INSERT IGNORE, and an expired permit is deleted first
-            now = "UTC_TIMESTAMP(6)"
-            self._acquire_sql = (
-                f"INSERT IGNORE INTO {t} ({cols}, acquired_at, expires_at) "
-                f"SELECT %(key)s, %(slot)s, 'semaphore', 'permit', 1, %(n)s, %(owner)s, "
-                f"%(token)s, {now}, {now} + INTERVAL %(ttl_us)s MICROSECOND FROM DUAL "
-                f"WHERE NOT EXISTS (SELECT 1 FROM {t} AS b WHERE b.lock_key = %(key)s "
-                f"AND (b.kind <> 'semaphore' OR NOT (b.permits <=> %(n)s)))"
-            )
-            self._acquire_returning_sql = (
-                self._acquire_sql + " RETURNING fence, expires_at, acquired_at"
-            )
-            self._release_sql = (
-                f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
-                f"AND kind = 'semaphore'"
-            )
-            self._rows_sql = (
-                f"SELECT slot, kind, permits, owner, token, fence, expires_at, {now} "
-                f"FROM {t} WHERE lock_key = %(key)s"
-            )
-            self._galera = False
-            self._plain = (self._acquire_sql, self._acquire_returning_sql, self._rows_sql)
-            self._takeover_sql = (
-                f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s "
-                f"AND token = %(token)s AND expires_at <= {now}"
-            )
+    @property
+    def dialect(self) -> Dialect:
+        """The base store's (which learns the server's facts)."""
+        return self.base.dialect
+
+    @dialect.setter
+    def dialect(self, dialect: Dialect) -> None:
+        self.base.dialect = dialect
 
     # -- one attempt ------------------------------------------------------------
 
@@ -168,7 +93,7 @@ class PermitStore(Store):
             grant = yield from self._insert_steps(k, slot, n, token=token, owner=owner, ttl=ttl)
             if grant is not None:
                 return grant  # (or, SQLite, the file's write lock held by another connection)
-            rows = (yield self._rows_sql, {"key": k}, True, False).rows
+            rows = (yield self.sql.rows_sql, {"key": k}, True, False).rows
             found = yield from self._decide_steps(k, n, token, rows)
             if not isinstance(found, str):
                 return found
@@ -179,57 +104,7 @@ class PermitStore(Store):
         self, key: str, slot: str, n: int, *, token: str, owner: str, ttl: float
     ) -> Steps[Grant | Holder | None]:
         params = {"key": key, "slot": slot, "n": n, "owner": owner, "token": token}
-        if self.dialect in ("mysql", "mariadb"):
-            return (yield from self._mysql_insert_steps(params, ttl))
-        params["ttl"] = ttl
-        result = yield self._acquire_sql, params, True, False
-        rows = result.rows
-        if not rows:
-            if self.dialect == "sqlite":
-                from .sqlite import file_was_locked
-
-                if file_was_locked(result):  # nothing written: held, by whom is unknown
-                    return Holder(self.base.busy_holder, None, None)  # type: ignore[attr-defined]
-            return None
-        fence, expires_at, now = rows[0]
-        if self.dialect == "sqlite":
-            grant = sqlite_grant(rows[0])
-            grant.slot = slot
-            return grant
-        return Grant(fence, expires_at, (expires_at - now).total_seconds(), slot)
-
-    def _mysql_insert_steps(self, params: dict[str, Any], ttl: float) -> Steps[Grant | None]:
-        import time
-        from datetime import datetime, timedelta, timezone
-
-        base: Any = self.base
-        if base.returning is None:
-            yield from base._capabilities_steps()
-        params["ttl_us"] = round(ttl * 1e6)
-        if base.galera and not self._galera:
-            # As the exclusive lock's statements there (see dblock._store.mysql):
-            # never report rows of a run Galera rolled back and ran again.
-            plain_insert, plain_returning, plain_read = self._plain  # idempotent: may race
-            self._acquire_sql = base.for_galera(plain_insert, write=True)
-            self._acquire_returning_sql = base.for_galera(plain_returning, write=True)
-            self._rows_sql = base.for_galera(plain_read, read=True)
-            self._galera = True
-        if base.returning:
-            rows = (yield self._acquire_returning_sql, params, True, False).rows
-            if not rows:
-                return None
-            fence, expires_at, now = rows[0]
-            utc = expires_at.replace(tzinfo=timezone.utc)
-            return Grant(fence, utc, (expires_at - now).total_seconds(), params["slot"])
-        sent = time.time()
-        result = yield self._acquire_sql, params, False, True
-        if result.rowcount != 1:
-            return None
-        offset = yield from base._server_offset_steps()
-        start = datetime.fromtimestamp(sent + offset, timezone.utc)
-        return Grant(
-            int(result.lastrowid or 0), start + timedelta(seconds=ttl), ttl, params["slot"]
-        )
+        return (yield from self.sql.insert_steps(params, ttl))
 
     def _decide_steps(
         self, key: str, n: int, token: str, rows: Sequence[tuple[Any, ...]]
@@ -257,32 +132,19 @@ class PermitStore(Store):
             return free[0]
         for slot, (row_token, left) in by_slot.items():
             if left <= 0:
-                if self._takeover_sql is not None:
+                if self.sql.takeover_sql is not None:
                     params = {"key": key, "slot": slot, "token": row_token}
-                    yield self._takeover_sql, params, False, False
+                    yield self.sql.takeover_sql, params, False, False
                 return slot
         assert soonest is not None
         return Holder(soonest[1], None, soonest[0])
 
     def retry(self, sql: str, exc: BackendError, attempt: int) -> Result | float | None:
-        """MySQL/MariaDB: the permit INSERT reads the key's rows (shared
-        locks) and then takes the table's AUTO-INC lock, so two of them can
-        deadlock; InnoDB reports that as 1213, or as 1467 ("failed to read
-        auto-increment value") when it happens on the AUTO-INC lock. The
-        victim was rolled back whole: run it again."""
-        if self.dialect in ("mysql", "mariadb") and attempt < _MYSQL_RETRIES:
-            cause = exc.__cause__
-            args: tuple[object, ...] = getattr(getattr(cause, "orig", None) or cause, "args", ())
-            if args and args[0] in _MYSQL_VICTIM:
-                return 0.005 * 2.0**attempt
-        return self.base.retry(sql, exc, attempt)
+        again = self.sql.retry(exc, attempt)
+        return again if again is not None else self.base.retry(sql, exc, attempt)
 
     def release_steps(self, key: str, token: str) -> Steps[bool]:
-        params = {"key": real_key(key), "token": token}
-        if self.dialect == "postgresql":
-            params["channel"] = self.names.channel_prefix
-            return bool((yield self._release_sql, params, True, False).rows)
-        return (yield self._release_sql, params, False, False).rowcount > 0
+        return (yield from self.sql.release_steps({"key": real_key(key), "token": token}))
 
     def transfer_steps(
         self, key: str, token: str, new_token: str, owner: str, ttl: float, *, extra: int = 0
@@ -314,6 +176,220 @@ class PermitStore(Store):
         self._orphans.clear()
         self._settles = {}
         self._orphans_lock = threading.RLock()
+
+
+class PermitSQL:
+    """One dialect's permit statements, picked by the base store's dialect
+    (:func:`permit_sql`): the INSERT of a permit row, the read of the key's
+    rows, the takeover of an expired one (where the INSERT cannot take it
+    over itself) and the release."""
+
+    acquire_sql: str
+    release_sql: str
+    rows_sql: str
+    takeover_sql: str | None = None
+
+    def __init__(self, base: Store) -> None:
+        self.base = base
+        self.names = base.names
+
+    def insert_steps(self, params: dict[str, Any], ttl: float) -> Steps[Grant | Holder | None]:
+        """Take the permit row ``params`` names if it is free or expired:
+        its grant, or None."""
+        raise NotImplementedError
+
+    def release_steps(self, params: dict[str, Any]) -> Steps[bool]:
+        return (yield self.release_sql, params, False, False).rowcount > 0
+
+    def retry(self, exc: BackendError, attempt: int) -> float | None:
+        """A rule of the dialect's own for a failed permit statement (None:
+        the base store's)."""
+        return None
+
+
+class _PostgresPermits(PermitSQL):
+    def __init__(self, base: Store) -> None:
+        super().__init__(base)
+        names, quoted = self.names, base.quoted
+        t = quoted(names.table)
+        cols = _COLS
+        seq = quoted(names.sequence).replace("'", "''")
+        mismatch = (
+            f"SELECT FROM {t} AS b WHERE b.lock_key = %(key)s "
+            f"AND (b.kind <> 'semaphore' OR b.permits IS DISTINCT FROM %(n)s)"
+        )
+        self.acquire_sql = (
+            f"WITH {key_lock(names.table)}, "
+            f"ins AS (INSERT INTO {t} AS t ({cols}, fence, acquired_at, expires_at) "
+            f"SELECT %(key)s, %(slot)s, 'semaphore', 'permit', 1, %(n)s, %(owner)s, "
+            f"%(token)s, nextval('{seq}'), now(), "
+            f"now() + make_interval(secs => %(ttl)s) FROM lk WHERE NOT EXISTS ({mismatch}) "
+            f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
+            f"token = excluded.token, fence = excluded.fence, "
+            f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
+            f"WHERE t.expires_at <= now() AND t.kind = 'semaphore' "
+            f"AND t.permits = excluded.permits "
+            f"RETURNING t.fence, t.expires_at) "
+            f"SELECT fence, expires_at, now() FROM ins"
+        )
+        self.release_sql = (
+            f"WITH gone AS (DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s "
+            f"AND kind = 'semaphore' RETURNING lock_key) "
+            f"SELECT {notify('lock_key')} FROM gone"
+        )
+        self.rows_sql = (
+            f"SELECT slot, kind, permits, owner, token, fence, expires_at, now() "
+            f"FROM {t} WHERE lock_key = %(key)s"
+        )
+        self.takeover_sql = None
+
+    def insert_steps(self, params: dict[str, Any], ttl: float) -> Steps[Grant | Holder | None]:
+        params["ttl"] = ttl
+        rows = (yield self.acquire_sql, params, True, False).rows
+        if not rows:
+            return None
+        fence, expires_at, now = rows[0]
+        return Grant(fence, expires_at, (expires_at - now).total_seconds(), params["slot"])
+
+    def release_steps(self, params: dict[str, Any]) -> Steps[bool]:
+        params["channel"] = self.names.channel_prefix
+        return bool((yield self.release_sql, params, True, False).rows)
+
+
+class _SQLitePermits(PermitSQL):
+    def __init__(self, base: Store) -> None:
+        super().__init__(base)
+        names, quoted = self.names, base.quoted
+        t = quoted(names.table)
+        cols = _COLS
+        NOW = SQLITE_NOW
+        fence = f"(SELECT value + 1 FROM {quoted(names.fence_table)} WHERE id = 1)"
+        self.acquire_sql = (
+            f"INSERT INTO {t} ({cols}, fence, acquired_at, expires_at) "
+            f"SELECT :key, :slot, 'semaphore', 'permit', 1, :n, :owner, :token, {fence}, "
+            f"{NOW}, {NOW} + :ttl WHERE NOT EXISTS (SELECT 1 FROM {t} AS b "
+            f"WHERE b.lock_key = :key AND (b.kind <> 'semaphore' OR b.permits IS NOT :n)) "
+            f"ON CONFLICT (lock_key, slot) DO UPDATE SET owner = excluded.owner, "
+            f"token = excluded.token, fence = excluded.fence, "
+            f"acquired_at = excluded.acquired_at, expires_at = excluded.expires_at "
+            f"WHERE {t}.expires_at <= excluded.acquired_at AND {t}.kind = 'semaphore' "
+            f"RETURNING fence, expires_at, acquired_at"
+        )
+        self.release_sql = (
+            f"DELETE FROM {t} WHERE lock_key = :key AND token = :token AND kind = 'semaphore'"
+        )
+        self.rows_sql = (
+            f"SELECT slot, kind, permits, owner, token, fence, expires_at, {NOW} "
+            f"FROM {t} WHERE lock_key = :key"
+        )
+        self.takeover_sql = None
+        # The file's write lock taken by another connection: an attempt
+        # answers "held" within the exclusive lock's bound, a release
+        # gives up after its (see SQLiteStore.retry).
+        from .sqlite import SQLiteStore
+
+        if isinstance(base, SQLiteStore):
+            base.bound_busy(acquire=[self.acquire_sql], release=[self.release_sql])
+
+    def insert_steps(self, params: dict[str, Any], ttl: float) -> Steps[Grant | Holder | None]:
+        from .sqlite import file_was_locked
+
+        params["ttl"] = ttl
+        result = yield self.acquire_sql, params, True, False
+        rows = result.rows
+        if not rows:
+            if file_was_locked(result):  # nothing written: held, by whom is unknown
+                return Holder(self.base.busy_holder, None, None)  # type: ignore[attr-defined]
+            return None
+        grant = sqlite_grant(rows[0])
+        grant.slot = params["slot"]
+        return grant
+
+
+class _MySQLPermits(PermitSQL):
+    """MySQL / MariaDB: INSERT IGNORE, and an expired permit is deleted first."""
+
+    def __init__(self, base: Store) -> None:
+        super().__init__(base)
+        names, quoted = self.names, base.quoted
+        t = quoted(names.table)
+        cols = _COLS
+        now = "UTC_TIMESTAMP(6)"
+        self.acquire_sql = (
+            f"INSERT IGNORE INTO {t} ({cols}, acquired_at, expires_at) "
+            f"SELECT %(key)s, %(slot)s, 'semaphore', 'permit', 1, %(n)s, %(owner)s, "
+            f"%(token)s, {now}, {now} + INTERVAL %(ttl_us)s MICROSECOND FROM DUAL "
+            f"WHERE NOT EXISTS (SELECT 1 FROM {t} AS b WHERE b.lock_key = %(key)s "
+            f"AND (b.kind <> 'semaphore' OR NOT (b.permits <=> %(n)s)))"
+        )
+        self.acquire_returning_sql = self.acquire_sql + " RETURNING fence, expires_at, acquired_at"
+        self.release_sql = (
+            f"DELETE FROM {t} WHERE lock_key = %(key)s AND token = %(token)s AND kind = 'semaphore'"
+        )
+        self.rows_sql = (
+            f"SELECT slot, kind, permits, owner, token, fence, expires_at, {now} "
+            f"FROM {t} WHERE lock_key = %(key)s"
+        )
+        self.galera = False
+        self.plain = (self.acquire_sql, self.acquire_returning_sql, self.rows_sql)
+        self.takeover_sql = (
+            f"DELETE FROM {t} WHERE lock_key = %(key)s AND slot = %(slot)s "
+            f"AND token = %(token)s AND expires_at <= {now}"
+        )
+
+    def insert_steps(self, params: dict[str, Any], ttl: float) -> Steps[Grant | Holder | None]:
+        import time
+        from datetime import datetime, timedelta, timezone
+
+        base: Any = self.base
+        if not base.dialect.known:
+            yield from base.server_steps()
+        params["ttl_us"] = round(ttl * 1e6)
+        if base.dialect.galera and not self.galera:
+            # As the exclusive lock's statements there (see dblock._store.mysql):
+            # never report rows of a run Galera rolled back and ran again.
+            plain_insert, plain_returning, plain_read = self.plain  # idempotent: may race
+            self.acquire_sql = base.for_galera(plain_insert, write=True)
+            self.acquire_returning_sql = base.for_galera(plain_returning, write=True)
+            self.rows_sql = base.for_galera(plain_read, read=True)
+            self.galera = True
+        if base.dialect.returning:
+            rows = (yield self.acquire_returning_sql, params, True, False).rows
+            if not rows:
+                return None
+            fence, expires_at, now = rows[0]
+            utc = expires_at.replace(tzinfo=timezone.utc)
+            return Grant(fence, utc, (expires_at - now).total_seconds(), params["slot"])
+        sent = time.time()
+        result = yield self.acquire_sql, params, False, True
+        if result.rowcount != 1:
+            return None
+        offset = yield from base._server_offset_steps()
+        start = datetime.fromtimestamp(sent + offset, timezone.utc)
+        return Grant(
+            int(result.lastrowid or 0), start + timedelta(seconds=ttl), ttl, params["slot"]
+        )
+
+    def retry(self, exc: BackendError, attempt: int) -> float | None:
+        """The permit INSERT reads the key's rows (shared locks) and then
+        takes the table's AUTO-INC lock, so two of them can deadlock; InnoDB
+        reports that as 1213, or as 1467 ("failed to read auto-increment
+        value") when it happens on the AUTO-INC lock. The victim was rolled
+        back whole: run it again."""
+        if attempt < _MYSQL_RETRIES:
+            cause = exc.__cause__
+            args: tuple[object, ...] = getattr(getattr(cause, "orig", None) or cause, "args", ())
+            if args and args[0] in _MYSQL_VICTIM:
+                return 0.005 * 2.0**attempt
+        return None
+
+
+def permit_sql(base: Store) -> PermitSQL:
+    """The permit statements of ``base``'s dialect, built once per store."""
+    cls: type[PermitSQL] = base.dialect.pick(
+        postgresql=_PostgresPermits, mysql=_MySQLPermits, sqlite=_SQLitePermits
+    )
+    return cls(base)
 
 
 def _seconds(expires_at: Any, now: Any) -> float:

@@ -62,7 +62,7 @@ from .. import _threads
 from ..config import Config
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, TableHealth, lock_row
-from .base import Backoff, Grant, Holder, Lease, Steps, Store, Wait, sqlstate
+from .base import Backoff, ExclusiveSQL, Grant, Holder, Lease, Steps, Store, Wait, sqlstate
 from .sqlparts import BUCKETS, key_lock, lock_class, notify, unnest, waiters_class
 
 log = logging.getLogger("dblock")
@@ -235,6 +235,11 @@ class PostgresStore(Store):
         params = {"key": key, "owner": owner, "token": token, "ttl": ttl}
         return _acquired((yield self._acquire_sql, params, True, False).rows, token)
 
+    def exclusive_sql(self) -> ExclusiveSQL:
+        return ExclusiveSQL(
+            self._acquire_sql, self._release_sql, {"channel": self._channel}, True, True, True
+        )
+
     def release_steps(self, key: str, token: str) -> Steps[bool]:
         params = {"key": key, "token": token, "channel": self._channel}
         return bool((yield self._release_sql, params, True, False).rows)
@@ -319,6 +324,12 @@ class PostgresStore(Store):
         if listener is None:
             return super().waiter(key, since)
         return NotifyWait(listener, key, since, self.config, address)
+
+    @property
+    def made_listener(self) -> Listener | None:
+        """The LISTEN connection if :meth:`listener` made it, else None
+        (without making one)."""
+        return self._listener
 
     def listener(self) -> Listener | None:
         """This process's LISTEN connection (made, not yet started, on first
@@ -571,6 +582,16 @@ class Listener:
         self._stopping = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The thread that listens (None until a first waiter)."""
+        return self._thread
+
+    @property
+    def listened(self) -> frozenset[int]:
+        """The buckets of keys whose channels the connection LISTENs to now."""
+        return frozenset(self._listened)
 
     @property
     def listening(self) -> bool:

@@ -38,7 +38,7 @@ MariaDB the ``AUTO_INCREMENT`` value the upsert draws (``VALUES(fence)`` in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -552,7 +552,7 @@ class MySQLRw(RwStatements):
         # drawn again once the row is ours (see _redraw_steps). A row that
         # was gone meanwhile is inserted as a dead read phase (expired, no
         # holders: nobody waits for it) and deleted.
-        self._redraw = bool(getattr(store, "redraws_fences", False)) and galera is not None
+        self._redraw = store.dialect.redraws_fences and galera is not None
         if self._redraw:
             self._redraw_sql = galera(
                 f"INSERT INTO {t} (lock_key, slot, kind, mode, holders, owner, token, "
@@ -673,15 +673,15 @@ class MySQLRw(RwStatements):
 
 def rw_statements(store: Store) -> RwStatements:
     """The read-write statements for ``store``'s dialect."""
-    dialect = store.engine.dialect.name
-    if dialect == "postgresql":
-        return PostgresRw(store)
-    if dialect == "sqlite":
-        return SQLiteRw(store)
-    capabilities = getattr(store, "_capabilities", None)
-    if capabilities is not None:
-        capabilities()  # one statement, once per store
-    if not getattr(store, "returning", False):
+    make: Callable[[Store], RwStatements] = store.dialect.pick(
+        postgresql=PostgresRw, mysql=_mysql_rw, sqlite=SQLiteRw
+    )
+    return make(store)
+
+
+def _mysql_rw(store: Store) -> RwStatements:
+    # The server's facts: one statement, once per store.
+    if not store.known_dialect().returning:
         raise DBLockError(
             "read-write locks on the MySQL family need MariaDB 10.5 or later "
             "(INSERT … ON DUPLICATE KEY UPDATE … RETURNING); this server is not"

@@ -39,7 +39,7 @@ from ..config import Config
 from ..errors import BackendError, DatabaseUnreachable
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, lock_row
-from .base import Grant, Holder, Lease, Result, Steps
+from .base import ExclusiveSQL, Grant, Holder, Lease, Result, Steps
 from .batch import ANSWERS_ALL
 from .sqlparts import SQLITE_CLOCK_STEP, sqlite_grant
 from .sqlparts import SQLITE_NOW as NOW
@@ -209,6 +209,9 @@ class SQLiteStore(WokenStore):
         with self._rules_lock:
             self._acquire_like = self._acquire_like | frozenset(acquire)
             self._release_like = self._release_like | frozenset(release)
+
+    def exclusive_sql(self) -> ExclusiveSQL:
+        return ExclusiveSQL(self._acquire_sql, self._release_sql, {}, True, True)
 
     def release_steps(self, key: str, token: str) -> Steps[bool]:
         gone = (yield self._release_sql, {"key": key, "token": token}, False, False).rowcount > 0

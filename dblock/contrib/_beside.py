@@ -18,6 +18,8 @@ from pathlib import Path
 
 from sqlalchemy import URL
 
+from .._engine import file_database
+
 __all__ = ["beside"]
 
 log = logging.getLogger("dblock")
@@ -28,7 +30,7 @@ _told: set[str] = set()  # lock files already announced in this process
 def beside(url: URL) -> URL:
     """The URL dblock uses for an app whose database is ``url``: unchanged
     unless it is a SQLite file, else the lock file next to it."""
-    if url.get_backend_name() != "sqlite":
+    if not file_database(url):
         return url
     database = url.database or ""
     if database in ("", ":memory:") or database.startswith("file:") or "mode=memory" in str(url):

@@ -61,7 +61,7 @@ from werkzeug.exceptions import Conflict, Locked
 from werkzeug.wrappers import Response as WerkzeugResponse
 
 from .. import decorators, migrations
-from .._engine import ENV_URL, borrow, check_engine_options
+from .._engine import ENV_URL, borrow, check_engine_options, file_database
 from ..decorators import KeySpec, OnBusy
 from ..deferral import DeferHook, Deferred
 from ..errors import DBLockError, LockArgumentError, LockNotAcquired
@@ -243,7 +243,7 @@ def _make_manager(app: Flask, settings: Settings) -> LockManager:
             # Never the app's pool itself: a request holding a session
             # connection would wait for a second one to take a lock.
             borrowed, engine_options = borrow(engine, settings.engine_options, name=_ENGINE_OPTIONS)
-            if engine.dialect.name == "sqlite":
+            if file_database(engine.dialect.name):
                 # SQLite has one writer: dblock's rows go in a file of their
                 # own beside the app's (see dblock.contrib._beside).
                 borrowed = beside(borrowed)
