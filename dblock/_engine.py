@@ -322,13 +322,7 @@ def borrow(
     kwargs = check_engine_options(options, name=name, borrowed=not file)
     if file:
         return url, kwargs
-    pool: Any = engine.pool
-    inherited: dict[str, Any] = {"creator": pool._creator}
-    if getattr(pool, "_pre_ping", False):
-        inherited["pool_pre_ping"] = True
-    if getattr(pool, "_recycle", -1) > 0:
-        inherited["pool_recycle"] = pool._recycle
-    return url, {**inherited, **kwargs}
+    return url, {**pool_connects_as(engine.pool), **kwargs}
 
 
 def make_engine(
@@ -507,3 +501,89 @@ def sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
         cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_SLICE_MS}")
     finally:
         cursor.close()
+
+
+# -- SQLAlchemy's and the drivers' internals, read here only ------------------
+# dblock reads a few private attributes of other libraries where they offer
+# no public way; each is read by one function below, which says why, so an
+# upgrade that moves one breaks here, in one place.
+
+
+def has_events(engine: Engine) -> bool:
+    """Whether anything listens for ``engine``'s execution events (statement
+    counters, tracing, logging): SQLAlchemy's own test (``_has_events``),
+    which has no public name. If the attribute ever goes away: True, the
+    observed path, which is always correct."""
+    return bool(getattr(engine, "_has_events", True))
+
+
+def max_overflow(pool: Any) -> int:
+    """A ``QueuePool``'s ``max_overflow`` (negative: unbounded), which it
+    keeps private (``size()`` and ``timeout()`` are public, this is not);
+    -1 for a pool without one."""
+    value = getattr(pool, "_max_overflow", -1)
+    return value if isinstance(value, int) else -1
+
+
+def invalidate_in_pool(pool: Any, connection: Any, exc: BaseException) -> None:
+    """Like SQLAlchemy on a disconnect (``Pool._invalidate``, its own way to
+    recycle every connection older than ``connection``): the others are
+    likely dead too, or reach the same standby."""
+    pool._invalidate(connection, exc)
+
+
+def gate_pool_wait(pool: Any, gate: Any) -> None:
+    """Make ``gate(get)`` what a ``QueuePool`` calls to hand out a connection
+    (its ``_do_get``, where it waits when all are out): dblock's executor
+    must count the threads waiting there (see ``Executor._gate``); the pool
+    has no public hook for it."""
+    get = pool._do_get
+    pool._do_get = lambda: gate(get)
+
+
+def pool_connects_as(pool: Any) -> dict[str, Any]:
+    """The options of a new engine that connects as ``pool`` does (see
+    :func:`borrow`): its creator (the URL's driver, ``connect_args``,
+    ``creator`` and ``do_connect`` hooks), pre-ping and recycling, which
+    a pool keeps private."""
+    options: dict[str, Any] = {"creator": pool._creator}
+    if getattr(pool, "_pre_ping", False):
+        options["pool_pre_ping"] = True
+    recycle = getattr(pool, "_recycle", -1)
+    if recycle > 0:
+        options["pool_recycle"] = recycle
+    return options
+
+
+def unbind_closed_loop(pool: Any) -> None:
+    """An async pool's checkout queue (an ``asyncio.Queue`` under its
+    ``_pool``, bound by asyncio's mixin to the loop that first waited on it
+    in ``_loop``) unbound from its loop if that loop is closed, so that the
+    next loop's first wait binds it again: asyncio raises for any other loop,
+    and offers no public way to rebind a queue."""
+    inner = getattr(pool_queue(pool), "__dict__", {}).get("_queue")
+    bound = getattr(inner, "_loop", None)
+    if inner is not None and bound is not None and bound.is_closed():
+        inner._loop = None
+
+
+def pool_queue(pool: Any) -> Any:
+    """The queue of a pool's idle connection records (``QueuePool._pool``),
+    emptied by hand when their event loop is closed; None for a pool
+    without one."""
+    return getattr(pool, "_pool", None)
+
+
+def drop_aiomysql_stream(driver: Any) -> bool:
+    """An aiomysql connection of a closed event loop: close its socket (the
+    transport's ``_sock``) and forget its streams (``_writer``, ``_reader``),
+    since its own close schedules on the dead loop. False if ``driver`` is
+    not such a connection."""
+    writer = getattr(driver, "_writer", None)  # aiomysql's StreamWriter, on the dead loop
+    if writer is None:
+        return False
+    sock = getattr(writer.transport, "_sock", None)
+    if sock is not None:
+        sock.close()
+    driver._writer = driver._reader = None
+    return True

@@ -37,7 +37,17 @@ from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 from sqlalchemy.util import greenlet_spawn
 
 from .. import _threads
-from .._engine import SQLITE_BUSY_SLICE_MS, SQLITE_BUSY_TOTAL, sqlite_pragmas
+from .._engine import (
+    SQLITE_BUSY_SLICE_MS,
+    SQLITE_BUSY_TOTAL,
+    drop_aiomysql_stream,
+    has_events,
+    invalidate_in_pool,
+    max_overflow,
+    pool_queue,
+    sqlite_pragmas,
+    unbind_closed_loop,
+)
 from ..errors import BackendError, LockArgumentError, install_hint
 from .base import IDLE_SECONDS, Params, Result, Steps, Store, T, _mark_unsent, not_writable
 from .sqlite import WAITED, sqlite_busy
@@ -106,11 +116,7 @@ class _LoopPool:
         # A queue that waited on the closed loop is bound to it (asyncio's
         # mixin raises for any other loop): unbind it, so the new loop's first
         # wait binds it again. Only when it is bound to a closed loop.
-        queue = getattr(self.sync_engine.pool, "_pool", None)
-        inner = getattr(queue, "__dict__", {}).get("_queue")
-        bound = getattr(inner, "_loop", None)
-        if inner is not None and bound is not None and bound.is_closed():
-            inner._loop = None
+        unbind_closed_loop(self.sync_engine.pool)
 
     def exhausted(self) -> bool:
         """Whether every connection the pool may make is checked out (those
@@ -119,10 +125,10 @@ class _LoopPool:
         pool = self.sync_engine.pool
         if not isinstance(pool, QueuePool):
             return False
-        max_overflow: int = getattr(pool, "_max_overflow", -1)
-        if max_overflow < 0 or pool.overflow() < max_overflow:  # it may still open another
+        overflow = max_overflow(pool)
+        if overflow < 0 or pool.overflow() < overflow:  # it may still open another
             return False
-        return pool.checkedout() >= pool.size() + max_overflow
+        return pool.checkedout() >= pool.size() + overflow
 
     async def aclose(self) -> None:
         idle, self.idle = self.idle, []
@@ -142,7 +148,7 @@ class _LoopPool:
                 conn.close()
         if loop is not None and loop.is_closed():
             # Nobody can close them on their loop any more: quietly here.
-            queue = getattr(self.sync_engine.pool, "_pool", None)
+            queue = pool_queue(self.sync_engine.pool)
             while queue is not None:
                 try:
                     record = queue.get_nowait()
@@ -294,9 +300,9 @@ class AsyncStore:
         if self._finish:
             return await self._run_sqlite(pool, sql, params, fetch, lastrowid)
         self.statements += 1
-        # SQLAlchemy's own test for "does anyone listen?" (as the blocking
-        # executor: if the attribute ever goes away, the observed path).
-        if getattr(pool.sync_engine, "_has_events", True):
+        # Anyone listening for execution events: the observed path (as the
+        # blocking executor).
+        if has_events(pool.sync_engine):
             return await self._statement(pool, sql, params, fetch, lastrowid)
         return await self._direct_statement(pool, sql, params, fetch, lastrowid)
 
@@ -317,7 +323,7 @@ class AsyncStore:
         while True:
             self.statements += 1
             running: list[Any] = []  # the aiosqlite connection, while the statement runs
-            if getattr(pool.sync_engine, "_has_events", True):
+            if has_events(pool.sync_engine):
                 statement = self._statement(pool, sql, params, fetch, lastrowid, running)
             else:
                 statement = self._direct_statement(pool, sql, params, fetch, lastrowid, running)
@@ -383,7 +389,7 @@ class AsyncStore:
                         # (see Executor.run).
                         fairy = await conn.get_raw_connection()
                         await conn.invalidate(exc.orig)
-                        pool.sync_engine.pool._invalidate(fairy, exc.orig)
+                        invalidate_in_pool(pool.sync_engine.pool, fairy, exc.orig)
                     raise
                 except BaseException:
                     # Cancelled mid-statement: the connection's state is
@@ -423,7 +429,7 @@ class AsyncStore:
             if interrupted or not_writable(exc):  # a standby: see Executor.run
                 await self._discard(conn, exc)
                 if not interrupted:  # the idle ones reach the same standby
-                    pool.sync_engine.pool._invalidate(conn, exc)
+                    invalidate_in_pool(pool.sync_engine.pool, conn, exc)
                     stale, pool.idle[:] = list(pool.idle), []
                     for other, _ in stale:
                         await self._discard(other, exc)
@@ -612,13 +618,9 @@ def _drop_dead(dbapi_connection: Any) -> None:
     closed here and its stream forgotten."""
     driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
     try:
-        writer = getattr(driver, "_writer", None)  # aiomysql's StreamWriter, on the dead loop
         pgconn = getattr(driver, "pgconn", None)  # psycopg's libpq connection
-        if writer is not None:
-            sock = getattr(writer.transport, "_sock", None)
-            if sock is not None:
-                sock.close()
-            driver._writer = driver._reader = None
+        if drop_aiomysql_stream(driver):
+            pass
         elif pgconn is not None:
             pgconn.finish()  # libpq's own close: no event loop involved
         elif callable(getattr(driver, "stop", None)):

@@ -34,7 +34,16 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
 from .. import _threads
-from .._engine import Dialect, dialect_of, mask, mask_text
+from .._engine import (
+    Dialect,
+    dialect_of,
+    gate_pool_wait,
+    has_events,
+    invalidate_in_pool,
+    mask,
+    mask_text,
+    max_overflow,
+)
 from ..config import Config
 from ..errors import (
     AuthenticationFailed,
@@ -271,9 +280,8 @@ class Executor:
         self, sql: str, params: Params, fetch: bool = False, lastrowid: bool = False
     ) -> Result:
         """Run ``sql``; ``fetch`` its rows if it returns any."""
-        # SQLAlchemy's own test for "does anyone listen?"; if the attribute ever
-        # goes away we fall back to the observed path, which is always correct.
-        if not self._owns or getattr(self._engine, "_has_events", True):
+        # Anyone listening for execution events: the observed path.
+        if not self._owns or has_events(self._engine):
             return self._run_observed(sql, params, fetch, lastrowid)
         try:
             # _checkout(), its first step inlined: the connection on top of the stack.
@@ -342,7 +350,7 @@ class Executor:
             # goes wherever the route points now (a balancer's, a
             # multi-host URL's read-write choice), this one never will.
             conn.invalidate(exc)
-            self._engine.pool._invalidate(conn, exc)
+            invalidate_in_pool(self._engine.pool, conn, exc)
             self.release_idle()
         else:
             self._checkin(conn, kept)
@@ -401,16 +409,15 @@ class Executor:
         about to wait in it (``QueuePool._do_get``) counts itself and first
         hands one idle connection of our stack back to the pool."""
         self._bounded = None
-        if not isinstance(pool, QueuePool) or getattr(pool, "_max_overflow", -1) < 0:
+        if not isinstance(pool, QueuePool) or max_overflow(pool) < 0:
             return
         self._bounded = pool
         if not self._owns:
             # A borrowed engine's statements never use the stack (see run()),
             # and its pool is the application's: leave it as it is.
             return
-        get = pool._do_get
 
-        def gated_get() -> Any:
+        def gated_get(get: Callable[[], Any]) -> Any:
             with self._mutex:
                 self._pool_waiters += 1
                 spare = self._idle.pop() if self._idle else None
@@ -422,7 +429,7 @@ class Executor:
                 with self._mutex:
                     self._pool_waiters -= 1
 
-        pool._do_get = gated_get  # type: ignore[method-assign]
+        gate_pool_wait(pool, gated_get)
 
     def _connect(self) -> PoolProxiedConnection:
         try:
@@ -455,7 +462,7 @@ class Executor:
         pool = self._engine.pool
         if isinstance(pool, QueuePool):
             what = (
-                f"pool_size {pool.size()}, max_overflow {getattr(pool, '_max_overflow', '?')}, "
+                f"pool_size {pool.size()}, max_overflow {max_overflow(pool)}, "
                 f"pool_timeout {pool.timeout():g} s"
             )
         else:
@@ -495,10 +502,10 @@ class Executor:
         pool = self._bounded
         if pool is None:
             return False
-        max_overflow: int = pool._max_overflow
-        if pool.overflow() < max_overflow:  # it may still open another
+        overflow = max_overflow(pool)
+        if pool.overflow() < overflow:  # it may still open another
             return False
-        return pool.checkedout() >= pool.size() + max_overflow
+        return pool.checkedout() >= pool.size() + overflow
 
     @property
     def closed(self) -> bool:
@@ -565,7 +572,7 @@ class Executor:
             if exc.orig is not None and not_writable(exc.orig):  # see run()
                 fairy = conn.connection
                 conn.invalidate(exc.orig)
-                self._engine.pool._invalidate(fairy, exc.orig)
+                invalidate_in_pool(self._engine.pool, fairy, exc.orig)
                 self.release_idle()
             raise
         except BaseException:
