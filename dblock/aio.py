@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import logging
 import os
 import time
@@ -41,6 +40,7 @@ from sqlalchemy import URL
 from sqlalchemy.engine import Engine
 
 from . import decorators, jobs
+from ._faces import Checked, level2_loop, until_hook
 from ._store import Store
 from ._store.aio import AsyncStore
 from ._store.base import Backoff
@@ -59,10 +59,10 @@ from .errors import (
     ManagerClosed,
 )
 from .lock import HeldLock, Level2, Locker
-from .manager import LockManager, level2_loop, until_hook
-from .multi import ManySteps, acquire_many_steps, order_keys, release_later
+from .manager import LockManager
+from .multi import ManySteps, acquire_many_steps, release_later
 from .options import LockArgs
-from .registry import Entry, Waiter, current_owner
+from .registry import Waiter, current_owner
 from .steps import (
     CALL,
     CLEAN,
@@ -70,7 +70,6 @@ from .steps import (
     SETTLE,
     SLEEP,
     STEPS,
-    TAKE,
     TRANSFER,
     TRY,
     TURN,
@@ -101,13 +100,7 @@ class AsyncWaiter(Waiter):
 
     __slots__ = ("_future", "_loop")
 
-    def __init__(self, entry: Entry, owner: object, ticket: Any) -> None:
-        self.entry = entry
-        self.owner = owner
-        self.ticket = ticket
-        self.granted = False
-        self.ready = False
-        self.grant: Any = None
+    def arm(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._future: asyncio.Future[None] = self._loop.create_future()
 
@@ -382,7 +375,7 @@ class AsyncHeldLock:
         locker = held._locker  # the exclusive lock's, or a semaphore's
         locker.check_extend(held)
         sent_at = time.monotonic()
-        store = manager._astore
+        store = manager.astore
         # Renewal matches (key, token) whatever the slot: the base store's statement.
         leases = await store.drive(store.store.renew_steps([(held.key, held.token, lease)]))
         locker.extended(held, leases, sent_at)
@@ -445,7 +438,7 @@ async def _release_all(held: list[AsyncHeldLock], *, force: bool = False) -> boo
         except LockLost as exc:
             lost = lost or exc
         except BaseException:
-            if held[i].held._released:  # cancelled in its release, not refused (not ours, ...)
+            if held[i].held.released:  # cancelled in its release, not refused (not ours, ...)
                 release_later(lock.held for lock in held[:i])
             raise
     if lost is not None:
@@ -531,18 +524,22 @@ class AsyncLockManager:
             self.sync = LockManager(url, engine_options=engine_options, **options)
             self._owns = True
         try:
-            self._astore = AsyncStore(self.sync.store, engine_options=async_engine_options)
+            #: The statements on the async engine (``_astore``: the former name).
+            self.astore = self._astore = AsyncStore(
+                self.sync.store, engine_options=async_engine_options
+            )
         except BaseException:
             if self._owns:
                 self.sync.close()
             raise
-        self._locker: Locker = self.sync._locker
+        #: The exclusive lock's locker, the wrapped manager's (``_locker``: the former name).
+        self.locker: Locker = self.sync.locker
+        self._locker = self.locker
         # Group commit for tasks, beside the threads' (dblock._store.batch).
-        self._abatcher: AsyncBatcher | None = None
-        if self._locker.batcher is not None:
-            self._abatcher = AsyncBatcher(
-                self.sync.store, self._astore.drive, self._locker._post_noop
-            )
+        self.abatcher: AsyncBatcher | None = None
+        if self.locker.batcher is not None:
+            self.abatcher = AsyncBatcher(self.sync.store, self.astore.drive, self.locker._post_noop)
+        self._abatcher = self.abatcher  # (the former name)
         _amanagers.add(self)
 
     def __repr__(self) -> str:
@@ -568,7 +565,7 @@ class AsyncLockManager:
         ``async_scoped_session`` or ``Session``) holds the lock past the block
         until that session's open transaction ends (see :mod:`dblock.sessions`)."""
         defer = until_hook(until)
-        checked = self.sync._check(key, options)
+        checked = self.sync.checks.check(key, options)
         level2 = level2_loop(fair)
         return AsyncLockRequest(lambda: self._acquire(*checked, level2=level2), defer)
 
@@ -580,7 +577,7 @@ class AsyncLockManager:
         **options: Unpack[LockArgs],
     ) -> AsyncHeldLock:
         """Like :meth:`lock` without ``async with``: ``await held.release()`` when done."""
-        checked = self.sync._check(key, options)
+        checked = self.sync.checks.check(key, options)
         got = await self._acquire(*checked, level2=level2_loop(fair))
         if _own_task(_ACQUIRE):
             got.held._locker.handed_on(got.held)
@@ -633,16 +630,14 @@ class AsyncLockManager:
         from .kinds.semaphore import check_permits
 
         n = check_permits(permits)
-        checked = self.sync._check(key, options)
+        checked = self.sync.checks.check(key, options)
         return AsyncLockRequest(lambda: self._acquire_permit(n, checked))
 
-    async def _acquire_permit(
-        self, n: int, checked: tuple[str, bool, float | None, float, Any]
-    ) -> AsyncHeldLock:
+    async def _acquire_permit(self, n: int, checked: Checked) -> AsyncHeldLock:
         key, blocking, timeout, ttl, options = checked
         from .kinds.semaphore import HeldPermit
 
-        semaphores = self.sync._semaphores_()
+        semaphores = self.sync.kinds.open_semaphores()
         semaphores._size(key, n)
         locker = semaphores.locker
         me = current_owner()
@@ -680,8 +675,7 @@ class AsyncLockManager:
         in one order (see :meth:`dblock.LockManager.lock_many`); ``until`` as
         for :meth:`lock`."""
         defer = until_hook(until)
-        _, blocking, wait, lease, opts = self.sync._check("-", options)
-        ordered = order_keys(keys)
+        ordered, (_, blocking, wait, lease, opts) = self.sync.checks.check_many(keys, options)
         return AsyncLockRequest(
             lambda: self._acquire_many(ordered, blocking, wait, lease, opts), defer
         )
@@ -691,8 +685,8 @@ class AsyncLockManager:
         keys: Iterable[str],
         **options: Unpack[LockArgs],
     ) -> AsyncHeldLocks:
-        _, blocking, wait, lease, opts = self.sync._check("-", options)
-        got = await self._acquire_many(order_keys(keys), blocking, wait, lease, opts)
+        ordered, (_, blocking, wait, lease, opts) = self.sync.checks.check_many(keys, options)
+        got = await self._acquire_many(ordered, blocking, wait, lease, opts)
         if _own_task(_ACQUIRE_MANY):
             for one in got.values():
                 one.held._locker.handed_on(one.held)
@@ -707,22 +701,13 @@ class AsyncLockManager:
         options: Any,
     ) -> AsyncHeldLocks:
         # The rule of dblock.multi.acquire_many (one order, one overall
-        # timeout, everything taken so far given back on failure), driven here.
-        steps: ManySteps[AsyncHeldLock] = acquire_many_steps(keys, timeout)
-        try:
-            op = next(steps)
-            while True:
-                try:
-                    if op[0] is TAKE:
-                        answer: object = await self._acquire(op[1], blocking, op[2], ttl, options)
-                    else:
-                        answer = await _release_all(op[1])
-                except BaseException as exc:
-                    op = steps.throw(exc)
-                else:
-                    op = steps.send(answer)
-        except StopIteration as stop:
-            return AsyncHeldLocks(stop.value)
+        # timeout, everything taken so far given back on failure), its calls
+        # awaited by the asyncio driver.
+        def take(key: str, wait: float | None) -> Awaitable[AsyncHeldLock]:
+            return self._acquire(key, blocking, wait, ttl, options)
+
+        steps: ManySteps[AsyncHeldLock] = acquire_many_steps(keys, timeout, take, _release_all)
+        return AsyncHeldLocks(await _drive(self, steps))
 
     def locked(
         self,
@@ -757,22 +742,15 @@ class AsyncLockManager:
     ) -> Callable[[Callable[P, Awaitable[R]]], Callable[..., Awaitable[R | Skipped]]]:
         """:meth:`dblock.LockManager.once` for ``async def`` jobs: the same
         options, the same decisions (shared with the blocking side)."""
-        key = jobs.job_key(name)
-        per = jobs.check_per(per)
-        job = jobs.JobOptions.make(self.sync, options)
+        once = jobs.Once(self.sync, name, per, options)
 
         def decorate(func: Callable[P, Awaitable[R]]) -> Callable[..., Awaitable[R | Skipped]]:
-            if not inspect.iscoroutinefunction(func):
-                raise LockArgumentError(
-                    f"{getattr(func, '__qualname__', func)!r} is not a coroutine function: "
-                    "use LockManager.once"
-                )
-            passes_fire = jobs.takes_keyword(func, "fire_time")
+            passes_fire = once.passes_fire(func, coroutine=True)
 
             @functools.wraps(func)
             async def run_once(*args: Any, **kwargs: Any) -> R | Skipped:
-                fire_time, next_fire = jobs.fire_times(per, passes_fire, kwargs)
-                return await self._run_job(name, key, job, func, args, kwargs, fire_time, next_fire)
+                fire_time, next_fire = once.fire_times(passes_fire, kwargs)
+                return await self._run_job(once.job, func, args, kwargs, fire_time, next_fire)
 
             return run_once
 
@@ -796,59 +774,31 @@ class AsyncLockManager:
     ) -> R | Skipped:
         """``await alocks.run_job(name, coro_func, *args, ...)``: see
         :meth:`dblock.LockManager.run_job`. ``func`` returns an awaitable."""
-        given = {
-            "at_most": at_most,
-            "at_least": at_least,
-            "retry_failed": retry_failed,
-            "on_skip": on_skip,
-            "wait": wait,
-            "record": record,
-        }
-        key, options, fire, nxt = jobs.prepare_run(
-            self.sync, name, func, given, fire_time=fire_time, next_fire_time=next_fire_time
-        )
-        return await self._run_job(name, key, options, func, args, kwargs, fire, nxt)
+        # The keywords above reach the shared check by name (JobArgs lists them).
+        job, fire, nxt = jobs.prepare_run(self.sync, name, func, locals())
+        return await self._run_job(job, func, args, kwargs, fire, nxt)
 
     async def _run_job(  # noqa: PLR0917 - internal: once and run_job call it
         self,
-        name: str,
-        key: str,
-        options: jobs.JobOptions,
+        job: jobs.Job,
         func: Callable[..., Awaitable[R]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         fire_time: datetime | None,
         next_fire: datetime | None,
     ) -> R | Skipped:
-        """The asyncio driver of :func:`dblock.jobs.run_steps` (the blocking
-        one is :func:`dblock.jobs.run_job`)."""
-        locker = self._locker
-        if self.sync._closed:
-            raise ManagerClosed("this LockManager is closed")
-        got = await _drive(
-            self,
-            jobs.run_steps(
-                locker,
-                name,
-                key,
-                options,
-                lambda: func(*args, **kwargs),
-                fire_time=fire_time,
-                next_fire=next_fire,
-                me=current_owner(),
-                waiter_type=AsyncWaiter,
-            ),
-        )
-        if isinstance(got, jobs._Skip):
-            return jobs.skipped(locker.telemetry, name, key, got, options.on_skip)
-        return got  # type: ignore[no-any-return]
+        """The asyncio driver of the job's steps (the blocking one is
+        :func:`dblock.jobs.run_job`)."""
+        locker = self.sync.checks.open()
+        steps = job.steps(locker, func, args, kwargs, fire_time, next_fire, AsyncWaiter)
+        return job.outcome(locker, await _drive(self, steps))  # type: ignore[no-any-return]
 
     # -- schema and shutdown -----------------------------------------------
 
     async def is_locked(self, key: str) -> bool:
         """Whether anyone holds ``key`` now (see :meth:`dblock.LockManager.is_locked`):
         one statement on the async engine."""
-        key = self.sync._check_key(key)
+        key = self.sync.checks.check_key(key)
         return await self._astore.drive(self.sync.store.is_locked_steps(key))
 
     def owns(self, key: str) -> bool:
@@ -885,9 +835,9 @@ _amanagers: weakref.WeakSet[AsyncLockManager] = weakref.WeakSet()
 
 def _after_fork_in_child() -> None:
     for amanager in list(_amanagers):
-        amanager._astore.after_fork()
-        if amanager._abatcher is not None:
-            amanager._abatcher.after_fork()
+        amanager.astore.after_fork()
+        if amanager.abatcher is not None:
+            amanager.abatcher.after_fork()
 
 
 if hasattr(os, "register_at_fork"):

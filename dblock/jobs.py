@@ -259,23 +259,95 @@ def default_at_most(ttl: float, at_least: object) -> float:
 
 
 def prepare_run(
-    manager: Configured,
-    name: str,
-    func: object,
-    given: Mapping[str, Any],
-    *,
-    fire_time: datetime | None,
-    next_fire_time: datetime | None,
-) -> tuple[str, JobOptions, datetime | None, datetime | None]:
-    """What ``run_job`` checks before any SQL, on both faces: the job's key,
-    its options, its fire times; a clear error for anything wrong."""
+    manager: Configured, name: str, func: object, given: Mapping[str, Any]
+) -> tuple[Job, datetime | None, datetime | None]:
+    """What ``run_job`` checks before any SQL, on both faces: the job (its
+    key, its options), its fire times; a clear error for anything wrong.
+    ``given`` is the call's keywords: the :class:`JobArgs` and
+    ``fire_time``, ``next_fire_time`` (each face passes its ``locals()``, so
+    the names are listed once, in :class:`JobArgs`)."""
     key = job_key(name)
-    options = JobOptions.make(manager, given)
+    options = JobOptions.make(manager, {k: v for k, v in given.items() if k in JOB_ARGS})
+    fire_time, next_fire_time = given.get("fire_time"), given.get("next_fire_time")
     fire = None if fire_time is None else check_fire_time(fire_time)
     nxt = None if next_fire_time is None else check_fire_time(next_fire_time)
     if not callable(func):
         raise LockArgumentError(f"run_job needs a callable to run, got {func!r}")
-    return key, options, fire, nxt
+    return Job(name, key, options), fire, nxt
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Job:
+    """A job as both faces run it, checked before any SQL: the steps of one
+    of its calls (:func:`run_steps`) and what their outcome means. A face
+    only drives the steps: the blocking locker, or the asyncio driver."""
+
+    name: str
+    key: str
+    options: JobOptions
+
+    def steps(  # noqa: PLR0917 - the call, as both faces hold it
+        self,
+        locker: Locker,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        fire_time: datetime | None,
+        next_fire: datetime | None,
+        waiter_type: type[Waiter],
+    ) -> Op[Any]:
+        """The steps of the call ``func(*args, **kwargs)`` by the calling
+        thread (or task)."""
+        return run_steps(
+            locker,
+            self.name,
+            self.key,
+            self.options,
+            lambda: func(*args, **kwargs),
+            fire_time=fire_time,
+            next_fire=next_fire,
+            me=current_owner(),
+            waiter_type=waiter_type,
+        )
+
+    def outcome(self, locker: Locker, got: Any) -> Any:
+        """What the call returns: the function's result, or a skip reported
+        (and raised with ``on_skip="raise"``)."""
+        if isinstance(got, Skip):
+            return skipped(locker.telemetry, self.name, self.key, got, self.options.on_skip)
+        return got
+
+
+class Once:
+    """What ``once`` checks on both faces: the job and ``per`` when it is
+    made, the function when it decorates, the fire times at each call."""
+
+    __slots__ = ("job", "per")
+
+    def __init__(
+        self, manager: Configured, name: str, per: object, options: Mapping[str, Any]
+    ) -> None:
+        key = job_key(name)
+        self.per = check_per(per)
+        self.job = Job(name, key, JobOptions.make(manager, options))
+
+    def passes_fire(self, func: Callable[..., Any], *, coroutine: bool) -> bool:
+        """Refuse a function of the other face; whether it takes ``fire_time``."""
+        if coroutine and not inspect.iscoroutinefunction(func):
+            raise LockArgumentError(
+                f"{getattr(func, '__qualname__', func)!r} is not a coroutine function: "
+                "use LockManager.once"
+            )
+        if not coroutine and inspect.iscoroutinefunction(func):
+            raise LockArgumentError(
+                f"{func.__qualname__} is a coroutine function: use AsyncLockManager.once"
+            )
+        return takes_keyword(func, "fire_time")
+
+    def fire_times(
+        self, passes_fire: bool, kwargs: dict[str, Any]
+    ) -> tuple[datetime | None, datetime | None]:
+        return fire_times(self.per, passes_fire, kwargs)
 
 
 class JobArgs(TypedDict, total=False):
@@ -310,11 +382,18 @@ class JobRun:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Skip:
+class Skip:
+    """Why a run must not run: what :func:`run_steps` returns instead of
+    the function's result (each face turns it into :data:`SKIPPED` or
+    :class:`~dblock.JobSkipped` through :meth:`Job.outcome`)."""
+
     reason: str
     detail: str
     level: int
     holder: str | None = None
+
+
+_Skip = Skip  # the former name
 
 
 _current: contextvars.ContextVar[weakref.ref[JobRun] | None] = contextvars.ContextVar(
@@ -348,7 +427,7 @@ def run_steps(
     a fire time, or ``record``) its row in the record of runs; run ``call``
     (the driver's ``CALL``: called, or awaited, on the caller's thread or
     task); record how it ended and release the key. Returns what ``call``
-    returned, or a :class:`_Skip` when the job must not run.
+    returned, or a :class:`Skip` when the job must not run.
 
     From the moment the key is ours, one ``try`` owns it: whatever is raised
     wherever (the job's exception, a signal handler's, a cancellation), the
@@ -364,7 +443,7 @@ def run_steps(
         if done is not None:
             return done
     held = yield from _take_steps(locker, key, options, me, waiter_type, fire_time)
-    if isinstance(held, _Skip):
+    if isinstance(held, Skip):
         return held
     # (Interrupted before the next frame's ``try``, the lock is released
     # when collected, as any dropped HeldLock is.)
@@ -388,7 +467,7 @@ def _held_run(  # noqa: PLR0912 - one frame owns the run from key to finish (see
 ) -> Op[Any]:
     """:func:`run_steps` once the job's key is ours: from here one ``try``
     owns it (see there)."""
-    run: JobRun | _Skip | None = None
+    run: JobRun | Skip | None = None
     detail: str | None = None  # how the run failed (None: it did not, or not yet)
     closing = False
     began = True  # False: the call says it never started what it runs
@@ -397,7 +476,7 @@ def _held_run(  # noqa: PLR0912 - one frame owns the run from key to finish (see
             run = JobRun(name, held.key, None, None, held)
         else:
             run = yield from _record_steps(locker, held, name, options, fire_time, next_fire, me)
-            if isinstance(run, _Skip):
+            if isinstance(run, Skip):
                 return run  # (its key given back already)
         # Weakly: a reset missed (an interruption in the instant between
         # set() and the assignment) must not keep the run, and its lock,
@@ -439,7 +518,7 @@ def _held_run(  # noqa: PLR0912 - one frame owns the run from key to finish (see
 
 def _ran_already(
     locker: Locker, name: str, options: JobOptions, fire_time: datetime
-) -> Op[_Skip | None]:
+) -> Op[Skip | None]:
     """The skip of a fire time whose run is settled (it succeeded, or failed
     and is not to be retried), read without the job's key; None if it must
     be decided under the key (never recorded, still ``running``: alive or
@@ -461,15 +540,15 @@ def _ran_already(
     return None
 
 
-def _settled(found: RunRow, fire_time: datetime) -> _Skip:
+def _settled(found: RunRow, fire_time: datetime) -> Skip:
     """The skip of a fire time whose run ``found`` succeeded, failed or died."""
     when = fire_time.isoformat()
     if found.outcome == SUCCESS:
-        return _Skip(
+        return Skip(
             "done", f"its run for {when} succeeded on {found.runner} (attempt {found.attempt})", 0
         )
     how = "failed" if found.outcome == FAILED else "died (its runner lost the key)"
-    return _Skip(
+    return Skip(
         "failed",
         f"its run for {when} on {found.runner} {how}; retry_failed=True runs it again",
         0,
@@ -499,7 +578,7 @@ def _take_steps(  # noqa: PLR0917 - internal, one caller
     me: object,
     waiter_type: type[Waiter],
     fire_time: datetime | None,
-) -> Op[HeldLock | _Skip]:
+) -> Op[HeldLock | Skip]:
     """The job's key, or the skip that says who has it. Without a ``wait``
     of its own, a run of a fire time (one that has not run: see
     :func:`_ran_already`) waits up to ``at_most`` for the run that holds
@@ -514,7 +593,7 @@ def _take_steps(  # noqa: PLR0917 - internal, one caller
         entry = locker.registry.get(key)
         if entry is not None and entry.owner is me:
             # Waiting for our own key would wait for ourselves.
-            return _Skip("running", "this thread (or task) is running it already", 1)
+            return Skip("running", "this thread (or task) is running it already", 1)
     blocking = wait > 0
     defaults = locker.defaults
     lock_options = LockOptions(renew=True, max_hold=defaults.max_hold, on_lost=defaults.on_lost)
@@ -599,11 +678,11 @@ def _finish_run(locker: Locker, run: JobRun, detail: str | None, keep: float) ->
         log.error("dblock: job %r lost its key while it ran and failed: %s", run.name, exc)
 
 
-def _busy(key: str, exc: LockBusy | LockTimeout) -> _Skip:
+def _busy(key: str, exc: LockBusy | LockTimeout) -> Skip:
     """The skip for a key another runner holds (or keeps, ``at_least``)."""
     holder = exc.holder
     if holder is not None and holder.endswith(KEPT):
-        return _Skip(
+        return Skip(
             "kept",
             f"its last run, on {holder[: -len(KEPT)]}, ended less than at_least "
             f"after it began: its key {key!r} is kept until then",
@@ -612,7 +691,7 @@ def _busy(key: str, exc: LockBusy | LockTimeout) -> _Skip:
         )
     who = holder or ("another thread of this process" if exc.level == 1 else None)
     where = f"held by {who}" if who else "held"
-    return _Skip("running", f"its key {key!r} is {where}: a run is in progress", exc.level, holder)
+    return Skip("running", f"its key {key!r} is {where}: a run is in progress", exc.level, holder)
 
 
 def _record_steps(  # noqa: PLR0917 - internal, one caller
@@ -623,7 +702,7 @@ def _record_steps(  # noqa: PLR0917 - internal, one caller
     fire_time: datetime | None,
     next_fire: datetime | None,
     me: object,
-) -> Op[JobRun | _Skip]:
+) -> Op[JobRun | Skip]:
     sql = statements(locker.store)
     run_id = os.urandom(16).hex()
     runner = locker.owner_label(me)
@@ -663,7 +742,7 @@ def _decide_steps(  # noqa: PLR0917 - internal, one caller
     next_fire: datetime | None,
     run_id: str,
     runner: str,
-) -> Op[JobRun | _Skip]:
+) -> Op[JobRun | Skip]:
     try:
         inserted = yield (STEPS, insert())
     except SchemaMissing:
@@ -691,7 +770,7 @@ def _decide_steps(  # noqa: PLR0917 - internal, one caller
         inserted = yield (STEPS, insert())
         if inserted:
             return JobRun(name, held.key, fire_time, run_id, held)
-        skip = _Skip("done", f"its run for {when} was recorded by another runner", 0)
+        skip = Skip("done", f"its run for {when} was recorded by another runner", 0)
     elif found.outcome == SUCCESS or not options.retry_failed:
         skip = _settled(found, fire_time)
     else:
@@ -717,7 +796,7 @@ def _decide_steps(  # noqa: PLR0917 - internal, one caller
                 found.runner,
             )
             return JobRun(name, held.key, fire_time, run_id, held, found.attempt + 1)
-        skip = _Skip("done", f"another runner took its run for {when} meanwhile", 0)
+        skip = Skip("done", f"another runner took its run for {when} meanwhile", 0)
     yield from _let_go(locker, held)
     return skip
 
@@ -814,7 +893,7 @@ def describe(exc: BaseException) -> str:
     return db_text(text)[:_DETAIL_MAX]
 
 
-def skipped(manager_telemetry: Any, name: str, key: str, skip: _Skip, on_skip: str) -> Skipped:
+def skipped(manager_telemetry: Any, name: str, key: str, skip: Skip, on_skip: str) -> Skipped:
     """Report a skip (INFO, the metric); raise it or return :data:`SKIPPED`."""
     log.info("dblock: job %r skipped: %s", name, skip.detail)
     if manager_telemetry is not None:
@@ -857,9 +936,7 @@ def check_per(per: object) -> str | None:
 
 def run_job(  # noqa: PLR0917 - internal: the manager's run_job and once call it
     locker: Locker,
-    name: str,
-    key: str,
-    options: JobOptions,
+    job: Job,
     func: Callable[..., R],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -868,23 +945,8 @@ def run_job(  # noqa: PLR0917 - internal: the manager's run_job and once call it
 ) -> R | Skipped:
     """Run ``func(*args, **kwargs)`` as a run of the job, on this thread
     (the manager has checked that it is open)."""
-    telemetry = locker.telemetry
-    got = locker.run(
-        run_steps(
-            locker,
-            name,
-            key,
-            options,
-            lambda: func(*args, **kwargs),
-            fire_time=fire_time,
-            next_fire=next_fire,
-            me=current_owner(),
-            waiter_type=Waiter,
-        )
-    )
-    if isinstance(got, _Skip):
-        return skipped(telemetry, name, key, got, options.on_skip)
-    return got  # type: ignore[no-any-return]
+    got = locker.run(job.steps(locker, func, args, kwargs, fire_time, next_fire, Waiter))
+    return job.outcome(locker, got)  # type: ignore[no-any-return]
 
 
 def fire_times(

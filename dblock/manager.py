@@ -14,7 +14,6 @@ and the store, and hands out locks::
 from __future__ import annotations
 
 import atexit
-import inspect
 import logging
 import os
 import threading
@@ -31,23 +30,16 @@ from sqlalchemy.engine import Engine
 
 from . import decorators, migrations
 from ._engine import make_engine, mask, resolve_url
+from ._faces import Requests, level2_loop, until_hook
+from ._lockers import KindLockers
 from ._store import Store, open_store
-from .config import (
-    Config,
-    check_lease,
-    check_max_hold,
-    check_on_lost,
-    check_timeout,
-    check_wait,
-)
+from .config import Config, check_timeout
 from .decorators import KeySpec, OnBusy
 from .deferral import DeferHook, exit_deferring
-from .errors import DBLockError, LockArgumentError, ManagerClosed
-from .keys import check_key
-from .kinds.fair import queued_loop
-from .lock import UNSET, HeldLock, Level2, Locker, LockOptions, live_lockers
-from .multi import HeldLocks, acquire_many, order_keys
-from .options import LockArgs, lock_args
+from .errors import DBLockError, LockArgumentError
+from .lock import HeldLock, Locker, live_lockers
+from .multi import HeldLocks, acquire_many
+from .options import LockArgs
 from .schema import TableNames
 
 if TYPE_CHECKING:
@@ -59,7 +51,7 @@ if TYPE_CHECKING:
     from .sweeper import Sweeper
     from .telemetry import Recorder
 
-__all__ = ["LockManager", "LockRequest", "SemaphoreRequest"]
+__all__ = ["LockManager", "LockRequest", "SemaphoreRequest", "level2_loop", "until_hook"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -150,9 +142,6 @@ class SemaphoreRequest(LockRequest["HeldPermit"]):
         return wrapper
 
 
-_kinds_lock = threading.Lock()
-
-
 class DecoratingRequest(LockRequest[H]):
     """A :class:`LockRequest` that also decorates a function: each call of the
     decorated function holds a fresh request's lock (``@locks.read_lock("cfg")``)."""
@@ -212,10 +201,18 @@ class LockManager:
             if owns:
                 engine.dispose()
             raise
-        self._locker = Locker(self._store, self.config)
-        self._semaphores: Semaphores | None = None
-        self._rw: RwLocker | None = None  # made on the first read/write lock
-        self._closed = False
+        #: The exclusive lock's locker (for the asyncio face and the kinds).
+        self.locker = self._locker = Locker(self._store, self.config)
+        #: Requests checked before any SQL, for both faces (and closed or not).
+        self.checks = Requests(self.config, self._locker)
+        #: The read-write and semaphore lockers, made on first use.
+        self.kinds = KindLockers(self._store, self.config, self._locker)
+        # The former names of what moved to those two (kept for callers in
+        # the package and the tests).
+        self._check = self.checks.check
+        self._check_key = self.checks.check_key
+        self._rw_locker = self.kinds.open_rw
+        self._semaphores_ = self.kinds.open_semaphores
         self._sweeper: Sweeper | None = None
         _managers.add(self)
 
@@ -224,12 +221,6 @@ class LockManager:
     @property
     def engine(self) -> Engine:
         return self._store.engine
-
-    def _open_locker(self) -> Locker:
-        """The locker, for a call about to take a lock: refused once closed."""
-        if self._closed:
-            raise ManagerClosed("this LockManager is closed")
-        return self._locker
 
     @property
     def url(self) -> str:
@@ -252,6 +243,18 @@ class LockManager:
     @property
     def store(self) -> Store:
         return self._store
+
+    @property
+    def _closed(self) -> bool:  # (the former attribute: see checks.closed)
+        return self.checks.closed
+
+    @property
+    def _rw(self) -> RwLocker | None:  # (the former attribute: see kinds.rw)
+        return self.kinds.rw
+
+    @property
+    def _semaphores(self) -> Semaphores | None:  # (the former attribute: see kinds.semaphores)
+        return self.kinds.semaphores
 
     def __repr__(self) -> str:
         return f"<LockManager {self.url} table={self.config.table!r}>"
@@ -283,7 +286,7 @@ class LockManager:
         :mod:`dblock.kinds.fair`).
         """
         defer = None if until is None else until_hook(until)
-        key, blocking, wait, lease, opts = self._check(key, options)
+        key, blocking, wait, lease, opts = self.checks.check(key, options)
         # Positional: a partial with keywords copies them into a dict per call.
         return LockRequest(
             partial(
@@ -307,7 +310,7 @@ class LockManager:
     ) -> HeldLock:
         """Like :meth:`lock` without ``with``: returns the held lock; call its
         ``release()`` (or use it as a context manager) when done."""
-        key, blocking, wait, lease, opts = self._check(key, options)
+        key, blocking, wait, lease, opts = self.checks.check(key, options)
         return self._locker.acquire(
             key, blocking=blocking, timeout=wait, ttl=lease, options=opts, level2=level2_loop(fair)
         )
@@ -330,10 +333,10 @@ class LockManager:
         from .kinds.semaphore import check_permits
 
         check_permits(permits)
-        key, blocking, wait, lease, opts = self._check(key, options)
+        key, blocking, wait, lease, opts = self.checks.check(key, options)
         return SemaphoreRequest(
             partial(
-                self._semaphores_().acquire,
+                self.kinds.open_semaphores().acquire,
                 key,
                 permits,
                 blocking=blocking,
@@ -356,7 +359,7 @@ class LockManager:
         Re-entrant per thread (or task). Options as for :meth:`lock`; the
         :class:`~dblock.kinds.rw.RwHeld` it yields is a :class:`~dblock.HeldLock`.
         See docs/kinds/read-write.md."""
-        return self._rw_request("read", key, until, options)
+        return _rw_request(self, "read", key, until, options)
 
     def write_lock(
         self,
@@ -370,38 +373,7 @@ class LockManager:
         it after releasing the write lock: a downgrade); a reader asking for
         the write lock gets :class:`~dblock.UpgradeRefused`. Options as for
         :meth:`lock`."""
-        return self._rw_request("write", key, until, options)
-
-    def _rw_request(
-        self, mode: str, key: str, until: object, options: Mapping[str, Any]
-    ) -> DecoratingRequest[RwHeld]:
-        defer = until_hook(until)
-        key, blocking, wait, lease, opts = self._check(key, options)
-        rw = self._rw_locker()
-        acquire = partial(
-            rw.acquire, key, mode, blocking=blocking, timeout=wait, ttl=lease, options=opts
-        )
-        return DecoratingRequest(acquire, defer)
-
-    def _rw_locker(self) -> RwLocker:
-        rw = self._rw
-        if rw is None:
-            from .kinds.rw import RwLocker
-
-            with _kinds_lock:
-                if self._rw is None:
-                    self._rw = RwLocker(self._store, self.config, self._locker)
-                rw = self._rw
-        return rw
-
-    def _semaphores_(self) -> Semaphores:
-        if self._semaphores is None:
-            from .kinds.semaphore import Semaphores
-
-            with _kinds_lock:
-                if self._semaphores is None:
-                    self._semaphores = Semaphores(self._store, self.config, self._locker)
-        return self._semaphores
+        return _rw_request(self, "write", key, until, options)
 
     def locked(
         self,
@@ -453,23 +425,16 @@ class LockManager:
         skipping. See :mod:`dblock.jobs` and docs/jobs.md."""
         from . import jobs
 
-        key = jobs.job_key(name)
-        per = jobs.check_per(per)
-        job = jobs.JobOptions.make(self, options)
+        once = jobs.Once(self, name, per, options)
 
         def decorate(func: Callable[P, R]) -> Callable[..., R | Skipped]:
-            if inspect.iscoroutinefunction(func):
-                raise LockArgumentError(
-                    f"{func.__qualname__} is a coroutine function: use AsyncLockManager.once"
-                )
-            passes_fire = jobs.takes_keyword(func, "fire_time")
+            passes_fire = once.passes_fire(func, coroutine=False)
 
             @wraps(func)
             def run_once(*args: Any, **kwargs: Any) -> R | Skipped:
-                fire_time, next_fire = jobs.fire_times(per, passes_fire, kwargs)
-                return jobs.run_job(
-                    self._open_locker(), name, key, job, func, args, kwargs, fire_time, next_fire
-                )
+                fire_time, next_fire = once.fire_times(passes_fire, kwargs)
+                locker = self.checks.open()
+                return jobs.run_job(locker, once.job, func, args, kwargs, fire_time, next_fire)
 
             return run_once
 
@@ -498,58 +463,9 @@ class LockManager:
         is recorded for ``dblock jobs`` to show. Options as for :meth:`once`."""
         from . import jobs
 
-        given = {
-            "at_most": at_most,
-            "at_least": at_least,
-            "retry_failed": retry_failed,
-            "on_skip": on_skip,
-            "wait": wait,
-            "record": record,
-        }
-        key, options, fire, nxt = jobs.prepare_run(
-            self, name, func, given, fire_time=fire_time, next_fire_time=next_fire_time
-        )
-        return jobs.run_job(self._open_locker(), name, key, options, func, args, kwargs, fire, nxt)
-
-    def _check(
-        self, key: object, given: Mapping[str, Any]
-    ) -> tuple[str, bool, float | None, float, LockOptions | None]:
-        """Validate one request's key and options (:class:`~dblock.options.LockArgs`)
-        before any SQL; an option not given, or ``None``, means the default."""
-        if self._closed:
-            raise ManagerClosed("this LockManager is closed")
-        lock_args(given)
-        blocking = given.get("blocking", True)
-        timeout = given.get("timeout", UNSET)
-        ttl = given.get("ttl")
-        renew = given.get("renew")
-        max_hold = given.get("max_hold")
-        on_lost = given.get("on_lost")
-        if not isinstance(blocking, bool):
-            raise LockArgumentError(f"blocking must be True or False, got {blocking!r}")
-        options = None
-        if renew is not None or max_hold is not None or on_lost is not None:
-            if renew is not None and not isinstance(renew, bool):
-                raise LockArgumentError(f"renew must be True or False, got {renew!r}")
-            defaults = self._locker.defaults
-            options = LockOptions(
-                renew=defaults.renew if renew is None else renew,
-                max_hold=defaults.max_hold if max_hold is None else check_max_hold(max_hold),
-                on_lost=defaults.on_lost if on_lost is None else check_on_lost(on_lost),
-            )
-        if timeout is UNSET:
-            wait = self.config.timeout
-        else:
-            wait = check_timeout(timeout)
-            if not blocking:
-                check_wait(blocking, wait)
-        return (
-            check_key(key),
-            blocking,
-            wait,
-            self.config.ttl if ttl is None else check_lease(ttl),
-            options,
-        )
+        # The keywords above reach the shared check by name (JobArgs lists them).
+        job, fire, nxt = jobs.prepare_run(self, name, func, locals())
+        return jobs.run_job(self.checks.open(), job, func, args, kwargs, fire, nxt)
 
     # -- introspection -----------------------------------------------------
 
@@ -558,19 +474,14 @@ class LockManager:
         taking it: one statement; a lease that has run out counts as free.
         The answer may be stale the moment it arrives: to act on a free key,
         acquire it (``blocking=False``) instead."""
-        key = self._check_key(key)
+        key = self.checks.check_key(key)
         return self._store.drive(self._store.is_locked_steps(key))
 
     def owns(self, key: str) -> bool:
         """Whether the calling thread (or asyncio task) holds the exclusive
         lock of ``key`` now. No SQL: from this process's registry (for a
         read-write lock or a permit, ask its handle: ``held.owned()``)."""
-        return self._locker.owns(self._check_key(key))
-
-    def _check_key(self, key: object) -> str:
-        if self._closed:
-            raise ManagerClosed("this LockManager is closed")
-        return check_key(key)
+        return self._locker.owns(self.checks.check_key(key))
 
     # -- schema --------------------------------------------------------------
 
@@ -596,9 +507,9 @@ class LockManager:
         :class:`~dblock.LockLost`): no lock is ever left held without renewal.
         ``timeout=None`` waits for every holder."""
         wait = check_timeout(timeout)
-        if self._closed:
+        if self.checks.closed:
             return
-        self._closed = True
+        self.checks.closed = True
         _managers.discard(self)
         limit = float("inf") if wait is None else wait
         # Each part is closed whatever the others raised (each reports its
@@ -606,10 +517,7 @@ class LockManager:
         parts: list[Callable[[], object]] = []
         if self._sweeper is not None:
             parts.append(self._sweeper.stop)  # first: its last run may still take its own lock
-        if self._semaphores is not None:
-            parts.append(partial(self._semaphores.close, limit))
-        if self._rw is not None:
-            parts.append(partial(self._rw.close, limit))
+        parts += self.kinds.closers(limit)
         parts += [partial(self._locker.close, limit), self._store.close]
         first: BaseException | None = None
         for close in parts:
@@ -639,8 +547,7 @@ class LockManager:
         processes may each start one: they take turns through a lock."""
         from .sweeper import Sweeper
 
-        if self._closed:
-            raise ManagerClosed("this LockManager is closed")
+        self.checks.open()
         if self._sweeper is not None and self._sweeper.running:
             raise DBLockError(f"{self._sweeper!r} already runs for this manager")
         sweeper = Sweeper(self, interval=interval, **options)
@@ -649,10 +556,7 @@ class LockManager:
         return sweeper
 
     def _after_fork(self) -> None:
-        if self._semaphores is not None:
-            self._semaphores.after_fork()
-        if self._rw is not None:
-            self._rw.after_fork()
+        self.kinds.after_fork()
         self._locker.after_fork()
         self._store.after_fork()
 
@@ -672,12 +576,12 @@ class LockManager:
         acquisition, and if one key cannot be had the others are released.
         The other options are those of :meth:`lock`, for every key."""
         defer = until_hook(until)
-        _, blocking, wait, lease, opts = self._check("-", options)
+        ordered, (_, blocking, wait, lease, opts) = self.checks.check_many(keys, options)
         return LockRequest(
             partial(
                 acquire_many,
                 self._locker,
-                order_keys(keys),
+                ordered,
                 blocking=blocking,
                 timeout=wait,
                 ttl=lease,
@@ -692,28 +596,23 @@ class LockManager:
         **options: Unpack[LockArgs],
     ) -> HeldLocks:
         """Like :meth:`lock_many` without ``with``: call ``release()`` on the result."""
-        _, blocking, wait, lease, opts = self._check("-", options)
+        ordered, (_, blocking, wait, lease, opts) = self.checks.check_many(keys, options)
         return acquire_many(
-            self._locker, order_keys(keys), blocking=blocking, timeout=wait, ttl=lease, options=opts
+            self._locker, ordered, blocking=blocking, timeout=wait, ttl=lease, options=opts
         )
 
 
-def level2_loop(fair: object) -> Level2 | None:
-    """The acquire loop of the row for a request: the fair queue's, or the
-    exclusive lock's (None)."""
-    if fair is False:
-        return None
-    if fair is not True:
-        raise LockArgumentError(f"fair must be True or False, got {fair!r}")
-    return queued_loop
-
-
-def until_hook(until: object) -> DeferHook | None:
-    if until is None:
-        return None
-    from .sessions import session_hook  # SQLAlchemy's ORM, only for those who use it
-
-    return session_hook(until)
+def _rw_request(
+    manager: LockManager, mode: str, key: str, until: object, options: Mapping[str, Any]
+) -> DecoratingRequest[RwHeld]:
+    """``read_lock`` and ``write_lock``: checked now, the locker made on first use."""
+    defer = until_hook(until)
+    key, blocking, wait, lease, opts = manager.checks.check(key, options)
+    rw = manager.kinds.open_rw()
+    acquire = partial(
+        rw.acquire, key, mode, blocking=blocking, timeout=wait, ttl=lease, options=opts
+    )
+    return DecoratingRequest(acquire, defer)
 
 
 def _after_fork_in_child() -> None:

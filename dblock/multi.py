@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import LockArgumentError, LockLost, LockTimeout
 from .keys import check_key
 from .lock import HeldLock, Locker, LockOptions, release_on_exit
-from .steps import GIVE_BACK, TAKE
+from .steps import CALL
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -134,28 +135,35 @@ def release_later(held: Iterable[HeldLock]) -> None:
         lock._locker.release_later(lock)
 
 
-# What acquire_many_steps asks its driver to do (the first item of each
-# yielded tuple), and what it answers:
 H = TypeVar("H")
-#: The multi-key rule without I/O: yields what to take or give back,
-#: receives the held locks, returns them all (see :func:`acquire_many_steps`).
+#: The multi-key rule without I/O: yields the face's own calls to take one
+#: key or give back what was taken (``CALL`` ops, which the face's step
+#: driver calls or awaits), returns the held locks (see :func:`acquire_many_steps`).
 ManySteps = Generator[tuple[Any, ...], Any, list[H]]
 
 
-def acquire_many_steps(keys: tuple[str, ...], timeout: float | None) -> ManySteps[H]:
+def acquire_many_steps(
+    keys: tuple[str, ...],
+    timeout: float | None,
+    take: Callable[[str, float | None], Any],
+    give_back: Callable[[list[H]], Any],
+) -> ManySteps[H]:
     """Take ``keys`` (already ordered by :func:`order_keys`) one by one within
     one overall ``timeout``; on any failure give back what was taken. Written
-    once for threads and tasks: the blocking driver is :func:`acquire_many`,
-    the asyncio one ``AsyncLockManager``'s (as for the single-key steps)."""
+    once for threads and tasks: ``take(key, wait)`` is the face's acquire of
+    one key within ``wait`` seconds, ``give_back(held)`` its release of
+    several, newest first; each face's step driver runs them (the blocking
+    :meth:`~dblock.lock.Locker.run` for :func:`acquire_many`, the asyncio one
+    for ``AsyncLockManager``'s), as for the single-key steps."""
     deadline = None if timeout is None else time.monotonic() + timeout
     held: list[H] = []
     try:
         for key in keys:
             wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            held.append((yield (TAKE, key, wait)))
+            held.append((yield (CALL, partial(take, key, wait))))
     except BaseException as exc:
         try:
-            yield (GIVE_BACK, held)
+            yield (CALL, partial(give_back, held))
         except LockLost:
             log.exception("dblock: a lock was lost while giving up on %r", keys)
         if isinstance(exc, LockTimeout) and timeout is not None:
@@ -178,20 +186,9 @@ def acquire_many(
 ) -> HeldLocks:
     """Take ``keys`` (already ordered by :func:`order_keys`) one by one within
     one overall ``timeout``; on any failure release what was taken."""
-    steps: ManySteps[HeldLock] = acquire_many_steps(keys, timeout)
-    try:
-        op = next(steps)
-        while True:
-            try:
-                if op[0] is TAKE:
-                    answer: object = locker.acquire(
-                        op[1], blocking=blocking, timeout=op[2], ttl=ttl, options=options
-                    )
-                else:
-                    answer = release_all(op[1])
-            except BaseException as exc:
-                op = steps.throw(exc)
-            else:
-                op = steps.send(answer)
-    except StopIteration as stop:
-        return HeldLocks(stop.value)
+
+    def take(key: str, wait: float | None) -> HeldLock:
+        return locker.acquire(key, blocking=blocking, timeout=wait, ttl=ttl, options=options)
+
+    steps: ManySteps[HeldLock] = acquire_many_steps(keys, timeout, take, release_all)
+    return HeldLocks(locker.run(steps))

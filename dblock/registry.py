@@ -182,6 +182,11 @@ class Waiter:
         self.granted = False
         self.ready = False
         self.grant: Any = None
+        self.arm()
+
+    def arm(self) -> None:
+        """Make what wakes this waiter: a lock the thread blocks on (the
+        asyncio face's waiter makes a future of its loop instead)."""
         self._signal = threading.Lock()
         self._signal.acquire()
 
