@@ -157,8 +157,9 @@ async def aexit_deferring(
     result: Any,
     exc_type: type[BaseException] | None,
 ) -> Any:
-    """Leave the locked code: ``hook`` installs the triggers the release waits
-    for; with none, release now. Returns what ``hook`` returned."""
+    """:func:`dblock.deferral.exit_deferring` for a task's lock (or set): the
+    same hooks and count of ends (:class:`~dblock.deferral.Deferred`); only
+    the release the exit path is left with is awaited, on the async engine."""
     deferred = AsyncDeferred(aheld)
     try:
         result = hook(deferred, result)
