@@ -398,7 +398,7 @@ class AsyncStore:
                     # whatever the statement did is settled when the caller
                     # looks for it by token; a second cancellation cannot
                     # stop the close.
-                    if on_interrupted is not None:  # see MySQLStore.settle_later
+                    if on_interrupted is not None:  # see Orphans.settle_later
                         on_interrupted(driver)
                     await asyncio.shield(conn.invalidate())
                     raise

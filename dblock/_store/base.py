@@ -23,7 +23,6 @@ import random
 import re
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Generator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, ClassVar, TypeVar, cast
@@ -33,7 +32,6 @@ from sqlalchemy import Table
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
-from .. import _threads
 from .._engine import (
     Dialect,
     dialect_of,
@@ -50,15 +48,16 @@ from ..errors import (
     BackendError,
     ConnectionLost,
     DatabaseUnreachable,
-    DBLockError,
     PoolerMismatch,
     PoolExhausted,
     SchemaMissing,
 )
 from ..schema import TableNames, lock_table
 from .admin import COLUMNS, LockRow, LockStats, SweepReason, TableHealth, lock_row
+from .orphans import ORPHAN_ATTEMPTS, Orphans
 
 __all__ = [
+    "ORPHAN_ATTEMPTS",
     "Backoff",
     "ExclusiveSQL",
     "Executor",
@@ -174,15 +173,8 @@ Steps = Generator[Statement, Result, T]
 # SQLAlchemy's pool, so the pool's recycling and pre-ping settings still apply.
 IDLE_SECONDS = 30.0
 
-# Answers with an error the DELETE of an orphan may get before it is dropped.
-ORPHAN_ATTEMPTS = 3
-
-# How long close() waits for statements given up on to end (Store.unsettled).
+# How long close() waits for statements given up on to end (Orphans.unsettled).
 SETTLE_AT_CLOSE = 5.0
-#: How long the orphans wait for a statement interrupted after it was sent
-#: to end on the server (see Store.settle_later): past a lock wait
-#: (innodb_lock_wait_timeout, 50 s by default), which it may be in.
-SETTLE_WAIT = 60.0
 
 # Locks renewed per statement: well under every driver's parameter limit.
 RENEW_CHUNK = 500
@@ -268,7 +260,7 @@ class Executor:
         # connection ends with the request's own timeout rather than the pool's.
         self.request = threading.local()
         #: Called with the DBAPI connection of a statement interrupted after
-        #: it was sent, before that connection is dropped (Store.settle_later
+        #: it was sent, before that connection is dropped (Orphans.settle_later
         #: where the dialect can watch it), or None.
         self.on_interrupted: Callable[[Any], None] | None = None
 
@@ -778,21 +770,14 @@ class Store:
         #: What this store's database is and can do: from the dialect's name
         #: now, with the server's own facts once :meth:`server_steps` ran.
         self.dialect: Dialect = dialect_of(engine.dialect.name)
-        # (key, token) pairs whose acquisition may have committed although the
-        # caller was told it failed; deleted as soon as the database answers.
-        self._orphans: deque[tuple[str, str, int, bool]] = deque()
-        # Orphans settled otherwise than by the exclusive lock's DELETE, by
-        # token: the statement to send instead (a fair-queue request's rows
-        # all go, a job's released row is kept for its at_least).
-        self._settles: dict[str, Callable[[], Steps[bool]]] = {}
-        self._orphans_lock = threading.RLock()
-        # Statements whose caller gave up on them while they may still be
-        # on their way to, or running in, the server (see unsettled()).
-        self._unsettled: set[object] = set()
+        #: Rows of acquisitions whose outcome we never learned (see
+        #: dblock._store.orphans), deleted as soon as the database answers.
+        self.orphans = Orphans(self)
+        self._orphans_lock = self.orphans.lock  # (the tests' name for it)
         #: Wakes whoever deletes the orphans (the lock facade's renewal thread).
         self.wake_cleaner: Callable[[], None] = _nothing
         if self.alive_sql is not None:
-            self.executor.on_interrupted = self.settle_later
+            self.executor.on_interrupted = self.orphans.settle_later
         self._kind_sql: dict[Callable[[Any], Any], Any] = {}
 
     def kind_sql(self, make: Callable[[Store], K]) -> K:
@@ -952,10 +937,10 @@ class Store:
         return key
 
     def close(self) -> None:
-        # A statement given up on may still be running (see unsettled()):
+        # A statement given up on may still be running (see Orphans.unsettled):
         # its orphans are deleted once it ended, if that is soon.
         deadline = time.monotonic() + SETTLE_AT_CLOSE
-        while self._unsettled and time.monotonic() < deadline:
+        while self.orphans.running and time.monotonic() < deadline:
             time.sleep(0.01)
         self.clean_orphans()
         self.executor.close()
@@ -966,12 +951,10 @@ class Store:
         """In a forked child: never reuse the parent's connections."""
         self.engine.dispose(close=False)
         self.executor.forget_idle()
-        self._orphans.clear()
-        self._settles = {}
-        self._orphans_lock = threading.RLock()
-        self._unsettled.clear()  # in place: a semaphore's store shares it
+        self.orphans.after_fork()
+        self._orphans_lock = self.orphans.lock
 
-    # -- orphans -----------------------------------------------------------
+    # -- orphans (see dblock._store.orphans) ---------------------------------
 
     def add_orphan(
         self,
@@ -982,205 +965,20 @@ class Store:
         unreachable: bool = False,
         settle: Callable[[], Steps[bool]] | None = None,
     ) -> None:
-        """Delete the row of ``(key, token)`` once the database answers: an
-        acquisition whose outcome we never learned, or (``released``) a
-        release that could not reach the database. ``settle``: what to send
-        instead of the DELETE (a fair-queue request leaves its queue whole;
-        a job's release was to keep its row, see ``JobSQL.keep_steps``).
-
-        An acquisition cut off by its caller (a cancelled task, Ctrl-C) is
-        ordinary: it is logged at DEBUG, and the WARNING that it "may have
-        committed while the database was unreachable" comes only if the
-        database is in fact unreachable: at once when the caller saw the
-        connection fail (``unreachable``), else when the DELETE cannot reach
-        it. A storm of cancellations on a healthy database logs no warning."""
-        if not released:
-            if unreachable:
-                self._warn_unreachable(key)
-            else:
-                log.debug(
-                    "dblock: acquisition of %r was interrupted with its statement sent; "
-                    "its row, if written, is deleted by its token",
-                    key,
-                )
-        if settle is not None:
-            self._settles[token] = settle
-        # The last field: a WARNING is still owed if the database turns out
-        # unreachable (an acquisition not yet reported as such).
-        self._orphans.append((key, token, 0, not released and not unreachable))
-
-    @staticmethod
-    def _warn_unreachable(key: str) -> None:
-        log.warning(
-            "dblock: acquisition of %r may have committed while the database was "
-            "unreachable; its row will be deleted once the database answers",
-            key,
-        )
+        """:meth:`Orphans.add`: delete the row of ``(key, token)`` once the
+        database answers (``settle``: what to send instead)."""
+        self.orphans.add(key, token, released=released, unreachable=unreachable, settle=settle)
 
     def is_orphan(self, key: str, token: str) -> bool:
-        return any(k == key and t == token for k, t, _, _ in self._orphans)
+        return self.orphans.is_orphan(key, token)
 
     @property
     def has_orphans(self) -> bool:
-        return bool(self._orphans)
+        return bool(self.orphans.queue)
 
-    def settle_later(self, dbapi_connection: Any) -> None:
-        """A statement was interrupted after it was sent (a signal handler's
-        exception, gevent's timeout, an asyncio task's cancellation; on the
-        blocking or the asyncio driver's connection), and its connection is
-        dropped. That does not stop it: the server runs what it was sent,
-        maybe after the DELETE that settles an interrupted acquisition by
-        its token, whose row then holds the key for its lease. So the
-        orphans wait until the server's thread (or process) of that
-        connection is gone, its statement ended (:attr:`alive_sql`). Behind
-        a balancer or a pooler the look may reach another node or find the
-        pooler's id: then the wait is capped (:data:`SETTLE_WAIT`) or cut
-        short, as before."""
-        try:
-            thread_id = self.server_thread(dbapi_connection)
-        except Exception:  # another driver, or a connection already gone
-            return
-        marker = object()
-        self.unsettled(marker)
-        try:
-            _threads.start(
-                threading.Thread(
-                    target=self._await_server_thread,
-                    args=(thread_id, marker),
-                    name="dblock-settle",
-                    daemon=True,
-                )
-            )
-        except RuntimeError:  # at interpreter exit: no new thread
-            self.settled(marker)
-
-    def _await_server_thread(self, thread_id: int, marker: object) -> None:
-        alive_sql = self.alive_sql
-        assert alive_sql is not None
-        deadline = time.monotonic() + SETTLE_WAIT
-        pause = 0.005
-        try:
-            while time.monotonic() < deadline and not self.executor.closed:
-                try:
-                    if not self.executor.run(alive_sql, {"id": thread_id}, True).rows:
-                        return
-                except (Unreachable, Interrupted):
-                    # Unreachable: say so of the orphans waiting here, as
-                    # their DELETE would; look again until it answers.
-                    if self._orphans_lock.acquire(blocking=False):
-                        try:
-                            self._report_unreachable()
-                        finally:
-                            self._orphans_lock.release()
-                except Exception as exc:  # look again
-                    log.debug("dblock: looking for server thread %d: %r", thread_id, exc)
-                time.sleep(pause)
-                pause = min(pause * 2, 0.25)
-        finally:
-            self.settled(marker)
-
-    def unsettled(self, statement: object) -> None:
-        """``statement`` was given up on by its caller but still runs on a
-        connection of its own: closing a connection does not stop a
-        statement the server was already sent, which may then run after a
-        DELETE of its token. Orphans wait until :meth:`settled`."""
-        self._unsettled.add(statement)
-
-    def settled(self, statement: object) -> None:
-        self._unsettled.discard(statement)
-        if self._orphans:
-            self.wake_cleaner()
-
-    def clean_orphans(self) -> None:  # noqa: PLR0912 - one branch per outcome
-        """Delete rows left by acquisitions whose outcome we never learned.
-
-        While the database does not answer, every orphan waits for it. An
-        orphan whose DELETE the database answers with an error is tried again
-        later, after the others, and dropped (with an ERROR line) after
-        :data:`ORPHAN_ATTEMPTS` such answers; one whose DELETE cannot even be
-        sent (say, a value the driver cannot encode) is dropped at once. Either
-        way its row, if it exists, is left to its lease and the sweeper, and
-        no orphan ever holds up the others or the caller. While a statement
-        given up on still runs (:meth:`unsettled`), they all wait for it."""
-        if not self._orphans or self._unsettled:
-            return
-        lock = self._orphans_lock
-        try:
-            if not lock.acquire(blocking=False):
-                return
-        except BaseException:
-            # A signal handler's exception as acquire() returned: if it took
-            # the lock, give it back (an RLock: only its owner can), or no
-            # orphan of this process was ever deleted again.
-            with contextlib.suppress(RuntimeError):
-                lock.release()
-            raise
-        try:
-            for _ in range(len(self._orphans)):
-                key, token, failures, owed = self._orphans[0]
-                try:
-                    settle = self._settles.get(token)
-                    if settle is not None:
-                        self.drive(settle())
-                    else:
-                        self.release(key, token)
-                except (Unreachable, Interrupted):
-                    self._report_unreachable()
-                    return  # still unreachable; try again next time
-                except SchemaMissing:
-                    pass  # no table, so no row to delete
-                except BackendError as exc:
-                    self._orphans.popleft()
-                    if failures + 1 < ORPHAN_ATTEMPTS:
-                        self._orphans.append((key, token, failures + 1, owed))
-                    else:
-                        self._settles.pop(token, None)
-                        self._give_up_orphan(key, exc)
-                    continue
-                except Exception as exc:
-                    if _callers_own(exc):
-                        # Not the statement's failure but the caller's own
-                        # exception (a signal handler's: a SIGALRM request
-                        # timeout, Celery's soft time limit) landing while
-                        # the DELETE ran: it is the caller's to see, and
-                        # the orphan stays for the renewal thread's next try.
-                        self.wake_cleaner()
-                        raise
-                    self._orphans.popleft()
-                    self._settles.pop(token, None)
-                    self._give_up_orphan(key, exc)
-                    continue
-                self._orphans.popleft()
-                self._settles.pop(token, None)
-                # Quiet when nothing was said of it (a cancellation resolved cleanly).
-                log.log(
-                    logging.DEBUG if owed else logging.INFO,
-                    "dblock: removed the row of %r left by an unanswered statement",
-                    key,
-                )
-        finally:
-            lock.release()
-
-    def _report_unreachable(self) -> None:
-        """The database does not answer: say so, once, of every acquisition
-        that was cut off quietly and may have committed."""
-        if not any(owed for _, _, _, owed in self._orphans):
-            return
-        for i, (key, token, failures, owed) in enumerate(list(self._orphans)):
-            if owed:
-                self._warn_unreachable(key)
-                self._orphans[i] = (key, token, failures, False)
-
-    @staticmethod
-    def _give_up_orphan(key: str, exc: BaseException) -> None:
-        log.error(
-            "dblock: cannot delete the row of an unconfirmed acquisition of %r (%s: %s); "
-            "giving up: the row, if it was written, stays until its lease ends or the "
-            "sweeper removes it",
-            key,
-            type(exc).__name__,
-            exc,
-        )
+    def clean_orphans(self) -> None:
+        """:meth:`Orphans.clean`: delete them now, if the database answers."""
+        self.orphans.clean()
 
     # -- helpers for the dialects -----------------------------------------
 
@@ -1202,7 +1000,7 @@ class Store:
     # Not on the lock's hot path. Every comparison uses the database's clock.
 
     #: SQL finding the server's thread (or process) of a connection by its
-    #: id, while it exists (see :meth:`settle_later`); None: nothing to watch.
+    #: id, while it exists (see :meth:`Orphans.settle_later`); None: nothing to watch.
     alive_sql: ClassVar[str | None] = None
 
     @staticmethod
@@ -1336,26 +1134,3 @@ class Store:
 
 def first(rows: Sequence[tuple[Any, ...]]) -> tuple[Any, ...] | None:
     return rows[0] if rows else None
-
-
-#: What a statement itself raises when it cannot be sent or answered: the
-#: driver's errors (wrapped by SQLAlchemy, or dblock's own), and what a
-#: driver raises encoding a value it cannot send.
-_STATEMENT_ERRORS = (
-    DBLockError,
-    sa_exc.SQLAlchemyError,
-    UnicodeError,
-    TypeError,
-    ValueError,
-    OverflowError,
-)
-
-
-def _callers_own(exc: BaseException) -> bool:
-    """Is ``exc``, raised while an orphan's statement ran, the caller's own
-    (a signal handler's, which CPython runs only on the main thread) rather
-    than the statement's failure?"""
-    return (
-        not isinstance(exc, _STATEMENT_ERRORS)
-        and threading.current_thread() is threading.main_thread()
-    )

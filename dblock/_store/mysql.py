@@ -119,7 +119,7 @@ class MySQLStore(WokenStore):
     returning = _DialectFlag("returning")
     galera = _DialectFlag("galera")
     redraws_fences = _DialectFlag("redraws_fences")
-    # PROCESSLIST shows a user its own threads (see Store.settle_later).
+    # PROCESSLIST shows a user its own threads (see Orphans.settle_later).
     alive_sql: ClassVar[str | None] = (
         "SELECT 1 FROM information_schema.PROCESSLIST WHERE ID = %(id)s"
     )

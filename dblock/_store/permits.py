@@ -17,6 +17,7 @@ from .._engine import Dialect
 from ..errors import BackendError
 from ..schema import SEMAPHORE, describe
 from .base import Grant, Holder, Lease, Result, Steps, Store, Wait
+from .orphans import Orphans
 from .sqlparts import SQLITE_NOW, key_lock, notify, sqlite_grant
 
 __all__ = ["PermitStore", "local_key", "real_key", "size_index"]
@@ -62,13 +63,12 @@ class PermitStore(Store):
         self.executor = base.executor
         self.quoted = base.quoted
         self.can_notify = base.can_notify  # type: ignore[misc]
-        self._orphans = type(base._orphans)()
-        self._settles: dict[str, Any] = {}  # (no fair queue here, but clean_orphans reads it)
         self._kind_sql: dict[Any, Any] = {}
-        self._orphans_lock = threading.RLock()
+        self.wake_cleaner = base.wake_cleaner  # (the lock facade sets ours)
         # Statements still running after their caller gave up run on the
         # base store's engines: its orphans and ours wait for the same ones.
-        self._unsettled = base._unsettled
+        self.orphans = Orphans(self, running=base.orphans.running)
+        self._orphans_lock = self.orphans.lock
         #: key -> N, while some local permit of the key is held or asked for.
         self.permits_of: dict[str, int] = {}  # (only for KindMismatch in this process)
         #: This dialect's permit statements (one class per dialect, below).
@@ -173,9 +173,11 @@ class PermitStore(Store):
         self.clean_orphans()
 
     def after_fork(self) -> None:
-        self._orphans.clear()
-        self._settles = {}
-        self._orphans_lock = threading.RLock()
+        # Not the running statements: the base store's after_fork clears
+        # them (shared), here or before.
+        self.orphans.queue.clear()
+        self.orphans.settles = {}
+        self.orphans.lock = self._orphans_lock = threading.RLock()
 
 
 class PermitSQL:

@@ -93,7 +93,7 @@ class PostgresStore(Store):
     # psycopg, interrupted by KeyboardInterrupt or a cancellation, cancels
     # the statement and waits for its end itself; any other exception (a
     # SIGALRM handler's) after the statement went out leaves it running
-    # (see Store.settle_later).
+    # (see Orphans.settle_later).
     alive_sql: ClassVar[str | None] = "SELECT 1 FROM pg_stat_activity WHERE pid = %(id)s"
 
     @staticmethod
