@@ -29,7 +29,7 @@ from sqlalchemy import URL
 from sqlalchemy.engine import Engine
 
 from . import decorators, migrations
-from ._engine import make_engine, mask, resolve_url
+from ._engine import SUPPORTED, dialect_of, make_engine, mask, resolve_url
 from ._faces import Requests, level2_loop, until_hook
 from ._lockers import KindLockers
 from ._store import Store, open_store
@@ -189,7 +189,7 @@ class LockManager:
         else:
             engine = make_engine(resolve_url(url), engine_options, pooler=self.config.pooler)
             owns = True
-        if self.config.listen_url is not None and engine.dialect.name != "postgresql":
+        if self.config.listen_url is not None and not _notifies(engine):
             if owns:
                 engine.dispose()
             raise LockArgumentError(
@@ -600,6 +600,13 @@ class LockManager:
         return acquire_many(
             self._locker, ordered, blocking=blocking, timeout=wait, ttl=lease, options=opts
         )
+
+
+def _notifies(engine: Engine) -> bool:
+    """Whether ``engine``'s database has LISTEN/NOTIFY, for which ``listen_url``
+    is (a database dblock does not speak is refused by ``open_store``)."""
+    name = engine.dialect.name
+    return name in SUPPORTED and dialect_of(name).notifies
 
 
 def _rw_request(
