@@ -51,7 +51,7 @@ from ..errors import (
     ManagerClosed,
     UpgradeRefused,
 )
-from ..lock import HeldLock, Locker, LockOptions, _Ref, release_at_close
+from ..lock import HeldLock, Locker, LockOptions, LockRef, release_at_close
 from ..registry import current_owner, owner_name, thread_owner
 from ..renewal import RENEW_AT, Renewer
 from ..steps import refuse_on_event_loop
@@ -111,7 +111,7 @@ class _Who:
         self.hold = hold
 
 
-def _refs(entry: _Entry) -> list[_Ref]:
+def _refs(entry: _Entry) -> list[LockRef]:
     """The handles of ``entry``'s holders (weak references)."""
     refs = list(entry.readers.values())
     if entry.writer is not None:
@@ -134,10 +134,10 @@ class _Entry:
 
     def __init__(self, key: str) -> None:
         self.key = key
-        # Each holder's handle, weakly (its _Ref): a handle dropped without
+        # Each holder's handle, weakly (its LockRef): a handle dropped without
         # release is collected and released, as an exclusive lock's is.
-        self.readers: dict[object, _Ref] = {}
-        self.writer: _Ref | None = None
+        self.readers: dict[object, LockRef] = {}
+        self.writer: LockRef | None = None
         self.hold: _Hold | None = None
         # A statement on the hold is under way (acquire, release, downgrade):
         # nobody else may start one or join meanwhile.
@@ -272,7 +272,7 @@ class RwLocker:
         )
         # Renewals (and how late they run) reported as the exclusive locks' are.
         self.renewer.telemetry = locker.telemetry
-        self._collect = self._collected  # the callback HeldLock's weak reference takes
+        self.collect = self._collected  # the callback HeldLock's weak reference takes
 
     # -- what HeldLock asks of its locker ------------------------------------
 
@@ -746,7 +746,7 @@ class RwLocker:
         """Release every level of ``held``."""
         return self._let_go_ref(held._ref, held, revoked)
 
-    def _let_go_ref(self, ref: _Ref, held: RwHeld | None, revoked: str | None) -> bool:
+    def _let_go_ref(self, ref: LockRef, held: RwHeld | None, revoked: str | None) -> bool:
         """Release every level of the handle ``ref`` refers to (``held``, or
         None once it was collected): False if it was released already.
 
@@ -801,7 +801,7 @@ class RwLocker:
         released. Runs wherever the last reference went (even inside a
         mutex), so it only warns and hands the release to the renewal thread
         (whose pass also finds it, should this be cut off)."""
-        assert isinstance(ref, _Ref)
+        assert isinstance(ref, LockRef)
         if not ref.live or self._locker.pid != os.getpid():
             return  # (a forked child's copy of its parent's lock)
         try:
@@ -814,7 +814,7 @@ class RwLocker:
             with contextlib.suppress(RuntimeError):  # (no new thread at interpreter exit)
                 self.renewer.post(functools.partial(self._release_collected, ref))
 
-    def _release_collected(self, ref: _Ref) -> None:
+    def _release_collected(self, ref: LockRef) -> None:
         if ref.live:
             log.warning("dblock: lock %r was never released by its holder; releasing it", ref.key)
             self._let_go_ref(ref, None, None)
@@ -864,7 +864,7 @@ class RwLocker:
         return ok
 
     @staticmethod
-    def _leave(entry: _Entry, who: _Who, ref: _Ref) -> str | None:
+    def _leave(entry: _Entry, who: _Who, ref: LockRef) -> str | None:
         """Under the mutex: take the handle ``ref`` out of level 1; the
         statement its database hold needs now, if any (and the entry is busy
         until it ran). Called twice for one handle (a clean-up repeating a
