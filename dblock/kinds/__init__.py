@@ -1,5 +1,8 @@
-"""More kinds of lock than the exclusive one (issue 12): one module each.
+"""The kinds of lock (issue 12), one module each.
 
+* :mod:`dblock.kinds.exclusive`: the exclusive lock's level 2, the row's
+  acquire loop: one of the parts :class:`~dblock.lock.Locker` is made of
+  (``LockManager.lock``).
 * :mod:`dblock.kinds.semaphore`: N permits per key (``LockManager.semaphore``).
 * :mod:`dblock.kinds.rw`: read-write locks (``LockManager.read_lock``/``write_lock``).
 * :mod:`dblock.kinds.fair`: the fair queue (``LockManager.lock(key, fair=True)``).
