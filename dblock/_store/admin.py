@@ -11,16 +11,22 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
-from ..schema import to_utc
+from ..errors import BackendError
+from ..schema import TableNames, to_utc
+from .executor import Driver, Steps
+
+log = logging.getLogger("dblock")
 
 __all__ = [
     "LockRow",
     "LockStats",
     "SweepReason",
+    "TableAdmin",
     "TableHealth",
     "filter_phrase",
     "lock_row",
@@ -272,3 +278,136 @@ def _utc(value: Any) -> datetime:
     if converted is None:
         raise TypeError("a lock row time was NULL")
     return converted
+
+
+class TableAdmin(Driver):
+    """The admin side of a store: ``dblock list`` / ``stats`` / ``release
+    --force``, the admin pages and the sweeper (a base of every store, whose
+    dialects override :meth:`sweep`, :meth:`table_health` and :meth:`vacuum`).
+    Not on the lock's hot path. Every comparison uses the database's clock."""
+
+    names: TableNames
+    quoted: Callable[[str], str]
+
+    #: SQL for the database's current time, in the form the dialect stores times.
+    now_sql: ClassVar[str] = "CURRENT_TIMESTAMP"
+    #: How the DBAPI driver spells a named parameter.
+    param_style: ClassVar[str] = "%({})s"
+
+    def rows(
+        self,
+        *,
+        key: str | None = None,
+        prefix: str | None = None,
+        owner: str | None = None,
+        limit: int | None = None,
+    ) -> list[LockRow]:
+        """Lock rows, oldest acquisition first: all of them, the ones of
+        ``key``, or those whose key starts with ``prefix`` (taken literally,
+        case-sensitive) and are held by ``owner`` (the owner column exactly,
+        case, accents and trailing spaces included on every database, or any
+        owner under it: ``host:pid`` names every thread of that process,
+        ``host`` every process of that host); at most ``limit``."""
+        bind = self.param_style.format
+        conditions: list[str] = []
+        params: dict[str, Any] = {}
+        if key is not None:
+            conditions.append(f"lock_key = {bind('key')}")
+            params["key"] = key
+        elif prefix:
+            # Not LIKE: its wildcards would need escaping, and SQLite's LIKE ignores case.
+            conditions.append(f"substr(lock_key, 1, {len(prefix)}) = {bind('prefix')}")
+            params["prefix"] = prefix
+        if owner:
+            # Exactly that owner (case, accents: the column's binary collation
+            # on MySQL/MariaDB since revision 0004; trailing spaces:
+            # the lengths, which a PAD SPACE collation ignores), or one under it.
+            conditions.append(
+                f"((owner = {bind('owner')} AND length(owner) = length({bind('owner')})) "
+                f"OR substr(owner, 1, {len(owner) + 1}) = {bind('owner_under')})"
+            )
+            params.update(owner=owner, owner_under=f"{owner}:")
+        where = f"WHERE {' AND '.join(conditions)} " if conditions else ""
+        bound = f" LIMIT {int(limit)}" if limit is not None else ""
+        sql = (
+            f"SELECT {COLUMNS}, {self.now_sql} FROM {self.quoted(self.names.table)} "
+            f"{where}ORDER BY acquired_at, lock_key, slot{bound}"
+        )
+        return [lock_row(r) for r in self.run(sql, params, fetch=True).rows]
+
+    def is_locked_steps(self, key: str) -> Steps[bool]:
+        """Whether some row of ``key`` holds it now, by the database's clock:
+        an exclusive or fair holder, a read or write phase with holders, a
+        semaphore permit; a queued or waiting request holds nothing, and a row
+        whose lease ran out is as good as free (the next acquire takes it
+        over). One statement."""
+        bind = self.param_style.format
+        sql = (
+            f"SELECT 1 FROM {self.quoted(self.names.table)} WHERE lock_key = {bind('key')} "
+            f"AND expires_at > {self.now_sql} AND holders > 0 "
+            "AND mode NOT IN ('queued', 'waiting') LIMIT 1"
+        )
+        return bool((yield sql, {"key": key}, True, False).rows)
+
+    def release_row(self, key: str, slot: str, token: str) -> bool:
+        """Delete one row of ``key`` of any kind (``dblock release --force``,
+        the admin pages), by its slot and the token read: False if it changed
+        hands meanwhile. Waiters are woken as by a release."""
+        bind = self.param_style.format
+        sql = (
+            f"DELETE FROM {self.quoted(self.names.table)} WHERE lock_key = {bind('key')} "
+            f"AND slot = {bind('slot')} AND token = {bind('token')}"
+        )
+        return self.run(sql, {"key": key, "slot": slot, "token": token}).rowcount > 0
+
+    def release_rows(self, rows: Sequence[LockRow]) -> list[LockRow]:
+        """Delete ``rows`` as read (each by its slot and token, so a row that
+        changed hands since stays) and return those deleted."""
+        return [r for r in rows if self.release_row(r.key, r.slot, r.token)]
+
+    def release_key(self, key: str) -> list[LockRow]:
+        """Delete every row of ``key`` (each by the token read, so a row that
+        changes hands meanwhile stays) and return those deleted."""
+        return self.release_rows(self.rows(key=key))
+
+    def stats(self, *, storage: bool = False) -> LockStats:
+        """How many rows, how many of them expired, and the oldest; with
+        ``storage``, also what the database says of the table's storage
+        (:meth:`table_health`: a few more statements, for ``dblock stats``)."""
+        sql = (
+            f"SELECT count(*), coalesce(sum(CASE WHEN expires_at <= {self.now_sql} "
+            f"THEN 1 ELSE 0 END), 0) FROM {self.quoted(self.names.table)}"
+        )
+        total, expired = self.run(sql, {}, fetch=True).rows[0]
+        oldest = self.rows(limit=1)
+        health = None
+        try:
+            health = self.table_health() if storage else None
+        except BackendError as exc:
+            # A user allowed to read the table but not the server's statistics
+            # (MySQL's PROCESS privilege): the counts still stand.
+            log.debug("dblock: the lock table's storage figures are unreadable: %s", exc)
+        return LockStats(
+            rows=int(total),
+            expired=int(expired),
+            oldest=oldest[0] if oldest else None,
+            table=health,
+        )
+
+    def table_health(self) -> TableHealth | None:
+        """What the database says of the lock table's storage (size, dead rows,
+        vacuum; purge lag), or None where it says nothing useful (SQLite)."""
+        return None
+
+    def vacuum(self, dead_rows: int) -> bool:
+        """PostgreSQL: VACUUM the lock table if it has at least ``dead_rows``
+        dead rows (the sweeper's, after a run); True if it did. Elsewhere
+        nothing to do (InnoDB's purge and SQLite's free pages need no help)."""
+        return False
+
+    def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
+        """Delete at most ``limit`` rows whose ``reason.column`` lies more than
+        ``older_than`` seconds in the past (database time), in one short
+        statement (or, without RETURNING, a few), and return them as deleted.
+        Rows another transaction is changing right now are skipped, not waited for."""
+        raise NotImplementedError
