@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeAlias
 
 from sqlalchemy import URL
 
@@ -62,6 +62,11 @@ class _Parser(argparse.ArgumentParser):
         # may quote a long one: shortened (see quoted()).
         message = shortened(mask_text(message))
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# argparse's subcommand action has no public name; the one reference to it
+# (for type checking only: it is generic in typeshed, not at run time).
+_Subcommands: TypeAlias = "argparse._SubParsersAction[_Parser]"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_tables(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+def _add_tables(sub: _Subcommands, common: _Parser) -> None:
     """``migrate``, ``list`` and ``stats``: the table and what it holds."""
     migrate = sub.add_parser(
         "migrate", parents=[common], help="create or upgrade the lock table (alembic)"
@@ -275,7 +280,7 @@ def _add_tables(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> No
     stats.set_defaults(command=cmd_stats)
 
 
-def _add_release(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+def _add_release(sub: _Subcommands, common: _Parser) -> None:
     release = sub.add_parser(
         "release", parents=[common], help="delete a lock row, whoever holds it (--force)"
     )
@@ -290,7 +295,7 @@ def _add_release(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> N
     release.set_defaults(command=cmd_release)
 
 
-def _add_sweep(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+def _add_sweep(sub: _Subcommands, common: _Parser) -> None:
     sweep = sub.add_parser(
         "sweep", parents=[common], help="delete rows whose lease expired (once, or every N)"
     )
@@ -328,7 +333,7 @@ def _add_sweep(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> Non
     sweep.set_defaults(command=cmd_sweep)
 
 
-def _add_top(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+def _add_top(sub: _Subcommands, common: _Parser) -> None:
     top = sub.add_parser(
         "top",
         parents=[common],
@@ -352,7 +357,7 @@ def _add_top(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
     top.set_defaults(command=cmd_top)
 
 
-def _add_demo(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+def _add_demo(sub: _Subcommands, common: _Parser) -> None:
     demo = sub.add_parser(
         "demo",
         parents=[common],
@@ -390,7 +395,7 @@ def _add_release_many(release: _Parser) -> None:
     )
 
 
-def _add_run(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+def _add_run(sub: _Subcommands, common: _Parser) -> None:
     """``run``: a command as one run of a job (dblock.runner)."""
     from .runner import EX_TEMPFAIL
 
@@ -469,7 +474,7 @@ def _add_run(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
     run.set_defaults(command=cmd_run)
 
 
-def _add_jobs(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+def _add_jobs(sub: _Subcommands, common: _Parser) -> None:
     _add_run(sub, common)
     jobs = sub.add_parser(
         "jobs",
@@ -633,11 +638,11 @@ def _migrate_sql(url: URL, names: TableNames, start: str | None) -> int:
         if start == latest:
             print(f"-- {names.table} on {mask(url)} is at revision {latest}, the latest: no SQL")
             return 0
-    elif start != "base" and not migrations._known(start):
+    elif start != "base" and not migrations.known_revision(start):
         raise LockArgumentError(
             f"--from {quoted(start)}: not a revision of dblock's (base, 0001 ... {latest})"
         )
-    cfg = migrations._config(names, offline_url=url)
+    cfg = migrations.alembic_config(names, offline_url=url)
     cfg.output_buffer = sys.stdout
     command.upgrade(cfg, f"{start}:head", sql=True)
     return 0
@@ -654,7 +659,7 @@ def _current_revision(url: URL, names: TableNames) -> str | None:
             return None
     with LockManager(url, table=names.table, index=names.index) as manager:
         at = migrations.current(manager.engine, names)
-    if at is not None and not migrations._known(at):
+    if at is not None and not migrations.known_revision(at):
         raise DBLockError(
             f"{names.table} on {mask(url)} is at revision {at}, newer than this dblock "
             f"knows (latest {migrations.head()}): no SQL to give"

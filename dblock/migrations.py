@@ -42,7 +42,7 @@ def script_location() -> Path:
     )
 
 
-def _config(names: TableNames, **attributes: Any) -> AlembicConfig:
+def alembic_config(names: TableNames, **attributes: Any) -> AlembicConfig:
     from alembic.config import Config as AlembicConfig
 
     cfg = AlembicConfig()
@@ -78,7 +78,7 @@ def head() -> str:
     return rev
 
 
-def _known(revision: str) -> bool:
+def known_revision(revision: str) -> bool:
     from alembic.script import ScriptDirectory
 
     script = ScriptDirectory(str(script_location()))
@@ -108,7 +108,7 @@ def upgrade(engine: Engine, names: TableNames, revision: str = "head") -> None:
 
     if revision == "head":
         at = current(engine, names)
-        if at is not None and not _known(at):
+        if at is not None and not known_revision(at):
             # A newer dblock migrated this table (a rolling deploy, where old
             # and new processes run side by side): its revisions only add, so
             # this version works on it as it is. Never fail the start-up.
@@ -124,7 +124,7 @@ def upgrade(engine: Engine, names: TableNames, revision: str = "head") -> None:
     try:
         with _transactional(engine) as conn:
             event.listen(conn, "after_execute", _record_created(created))
-            command.upgrade(_config(names, connection=conn), revision)
+            command.upgrade(alembic_config(names, connection=conn), revision)
             conn.commit()
     except BaseException as exc:
         if created and engine.dialect.name != "postgresql":
@@ -169,7 +169,7 @@ def downgrade(engine: Engine, names: TableNames, revision: str = "base") -> None
     from alembic import command
 
     with _transactional(engine) as conn:
-        command.downgrade(_config(names, connection=conn), revision)
+        command.downgrade(alembic_config(names, connection=conn), revision)
         if revision == "base":
             version = Table(names.version_table, MetaData())
             version.drop(conn, checkfirst=True)
@@ -180,6 +180,6 @@ def upgrade_sql(url: URL, names: TableNames, out: TextIO) -> None:
     """Write the DDL that :func:`upgrade` would run, for a DBA to review and apply."""
     from alembic import command
 
-    cfg = _config(names, offline_url=url)
+    cfg = alembic_config(names, offline_url=url)
     cfg.output_buffer = out
     command.upgrade(cfg, "head", sql=True)

@@ -369,7 +369,7 @@ class AsyncStore:
         lastrowid: bool,
         running: list[Any] | None = None,
     ) -> Result:
-        translate = self.store.executor._translate
+        translate = self.store.executor.translate
         sent = False
         try:
             async with pool.engine.connect() as conn:
@@ -435,7 +435,7 @@ class AsyncStore:
                         await self._discard(other, exc)
             else:
                 self._checkin(pool, conn)
-            raise self.store.executor._translate(exc, sent=True, interrupted=interrupted) from exc
+            raise self.store.executor.translate(exc, sent=True, interrupted=interrupted) from exc
         except BaseException:
             # Cancelled mid-statement: the connection's protocol state is
             # unknown. Close it before the caller learns of the cancellation
@@ -460,11 +460,11 @@ class AsyncStore:
         try:
             return await pool.engine.raw_connection()
         except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
-            raise self.store.executor._exhausted(exc) from exc
+            raise self.store.executor.exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
-            raise self.store.executor._translate(exc.orig or exc, sent=False) from exc
+            raise self.store.executor.translate(exc.orig or exc, sent=False) from exc
         except (pool.error, OSError) as exc:
-            raise self.store.executor._translate(exc, sent=False) from exc
+            raise self.store.executor.translate(exc, sent=False) from exc
         except BaseException as exc:  # cancelled while waiting for the pool: nothing was sent
             _mark_unsent(exc)
             raise
@@ -579,8 +579,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# The running loop or None, without raising where none runs (as
+# get_running_loop() does): asyncio's own fast path, which it exports
+# under this name only (the two connection events below).
+_running_loop = asyncio._get_running_loop
+
+
 def _born(dbapi_connection: Any, record: Any) -> None:
-    loop = asyncio._get_running_loop()
+    loop = _running_loop()
     if loop is not None:
         record.info["dblock.home"] = (_pid, weakref.ref(loop))
 
@@ -596,7 +602,7 @@ def _check_home(dbapi_connection: Any, record: Any, proxy: Any) -> None:
         record.dbapi_connection = proxy.dbapi_connection = None
         raise sa_exc.DisconnectionError("an asyncio connection of the parent process")
     loop = loop_ref()
-    if loop is asyncio._get_running_loop() or (loop is not None and not loop.is_closed()):
+    if loop is _running_loop() or (loop is not None and not loop.is_closed()):
         # Its own loop, or another loop still running (psycopg and aiosqlite
         # connections serve any loop; a closed one serves none).
         return

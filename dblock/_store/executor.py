@@ -265,7 +265,7 @@ class Executor:
             self.release_idle()
         else:
             self._checkin(conn, kept)
-        return self._translate(exc, sent=True, interrupted=interrupted)
+        return self.translate(exc, sent=True, interrupted=interrupted)
 
     def _cut_off(
         self, conn: PoolProxiedConnection, exc: BaseException
@@ -279,7 +279,7 @@ class Executor:
             # ran): the connection's protocol state is unknown, and so is
             # the outcome.
             conn.invalidate(exc)
-            return self._translate(exc, sent=True, interrupted=True)
+            return self.translate(exc, sent=True, interrupted=True)
         # Interrupted mid-statement (KeyboardInterrupt, a signal handler),
         # or parameters the driver cannot encode.
         if self.on_interrupted is not None:
@@ -346,11 +346,11 @@ class Executor:
         try:
             return self._engine.raw_connection()
         except sa_exc.TimeoutError as exc:
-            raise self._exhausted(exc) from exc
+            raise self.exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
-            raise self._translate(exc.orig or exc, sent=False) from exc
+            raise self.translate(exc.orig or exc, sent=False) from exc
         except self._dbapi_error as exc:  # SQLAlchemy 2.1 lets connect errors through
-            raise self._translate(exc, sent=False) from exc
+            raise self.translate(exc, sent=False) from exc
 
     def _wait_for_pool(self) -> None:
         """If every pooled connection is checked out and this thread has a
@@ -365,11 +365,11 @@ class Executor:
         while self._pool_exhausted():
             left = deadline - _monotonic()
             if left <= 0:
-                raise self._exhausted(None)
+                raise self.exhausted(None)
             time.sleep(min(step, left))
             step = min(step * 2, 0.05)
 
-    def _exhausted(self, exc: BaseException | None) -> PoolExhausted:
+    def exhausted(self, exc: BaseException | None) -> PoolExhausted:
         pool = self._engine.pool
         if isinstance(pool, QueuePool):
             what = (
@@ -456,16 +456,16 @@ class Executor:
                 sent = True
                 return self._observed_statement(conn, sql, params, fetch, lastrowid)
         except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
-            raise self._exhausted(exc) from exc
+            raise self.exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
-            raise self._translate(
+            raise self.translate(
                 exc.orig or exc, sent=sent, interrupted=exc.connection_invalidated
             ) from exc
         except self._dbapi_error as exc:
-            raise self._translate(exc, sent=sent) from exc
+            raise self.translate(exc, sent=sent) from exc
         except BaseException as exc:
             if sent and _undecodable(exc):  # see run()
-                raise self._translate(exc, sent=True, interrupted=True) from exc
+                raise self.translate(exc, sent=True, interrupted=True) from exc
             if not sent:
                 _mark_unsent(exc)
             raise
@@ -496,7 +496,7 @@ class Executor:
             raise
         return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
 
-    def _translate(
+    def translate(
         self, exc: BaseException, *, sent: bool, interrupted: bool = False
     ) -> BackendError | SchemaMissing:
         if self._is_missing_table(exc):

@@ -755,7 +755,7 @@ class MySQLFair(FairSQL):
             if result.rowcount == 1:
                 # As the exclusive lock does on MySQL: the lease's end from
                 # the measured clock offset, erring early.
-                offset = yield from store._server_offset_steps()
+                offset = yield from store.server_offset_steps()
                 start = datetime.fromtimestamp(sent + offset, _UTC)
                 return Grant(int(result.lastrowid or 0), start + timedelta(seconds=ttl), ttl)
         if not read:

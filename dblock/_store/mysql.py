@@ -247,7 +247,7 @@ class MySQLStore(WokenStore):
     #: The tests' older name of :meth:`known_dialect`.
     _capabilities = Store.known_dialect
 
-    def _server_offset_steps(self) -> Steps[float]:
+    def server_offset_steps(self) -> Steps[float]:
         """Server clock minus ours, refreshed every ten minutes (MySQL only)."""
         if self._offset is None or time.monotonic() - self._offset_at > 600:
             before = time.time()
@@ -276,7 +276,7 @@ class MySQLStore(WokenStore):
                 if result.rowcount == 1:
                     # The server stamped the lease after we sent: our estimate
                     # of its end errs on the early side, the safe one.
-                    offset = yield from self._server_offset_steps()
+                    offset = yield from self.server_offset_steps()
                     start = datetime.fromtimestamp(sent + offset, _UTC)
                     self._took(key)
                     return Grant(int(result.lastrowid or 0), start + timedelta(seconds=ttl), ttl)

@@ -366,7 +366,7 @@ class _MySQLPermits(PermitSQL):
         result = yield self.acquire_sql, params, False, True
         if result.rowcount != 1:
             return None
-        offset = yield from base._server_offset_steps()
+        offset = yield from base.server_offset_steps()
         start = datetime.fromtimestamp(sent + offset, timezone.utc)
         return Grant(
             int(result.lastrowid or 0), start + timedelta(seconds=ttl), ttl, params["slot"]

@@ -124,6 +124,11 @@ class Waker:
             raise
         return event
 
+    def expects(self, key: str) -> bool:
+        """Whether a release of ``key`` is announced to this waker (see
+        :meth:`expect`), so a waiter needs no statement to learn of it."""
+        return key in self._expected
+
     def attach(self, key: str, since: float, event: Settable) -> None:
         with self._mutex:
             events = self._subs.get(key)
@@ -776,7 +781,7 @@ class NamedLockWaker(Waker):
                     if slot is not None and slot.key is not None:
                         del self._slot_of[slot.key]
                 if slot is None and len(self._slots) < self._max_slots:
-                    slot = _Slot(self)
+                    slot = _Slot(self, self._mutex)
                     self._slots.append(slot)
                 if slot is None:
                     self._look_at(key)
@@ -905,7 +910,7 @@ class NamedLockWaker(Waker):
         for key in freed:  # not named now: polled until a look finds it named
             self._poll(key)
 
-    def _serve(self, slot: _Slot) -> None:
+    def serve_slot(self, slot: _Slot) -> None:
         """A slot's thread: probe the name of the key it serves, over and over."""
         conn: Any = None
         probing: _Probing | None = None
@@ -1045,11 +1050,11 @@ class _Slot:
 
     __slots__ = ("armed", "cond", "key", "thread", "thread_id", "waker")
 
-    def __init__(self, waker: NamedLockWaker) -> None:
+    def __init__(self, waker: NamedLockWaker, mutex: threading.Lock) -> None:
         self.waker = waker
         self.key: str | None = None
         self.armed = False
-        self.cond = threading.Condition(waker._mutex)
+        self.cond = threading.Condition(mutex)  # the waker's waiter-side mutex
         self.thread: threading.Thread | None = None
         self.thread_id: int | None = None
 
@@ -1058,7 +1063,7 @@ class _Slot:
         if thread is None or not thread.is_alive():
             # (Not alive: made, but an exception came before it started.)
             thread = self.thread = threading.Thread(
-                target=self.waker._serve, args=(self,), name="dblock-name-wait", daemon=True
+                target=self.waker.serve_slot, args=(self,), name="dblock-name-wait", daemon=True
             )
             _threads.start(thread)
 
@@ -1288,7 +1293,7 @@ class WokenStore(Store):
 
     def waiter(self, key: str, since: float, address: str | None = None) -> Wait:
         waker = self._waker
-        if address is None and waker is not None and key in waker._expected:
+        if address is None and waker is not None and waker.expects(key):
             return WokenWait(waker, key, since, self.config)
         return super().waiter(key, since, address)
 

@@ -151,7 +151,7 @@ class DBLock:
 
     def _state(self) -> _State:
         if has_app_context():
-            app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+            app: Flask = _the_app()
         elif self._app is not None:
             app = self._app
         else:
@@ -357,7 +357,7 @@ def _busy_response(exc: LockNotAcquired) -> Any:
     hands over to that one; otherwise the busy lock goes on as a 409/423 HTTP
     error through the app's handlers for that status, ``HTTPException`` or
     ``Exception``; with none, the body negotiated with the client."""
-    app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+    app: Flask = _the_app()
     log_busy(exc, f"{request.method} {request.path}")
     mine = app.error_handler_spec.get(None, {}).get(None, {}).get(DBLockError)
     if mine is not None:
@@ -393,8 +393,15 @@ def _start_sweeper(state: _State) -> _admin.Sweeper:
         return state.sweeper
 
 
+def _the_app() -> Flask:
+    """The app itself behind ``current_app`` (a proxy): Flask's documented
+    ``_get_current_object()``, read here only."""
+    app: Flask = current_app._get_current_object()  # type: ignore[attr-defined]
+    return app
+
+
 def _start_sweeper_once() -> None:
-    state = state_of(current_app._get_current_object())  # type: ignore[attr-defined]
+    state = state_of(_the_app())
     if state.sweeper is None or state.sweeper_pid != os.getpid():
         _start_sweeper(state)
 
@@ -405,7 +412,7 @@ cli = AppGroup("dblock", help="dblock's lock table: migrate, sweep, list, releas
 
 
 def _manager() -> LockManager:
-    return state_of(current_app._get_current_object()).manager  # type: ignore[attr-defined]
+    return state_of(_the_app()).manager
 
 
 def _run(action: Callable[[], str | None]) -> None:
