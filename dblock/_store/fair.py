@@ -745,7 +745,7 @@ class MySQLFair(FairSQL):
         store: Any = self.store  # a MySQLStore: its capabilities and clock offset
         yield from self._ready_steps()
         plain, returning = self._heads[sql]
-        if store.returning:
+        if store.dialect.returning:
             rows = (yield returning, params, True, False).rows
             if rows:
                 return mysql_grant(*rows[0])

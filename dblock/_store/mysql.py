@@ -234,7 +234,7 @@ class MySQLStore(WokenStore):
         decode, whose statement may have committed, is raised as
         :class:`~dblock._store.base.Interrupted` for the caller to resolve,
         instead of being run again (see :meth:`_garbled`)."""
-        if not self.galera:
+        if not self.dialect.galera:
             return sql
         if write or ignored:
             sql = _GALERA_INSERT + sql
@@ -263,7 +263,7 @@ class MySQLStore(WokenStore):
             yield from self.server_steps()
         params = {"key": key, "owner": owner, "token": token, "ttl_us": round(ttl * 1e6)}
         for _ in range(_RACE_RETRIES):
-            if self.returning:
+            if self.dialect.returning:
                 rows = (yield self._insert_returning_sql, params, True, False).rows
                 if rows:
                     settled = yield from self._ours(key, token, owner, ttl, mysql_grant(*rows[0]))
@@ -388,7 +388,7 @@ class MySQLStore(WokenStore):
         """This process's named-lock waker (made on first use), or None."""
         waker = self._waker
         if waker is None:
-            if not self._wakes or self.galera is not False:
+            if not self._wakes or self.dialect.galera is not False:
                 return None
             with self._waker_lock:
                 waker = self._waker
@@ -448,7 +448,7 @@ class MySQLStore(WokenStore):
     ) -> Steps[list[Grant | Holder]]:
         if not self.dialect.known:
             yield from self.server_steps()
-        if not self.returning:
+        if not self.dialect.returning:
             alone: list[Grant | Holder] = []
             for request in requests:
                 alone.append((yield from self.acquire_steps(*request)))
@@ -468,7 +468,7 @@ class MySQLStore(WokenStore):
             f"(lock_key, slot, owner, token, acquired_at, expires_at) "
             f"{' UNION ALL '.join(rows_sql)} RETURNING token, fence, expires_at, acquired_at"
         )
-        if self.galera:
+        if self.dialect.galera:
             sql = _GALERA_INSERT + sql
         rows = (yield sql, params, True, False).rows
         granted = {row[0]: row[1:] for row in rows}
@@ -510,7 +510,7 @@ class MySQLStore(WokenStore):
         draw under the row's lock already. (MySQL, and MariaDB before 10.5,
         without ``RETURNING``, have no such statement: there the window
         stays, and a warning says so.)"""
-        if self.redraws_fences and self.returning:
+        if self.dialect.redraws_fences and self.dialect.returning:
             redrawn = yield from self.transfer_steps(key, token, token, owner, ttl)
             if redrawn is None:
                 return None
@@ -521,7 +521,7 @@ class MySQLStore(WokenStore):
     def release_many_steps(self, requests: Sequence[tuple[str, str]]) -> Steps[list[bool]]:
         if not self.dialect.known:
             yield from self.server_steps()
-        if not self.returning:
+        if not self.dialect.returning:
             gone_alone: list[bool] = []
             for key, token in requests:
                 gone_alone.append((yield from self.release_steps(key, token)))
@@ -590,7 +590,7 @@ class MySQLStore(WokenStore):
         column = reason.column
         old = f"{column} <= UTC_TIMESTAMP(6) - INTERVAL %(older_us)s MICROSECOND"
         params = {"older_us": round(older_than * 1e6), "limit": limit}
-        if self.returning:
+        if self.dialect.returning:
             # MariaDB: one bounded DELETE walking the index in order; its row
             # locks cover at most ``limit`` rows and end with the statement.
             # InnoDB may pick it as a deadlock victim against concurrent
@@ -599,7 +599,7 @@ class MySQLStore(WokenStore):
                 f"DELETE FROM {t} WHERE {old} ORDER BY {column} LIMIT %(limit)s "
                 f"RETURNING {COLUMNS}, UTC_TIMESTAMP(6)"
             )
-            if self.galera:
+            if self.dialect.galera:
                 # As for the INSERT: never report rows of a run that was rolled
                 # back; and first apply what other nodes committed, so rows
                 # written there are seen.
@@ -686,7 +686,7 @@ class MySQLStore(WokenStore):
         out) is not run again: its ``Interrupted`` goes to the caller, which
         reads the head row to learn the outcome."""
         return (
-            bool(self.galera)
+            bool(self.dialect.galera)
             and isinstance(exc, Interrupted)
             and isinstance(exc.__cause__, ValueError)
             and sql not in self._once

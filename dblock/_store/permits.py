@@ -83,6 +83,9 @@ class PermitStore(Store):
     def dialect(self, dialect: Dialect) -> None:
         self.base.dialect = dialect
 
+    def server_steps(self) -> Steps[Dialect]:
+        return self.base.server_steps()
+
     # -- one attempt ------------------------------------------------------------
 
     def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
