@@ -672,7 +672,11 @@ class MySQLRw(RwStatements):
 
 
 def rw_statements(store: Store) -> RwStatements:
-    """The read-write statements for ``store``'s dialect."""
+    """The read-write statements for ``store``'s dialect, built once per store."""
+    return store.kind_sql(_for_dialect)
+
+
+def _for_dialect(store: Store) -> RwStatements:
     make: Callable[[Store], RwStatements] = store.dialect.pick(
         postgresql=PostgresRw, mysql=_mysql_rw, sqlite=SQLiteRw
     )
