@@ -238,7 +238,8 @@ class Store(TableAdmin):
         """The statements of one kind of lock (the fair queue, jobs, ...) in
         this store's dialect, built once per store by ``make``, which the
         kind's own module in this package offers (it picks the dialect's
-        class): the one way a kind speaks a dialect."""
+        class with :meth:`Dialect.pick <dblock._engine.Dialect.pick>`):
+        the one way a kind speaks a dialect."""
         found = self._kind_sql.get(make)
         if found is None:
             found = self._kind_sql[make] = make(self)
