@@ -33,11 +33,15 @@ def dataclass_facts(dialect: Dialect) -> tuple[object, ...]:
 
 
 def test_what_only_the_server_says_is_unknown_until_it_said_it() -> None:
-    assert dialect_of("postgresql").known and dialect_of("sqlite").known
+    assert dialect_of("postgresql").known
+    assert dialect_of("sqlite").known
     mysql = dialect_of("mysql")
-    assert not mysql.known and mysql.galera is None
+    assert not mysql.known
+    assert mysql.galera is None
     met = mysql.connected(returning=True, galera=False, server_version="10.11.6-MariaDB")
-    assert met.known and met.returning and met.name == "mysql"
+    assert met.known
+    assert met.returning
+    assert met.name == "mysql"
     assert not mysql.known  # frozen: the store keeps the copy
 
 
@@ -79,7 +83,8 @@ def test_mariadb_url_speaks_the_mysql_way(db_url: str) -> None:
         store = manager.store
         assert store.dialect.family == "mysql"
         sql = lock_statements(manager)
-        assert store.dialect.known and store.dialect.server_version
+        assert store.dialect.known
+        assert store.dialect.server_version
         assert sql.returning is bool(store.dialect.returning)
         key = f"dialect:{uuid.uuid4().hex[:8]}"
         token = uuid.uuid4().hex
