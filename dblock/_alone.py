@@ -3,11 +3,8 @@ waits for, granted at the first try, without the step machinery."""
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
-from typing import TYPE_CHECKING
 
 from ._held import HeldLock, LockOptions
 from ._lockbase import (
@@ -18,28 +15,13 @@ from ._lockbase import (
 )
 from ._store import Grant, Holder
 from ._store.batch import until_for
-from .errors import (
-    ManagerClosed,
-)
-from .registry import (
-    Entry,
-    Waiter,
-    thread_owner,
-)
-from .steps import (
-    noop,
-)
+from .errors import ManagerClosed
+from .registry import Entry, Waiter
+from .steps import noop
 from .telemetry import Watch, outcome_of
-
-if TYPE_CHECKING:
-    pass
-
-log = logging.getLogger("dblock")
 
 _monotonic = time.monotonic
 _urandom = os.urandom
-_current_thread = threading.current_thread
-_thread_owner = thread_owner
 
 
 class Alone(LockerBase):

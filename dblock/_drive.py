@@ -3,24 +3,14 @@ out each op a lock operation yields, on the calling thread."""
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from ._lockbase import (
-    LockerBase,
-)
+from ._lockbase import LockerBase
 from ._store import Wait
-from .errors import (
-    LockTimeout,
-)
-from .registry import (
-    Waiter,
-    thread_owner,
-)
+from .errors import LockTimeout
+from .registry import Waiter
 from .steps import (
     CALL,
     RELEASE,
@@ -35,17 +25,7 @@ from .steps import (
     refuse_on_event_loop,
 )
 
-if TYPE_CHECKING:
-    pass
-
 T = TypeVar("T")
-
-log = logging.getLogger("dblock")
-
-_monotonic = time.monotonic
-_urandom = os.urandom
-_current_thread = threading.current_thread
-_thread_owner = thread_owner
 
 
 class BlockingDriver(LockerBase):

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
 from ._held import HeldLock
 from ._lockbase import (
@@ -26,15 +24,8 @@ from ._lockbase import (
 from ._store import Grant
 from ._store.fair import Seat, fair_sql
 from ._store.jobs import statements as job_statements
-from .errors import (
-    BackendError,
-    LockLost,
-)
-from .registry import (
-    Entry,
-    Waiter,
-    thread_owner,
-)
+from .errors import BackendError, LockLost
+from .registry import Entry, Waiter
 from .steps import (
     RELEASE,
     STEPS,
@@ -43,15 +34,10 @@ from .steps import (
     noop,
 )
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger("dblock")
 
 _monotonic = time.monotonic
 _urandom = os.urandom
-_current_thread = threading.current_thread
-_thread_owner = thread_owner
 
 
 class HandOff(LockerBase):
@@ -86,8 +72,8 @@ class HandOff(LockerBase):
                 entry.handoffs = 0  # a new run: asked again at its end, not at every grant
         # A lost lock's row is deleted too if it is still ours (renewal
         # may have failed only because the database was unreachable).
-        if held._fair:  # wakes the next waiter of the queue, and only it
-            queued = held._ticket is not None  # others likely queue behind
+        if held.state.fair:  # wakes the next waiter of the queue, and only it
+            queued = held.state.ticket is not None  # others likely queue behind
             deleted = yield (
                 STEPS,
                 fair_sql(self.store).release_steps(held.key, held.token, queued=queued),
@@ -119,7 +105,7 @@ class HandOff(LockerBase):
         # Local grants in the run so far: the row's own and its hand-offs, or
         # (without hand-off) each a row of its own, counted in _keep.
         run = entry.handoffs + 1 if self._handoff_limit else entry.handoffs
-        if not limit or run < limit or not entry.queue or held._fair or keep:
+        if not limit or run < limit or not entry.queue or held.state.fair or keep:
             return False
         if self._handoff_limit or self.store.others_wait(held.key):
             return True
@@ -136,7 +122,7 @@ class HandOff(LockerBase):
         seat_token = _urandom(16).hex() if ticket.seats else None
         seat: Seat | None = None
         sent_at = _monotonic()
-        queued = held._ticket is not None
+        queued = held.state.ticket is not None
         try:
             if seat_token is None:
                 deleted = yield (STEPS, sql.release_steps(key, token, queued=queued))
@@ -177,8 +163,8 @@ class HandOff(LockerBase):
             raise
         finally:
             waiter.wake(seat)  # None: it queues by itself
-        if held._lost is not None:
-            raise LockLost(key, held._lost)
+        if held.state.lost is not None:
+            raise LockLost(key, held.state.lost)
         if not deleted:
             raise LockLost(key, "its row was gone or held by another owner at release")
         return True
@@ -188,12 +174,12 @@ class HandOff(LockerBase):
         has fences in reserve, otherwise in one statement."""
         ticket: Ticket = waiter.ticket
         sent_at = _monotonic()
-        reserve = held._reserve
+        reserve = held.state.reserve
         if (
             reserve
             and ticket.ttl == held.ttl
             and ticket.options.renew
-            and held._expires_mono - sent_at >= held.ttl * RESERVE_LEASE
+            and held.state.expires_mono - sent_at >= held.ttl * RESERVE_LEASE
         ):
             # The row stays as it is (token, owner, lease: renewal keeps it);
             # the successor's fence was drawn while the row was ours, after
@@ -201,7 +187,7 @@ class HandOff(LockerBase):
             kept = Grant(
                 reserve[0],
                 held.expires_at,
-                held._expires_mono - sent_at,
+                held.state.expires_mono - sent_at,
                 reserve=reserve[1:],
             )
             return self._handed(entry, waiter, token=held.token, grant=kept, sent_at=sent_at)
@@ -274,7 +260,7 @@ class HandOff(LockerBase):
         # Not live until delivered: one a signal handler's exception strands
         # here is never released when collected (its row is the waiter's,
         # woken with its token instead: see _hand_off).
-        ref = successor._ref
+        ref = successor.state
         entry.held = ref
         entry.handoffs += 1
         try:

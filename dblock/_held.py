@@ -10,8 +10,6 @@ through :class:`Custodian`, the few calls a holder makes of it.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -22,14 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ._store import Grant
 from ._store.base import Lease
 from .config import OnLost, check_lease
-from .errors import (
-    LockLost,
-)
-from .registry import (
-    Entry,
-    current_owner,
-    thread_owner,
-)
+from .errors import LockLost
+from .registry import Entry, current_owner, thread_owner
 from .renewal import MIN_RENEWAL, RENEW_AT, Renewer
 from .steps import Op
 
@@ -39,8 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("dblock")
 
 _monotonic = time.monotonic
-_urandom = os.urandom
-_current_thread = threading.current_thread
 _thread_owner = thread_owner
 
 
@@ -88,16 +78,61 @@ class LockOptions:
 
 
 class LockRef(weakref.ref["HeldLock"]):
-    """How the registry and the renewer refer to a held lock: weakly, with
-    what it takes to release the lock once nobody can reach it any more."""
+    """A held lock's state inside dblock, and how the registry and the
+    renewer refer to the lock: weakly, with what it takes to release it once
+    nobody can reach it any more. The holder's :class:`HeldLock` keeps it as
+    ``state``: what the lock's machinery reads and writes lives here, not in
+    attributes of the public object."""
 
-    __slots__ = ("entry", "key", "live", "token", "tracked")
+    __slots__ = (
+        "acquired_mono",
+        "adopt",
+        "deferred",
+        "entry",
+        "expires_mono",
+        "fair",
+        "holder",
+        "key",
+        "live",
+        "lost",
+        "next_check",
+        "released",
+        "renew_error",
+        "reserve",
+        "revoked",
+        "ticket",
+        "token",
+        "tracked",
+    )
 
     entry: Entry
     key: str
     token: str
     live: bool  # not released yet
     tracked: bool  # the renewer watches it
+    #: Who holds it: a thread's or a task's owner (see dblock.registry);
+    #: ``HeldLock.owner`` is the label written in the row.
+    holder: Any
+    released: bool
+    revoked: bool  # released by dblock (owner gone, manager closed)
+    fair: bool  # granted by the fair queue: released to it, never handed on locally
+    ticket: int | None
+    # Its release waits for a commit or a response (dblock.deferral): the
+    # taking thread or task may end first without abandoning it.
+    deferred: bool
+    # Taken by a task that only ran the acquire (asyncio.wait_for before
+    # Python 3.12, create_task, gather): its owner is whoever awaited
+    # that task, known once it uses the lock (see Lifecycle.adopt).
+    adopt: bool
+    # Fences this row may still hand on without SQL (see HandOff._hand_off).
+    reserve: tuple[int, ...]
+    # Local deadline of the lease, counted from before the statement was
+    # sent, so it is never later than the database's own.
+    acquired_mono: float
+    expires_mono: float
+    next_check: float  # when the renewal pass looks at it next
+    lost: str | None  # why it was lost, once it is
+    renew_error: str | None  # the last renewal's failure, while it is retried
 
 
 class HeldLock:
@@ -110,26 +145,13 @@ class HeldLock:
     forward while the lock is held. ``lost`` turns true
     the moment dblock learns (or must assume) that the lock is no longer ours;
     ``check()`` raises :class:`~dblock.LockLost` from then on.
+
+    ``state`` is dblock's own (:class:`LockRef`), not part of the API.
     """
 
     __slots__ = (
         "__weakref__",
-        "_acquired_mono",
-        "_adopt",
-        "_deferred",
-        "_entry",
-        "_expires_mono",
-        "_fair",
         "_locker",
-        "_lost",
-        "_next_check",
-        "_owner",
-        "_ref",
-        "_released",
-        "_renew_error",
-        "_reserve",
-        "_revoked",
-        "_ticket",
         "expires_at",
         "fence",
         "key",
@@ -137,6 +159,7 @@ class HeldLock:
         "on_lost",
         "owner",
         "renew",
+        "state",
         "token",
         "ttl",
     )
@@ -155,59 +178,50 @@ class HeldLock:
     ) -> None:
         # (Positional parameters: a class called with keywords gets them as a dict.)
         self._locker = locker
-        self._entry = entry
-        self._owner = entry.owner
-        self._released = False
-        self._revoked = False  # released by dblock (owner gone, manager closed)
-        self._fair = False  # granted by the fair queue: released to it, never handed on locally
-        self._ticket: int | None = None
-        # Its release waits for a commit or a response (dblock.deferral): the
-        # taking thread or task may end first without abandoning it.
-        self._deferred = False
-        # Taken by a task that only ran the acquire (asyncio.wait_for before
-        # Python 3.12, create_task, gather): its owner is whoever awaited
-        # that task, known once it uses the lock (see Locker.adopt).
-        self._adopt = False
-        ref = self._ref = LockRef(self, locker.collect)
-        ref.entry = entry
-        ref.key = entry.key
-        ref.token = token
-        ref.live = live  # (a hand-off's is not until delivered: see Locker._handed)
-        ref.tracked = False
+        state = self.state = LockRef(self, locker.collect)
+        state.entry = entry
+        state.key = entry.key
+        state.token = token
+        state.live = live  # (a hand-off's is not until delivered: see HandOff._handed)
+        state.tracked = False
+        state.holder = entry.owner
+        state.released = False
+        state.revoked = False
+        state.fair = False
+        state.ticket = None
+        state.deferred = False
+        state.adopt = False
+        state.reserve = grant.reserve
+        state.acquired_mono = sent_at
+        state.expires_mono = sent_at + grant.expires_in
+        state.next_check = sent_at + grant.expires_in * (RENEW_AT if options.renew else 1.0)
+        state.lost = None
+        state.renew_error = None
         self.key = entry.key
         self.token = token
         self.owner = owner
         self.ttl = ttl
         self.fence = grant.fence
-        # Fences this row may still hand on without SQL (see Locker._hand_off).
-        self._reserve = grant.reserve
         self.expires_at: datetime = grant.expires_at
         self.renew = options.renew
         self.max_hold = options.max_hold
         self.on_lost = options.on_lost
-        # Local deadline of the lease, counted from before the statement was
-        # sent, so it is never later than the database's own.
-        self._acquired_mono = sent_at
-        self._expires_mono = sent_at + grant.expires_in
-        self._next_check = sent_at + grant.expires_in * (RENEW_AT if self.renew else 1.0)
-        self._lost: str | None = None
-        self._renew_error: str | None = None
 
     @property
     def released(self) -> bool:
-        return self._released
+        return self.state.released
 
     @property
     def ticket(self) -> int | None:
         """A fair lock's place in its key's queue when it was granted (the
         order of arrival, from the fence counter); None if it was granted
         without queueing, or is not a fair lock."""
-        return self._ticket
+        return self.state.ticket
 
     @property
     def remaining(self) -> float:
         """Seconds of lease left, by this process's monotonic clock (conservative)."""
-        return self._expires_mono - _monotonic()
+        return self.state.expires_mono - _monotonic()
 
     @property
     def lost(self) -> bool:
@@ -215,16 +229,20 @@ class HeldLock:
         also once its lease has ended by this process's clock, whether or not
         the renewal thread has looked (it may be waiting for a server that
         stopped answering)."""
-        if self._lost is None and not self._released and self._expires_mono <= _monotonic():
+        if (
+            self.state.lost is None
+            and not self.state.released
+            and self.state.expires_mono <= _monotonic()
+        ):
             self._lose_expired()
             return True
-        return self._lost is not None
+        return self.state.lost is not None
 
     @property
     def lost_reason(self) -> str | None:
-        if self.lost and self._lost is None:  # expired, but its renewer no longer watches it
+        if self.lost and self.state.lost is None:  # expired, but its renewer no longer watches it
             return Renewer._expired_reason(self)
-        return self._lost
+        return self.state.lost
 
     def _lose_expired(self) -> None:
         # Whichever thread notices the lease's end first (the renewal pass,
@@ -237,30 +255,34 @@ class HeldLock:
         not released, not known to be lost, its lease not run out by this
         process's clock. No SQL (as ``redis.lock.Lock.owned()`` or Redisson's
         ``isHeldByCurrentThread()``); :meth:`check` raises instead of answering."""
-        if self._released or self._lost is not None or self._expires_mono <= _monotonic():
+        if (
+            self.state.released
+            or self.state.lost is not None
+            or self.state.expires_mono <= _monotonic()
+        ):
             return False
-        if self._adopt:
+        if self.state.adopt:
             self._locker.adopt(self)
         # As for release: a lock taken by a thread outside any task is held by
         # a task running on that thread too.
-        return self._owner is current_owner() or self._owner is _thread_owner()
+        return self.state.holder is current_owner() or self.state.holder is _thread_owner()
 
     def check(self) -> None:
         """Raise :class:`~dblock.LockLost` if the lock was lost. Call it before
         work that must not run without the lock."""
-        if self._lost is not None:
-            raise LockLost(self.key, self._lost)
-        if not self._released and self._expires_mono <= _monotonic():
+        if self.state.lost is not None:
+            raise LockLost(self.key, self.state.lost)
+        if not self.state.released and self.state.expires_mono <= _monotonic():
             # The renewal thread may not have looked yet: the lease is over.
             self._lose_expired()
-            raise LockLost(self.key, self._lost or Renewer._expired_reason(self))
+            raise LockLost(self.key, self.state.lost or Renewer._expired_reason(self))
 
     # -- for the renewal thread ----------------------------------------------
 
     def _renewal_ttl(self, now: float) -> float:
         if self.max_hold is None:
             return self.ttl
-        return min(self.ttl, self.max_hold - (now - self._acquired_mono))
+        return min(self.ttl, self.max_hold - (now - self.state.acquired_mono))
 
     def _renewable(self) -> bool:
         """Can renewal still extend the lease (renewal on, max_hold not reached)?"""
@@ -268,19 +290,19 @@ class HeldLock:
             return False
         if self.max_hold is None:
             return True
-        return self._acquired_mono + self.max_hold > self._expires_mono + MIN_RENEWAL
+        return self.state.acquired_mono + self.max_hold > self.state.expires_mono + MIN_RENEWAL
 
     def _renewed(self, expires_at: datetime, expires_mono: float) -> None:
         now = _monotonic()
         self.expires_at = expires_at
-        self._expires_mono = expires_mono
-        self._renew_error = None
-        self._next_check = now + (expires_mono - now) * RENEW_AT
+        self.state.expires_mono = expires_mono
+        self.state.renew_error = None
+        self.state.next_check = now + (expires_mono - now) * RENEW_AT
 
     def _mark_lost(self, reason: str) -> bool:
-        if self._lost is not None or self._released:
+        if self.state.lost is not None or self.state.released:
             return False
-        self._lost = reason
+        self.state.lost = reason
         return True
 
     def release(self, *, force: bool = False) -> bool:
@@ -319,8 +341,22 @@ class HeldLock:
                 raise
             log.exception("dblock: %r was lost while its holder failed", self.key)
 
+    # -- former names, read by modules not yet moved to ``state`` --------------
+
+    @property
+    def _released(self) -> bool:
+        return self.state.released
+
+    @property
+    def _deferred(self) -> bool:
+        return self.state.deferred
+
+    @_deferred.setter
+    def _deferred(self, value: bool) -> None:
+        self.state.deferred = value
+
     def __repr__(self) -> str:
-        state = "released" if self._released else f"expires_at={self.expires_at.isoformat()}"
+        state = "released" if self.state.released else f"expires_at={self.expires_at.isoformat()}"
         return f"<HeldLock {self.key!r} fence={self.fence} {state}>"
 
 

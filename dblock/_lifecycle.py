@@ -16,19 +16,13 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _threads
 from ._held import HeldLock, LockRef
-from ._lockbase import (
-    LockerBase,
-)
+from ._lockbase import LockerBase
 from ._store.base import Lease
-from .errors import (
-    LockLost,
-    LockNotHeld,
-    LockTimeout,
-)
+from .errors import LockLost, LockNotHeld, LockTimeout
 from .registry import (
     Entry,
     HandedOn,
@@ -39,19 +33,11 @@ from .registry import (
     owner_name,
     thread_owner,
 )
-from .steps import (
-    RELEASE,
-    SLEEP,
-    Op,
-)
-
-if TYPE_CHECKING:
-    pass
+from .steps import RELEASE, SLEEP, Op
 
 log = logging.getLogger("dblock")
 
 _monotonic = time.monotonic
-_urandom = os.urandom
 _current_thread = threading.current_thread
 _thread_owner = thread_owner
 
@@ -65,16 +51,16 @@ class Lifecycle(LockerBase):
         exception or a task's cancellation while the locks of ``lock_many``
         went one by one). Without this they stayed until the holder ended,
         and were then reported as never released."""
-        entry = held._entry
-        if entry.depth > 1 and entry.held is held._ref:
+        entry = held.state.entry
+        if entry.depth > 1 and entry.held is held.state:
             entry.depth -= 1
             return
         if not self._claim(held):
             return  # released already, by its holder or by dblock
-        held._released = True
+        held.state.released = True
         entry.leaving = True  # its releaser's until passed on (see Registry)
         if self.telemetry is not None:
-            self.telemetry.released(_monotonic() - held._acquired_mono)
+            self.telemetry.released(_monotonic() - held.state.acquired_mono)
         self.renewer.post(functools.partial(self._let_revoked_go, held))
 
     def handed_on(self, held: HeldLock) -> None:
@@ -85,21 +71,21 @@ class Lifecycle(LockerBase):
         renewal pass leaves it be); the first task or thread to use it
         (``release()``, ``owned()``) becomes its owner. Dropped unused, it
         is collected and released like any other."""
-        task = held._owner
+        task = held.state.holder
         placeholder = HandedOn(task)
-        if not self._local or self.registry.adopt(held._entry, task, placeholder):
-            held._owner = placeholder
-            held._adopt = True
+        if not self._local or self.registry.adopt(held.state.entry, task, placeholder):
+            held.state.holder = placeholder
+            held.state.adopt = True
 
     def adopt(self, held: HeldLock) -> None:
         """The caller becomes the owner of a handed-on lock (see :meth:`handed_on`)."""
-        old = held._owner
-        if not held._adopt or not isinstance(old, HandedOn) or not old.returned():
+        old = held.state.holder
+        if not held.state.adopt or not isinstance(old, HandedOn) or not old.returned():
             return  # the acquiring task has not even returned it yet
         me = current_owner()
-        if held._released or not self._local or self.registry.adopt(held._entry, old, me):
-            held._owner = me
-        held._adopt = False
+        if held.state.released or not self._local or self.registry.adopt(held.state.entry, old, me):
+            held.state.holder = me
+        held.state.adopt = False
 
     @staticmethod
     def check_owner(held: HeldLock) -> None:
@@ -107,11 +93,15 @@ class Lifecycle(LockerBase):
         (A lock taken by a thread outside any task may be released by a task
         running on that same thread: the thread is the holder.)"""
         me = current_owner()
-        if held._adopt:
+        if held.state.adopt:
             held._locker.adopt(held)
-        if held._owner is not me and held._owner is not _thread_owner() and not held._released:
+        if (
+            held.state.holder is not me
+            and held.state.holder is not _thread_owner()
+            and not held.state.released
+        ):
             raise LockNotHeld(
-                f"lock {held.key!r} is held by {owner_name(held._owner)}, not by "
+                f"lock {held.key!r} is held by {owner_name(held.state.holder)}, not by "
                 f"{owner_name(me)}: only its holder may release it "
                 "(release(force=True) hands the release over explicitly)"
             )
@@ -132,20 +122,20 @@ class Lifecycle(LockerBase):
             log.error("dblock: lock %r released and lost: %s", held.key, reason)
         else:
             log.warning("dblock: lock %r released: %s", held.key, reason)
-        if held._lost is None:
-            held._lost = reason
+        if held.state.lost is None:
+            held.state.lost = reason
             self.renewer.notify_lost(held)
-        held._revoked = True
-        held._released = True
+        held.state.revoked = True
+        held.state.released = True
         return True
 
     def _let_revoked_go(self, held: HeldLock) -> None:
         """The second half of :meth:`_abandon`: delete the row, pass the key on."""
-        entry = held._entry
+        entry = held.state.entry
         try:
             self.run(self._delete_row(held.key, held.token))
         finally:
-            if entry.held is held._ref:
+            if entry.held is held.state:
                 entry.leaving = True  # (before held: see _let_go)
                 entry.held = None
                 self._leave(entry)
@@ -252,10 +242,10 @@ class Lifecycle(LockerBase):
     def check_extend(self, held: HeldLock) -> None:
         """Before ``extend()`` sends its statement (no SQL): the lock must be
         held and not known to be lost."""
-        if held._released:
+        if held.state.released:
             self.release(held)  # raises the right error, without SQL
-        if held._lost is not None:
-            raise LockLost(held.key, held._lost)
+        if held.state.lost is not None:
+            raise LockLost(held.key, held.state.lost)
 
     def extended(self, held: HeldLock, leases: Mapping[str, Lease], sent_at: float) -> None:
         """What the renew statement sent at ``sent_at`` answered for ``held``
@@ -263,7 +253,7 @@ class Lifecycle(LockerBase):
         lease = leases.get(held.token)
         if lease is None:
             self.renewer.lose(held, "its row was gone or held by another owner at extend()")
-            raise LockLost(held.key, held._lost or "its row was gone or held by another owner")
+            raise LockLost(held.key, held.state.lost or "its row was gone or held by another owner")
         held._renewed(lease.expires_at, sent_at + lease.expires_in)
 
     #: Seconds interpreter exit waits for the database to answer its
@@ -298,19 +288,21 @@ class Lifecycle(LockerBase):
         candidates = self._exit_candidates
         try:
             candidates.extend(
-                held for held in self.renewer.held_locks() if not _runs_at_exit(held._owner, me)
+                held
+                for held in self.renewer.held_locks()
+                if not _runs_at_exit(held.state.holder, me)
             )
             for held in candidates:
-                ref = held._ref
+                ref = held.state
                 if not ref.live:
                     continue  # somebody else claimed it first
                 # Claimed and marked with no call in between (see _let_go):
                 # the mark, not a list it joins, says it is ours to delete.
                 ref.live = False
-                held._released = True
-                held._revoked = True
-                held._lost = AT_EXIT
-                entry = held._entry
+                held.state.released = True
+                held.state.revoked = True
+                held.state.lost = AT_EXIT
+                entry = held.state.entry
                 if entry.held is ref:
                     entry.leaving = True  # (before held: see _let_go)
                     entry.held = None
@@ -322,7 +314,7 @@ class Lifecycle(LockerBase):
                 raise
             cut.append(exc)
         posted = self._exit_posted
-        taken = [h for h in candidates if h._lost is AT_EXIT and h.token not in posted]
+        taken = [h for h in candidates if h.state.lost is AT_EXIT and h.token not in posted]
         for held in taken:
             self.renewer.untrack(held)
         if not taken and not self.renewer.running:
@@ -335,7 +327,7 @@ class Lifecycle(LockerBase):
         def release_all() -> None:
             try:
                 for held in taken:
-                    entry = held._entry
+                    entry = held.state.entry
                     try:
                         deleted = self.run(_release_op(held.key, held.token))
                     except Exception as exc:  # logged; the lease ends the row
@@ -350,7 +342,7 @@ class Lifecycle(LockerBase):
                             "dblock: lock %r %s at interpreter exit (%s had not released it)",
                             held.key,
                             "released" if deleted else "found gone (not ours any more)",
-                            owner_name(held._owner),
+                            owner_name(held.state.holder),
                         )
                     finally:
                         self._leave(entry)

@@ -16,9 +16,7 @@ blocking step driver (:mod:`dblock._drive`).
 from __future__ import annotations
 
 import logging
-import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
@@ -30,17 +28,13 @@ from ._store.batch import Batcher
 from ._store.fair import Seat, fair_sql
 from ._store.jobs import statements as job_statements
 from .config import UNSET, Config, Unset
-from .errors import (
-    BackendError,
-    SchemaMissing,
-)
+from .errors import BackendError, SchemaMissing
 from .keys import db_text
 from .registry import (
     Entry,
     Registry,
     ThreadOwner,
     Waiter,
-    thread_owner,
 )
 from .renewal import Renewer
 from .steps import (
@@ -55,10 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dblock")
 
-_monotonic = time.monotonic
-_urandom = os.urandom
 _current_thread = threading.current_thread
-_thread_owner = thread_owner
 
 
 # After a statement was cut off mid-flight we ask again, with the same token,
@@ -255,7 +246,7 @@ class LockerBase:
 
     def _keep(self, entry: Entry, held: HeldLock) -> None:
         """A granted row becomes the key's at level 1, and renewal watches it."""
-        entry.held = held._ref
+        entry.held = held.state
         if self._run_limit:
             # No hand-off: the entry (alive while local threads queue) counts
             # its row grants in a row instead, so a run of them ends too.
@@ -263,12 +254,12 @@ class LockerBase:
         else:
             entry.handoffs = 0
         self.renewer.track(held)
-        held._ref.tracked = True
+        held.state.tracked = True
 
     def _claim(self, held: HeldLock) -> bool:
         """Take the job of releasing ``held``: True for exactly one of the
         holder, the renewal thread and ``close()`` (see _let_go)."""
-        ref = held._ref
+        ref = held.state
         if not ref.live:
             return False  # somebody else claimed it first
         ref.live = False  # (no call since the test: see _let_go)
@@ -366,6 +357,6 @@ class LockerBase:
             return partial(
                 job_statements(self.store).keep_steps, held.key, held.token, keep, held.owner
             )
-        if held._fair:
+        if held.state.fair:
             return partial(fair_sql(self.store).leave_steps, held.key, held.token)
         return None

@@ -34,11 +34,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from ._alone import Alone
 from ._drive import BlockingDriver
@@ -85,9 +83,6 @@ from .steps import (
 )
 from .telemetry import GRANTED, Recorder, Watch, outcome_of, recorder_for
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = [
     "UNSET",
     "HeldLock",
@@ -104,8 +99,6 @@ __all__ = [
 log = logging.getLogger("dblock")
 
 _monotonic = time.monotonic
-_urandom = os.urandom
-_current_thread = threading.current_thread
 _thread_owner = thread_owner
 
 
@@ -263,8 +256,8 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
             ref: LockRef | None = entry.held
             held = None if ref is None else ref()
             if held is not None:
-                if held._lost is not None:
-                    raise LockLost(entry.key, held._lost)
+                if held.state.lost is not None:
+                    raise LockLost(entry.key, held.state.lost)
                 entry.depth += 1
                 return held
             # Our own lock, dropped without release (collected): acquire
@@ -506,10 +499,10 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         the manager closed meanwhile). Nothing if dblock released it already."""
         if not self._claim(held):
             return
-        held._released = True
-        entry = held._entry
+        held.state.released = True
+        entry = held.state.entry
         owner = entry.owner
-        if entry.held is held._ref:
+        if entry.held is held.state:
             entry.leaving = True  # (before held: see _let_go)
             entry.held = None
         try:
@@ -524,26 +517,26 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
     # -- release -----------------------------------------------------------
 
     def release(self, held: HeldLock, *, force: bool = False) -> bool:
-        entry = held._entry
+        entry = held.state.entry
         if (
-            held._owner is _thread_owner()
+            held.state.holder is _thread_owner()
             and entry.depth == 1
             and not entry.queue
-            and not held._released
-            and not held._fair
-            and held._lost is None
+            and not held.state.released
+            and not held.state.fair
+            and held.state.lost is None
             and not force
         ):
             # The common release (this thread's lock, held once, nobody of
             # this process waiting for the key): release_steps's own path,
             # without the step machinery (see _acquire_alone).
-            ref = held._ref
+            ref = held.state
             if not ref.live:
-                raise LockLost(held.key, held._lost or "dblock released it meanwhile")
+                raise LockLost(held.key, held.state.lost or "dblock released it meanwhile")
             # Claimed, and marked released, with no call in between nor
             # before the try: see _let_go.
             ref.live = False
-            held._released = True
+            held.state.released = True
             entry.leaving = True
             entry.held = None
             owner = entry.owner
@@ -568,7 +561,7 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         ``held`` and marked it released, before its DELETE.
 
         The caller does that inline, as ``_claim`` does: test ``ref.live``,
-        set it false, set ``held._released``, then ``entry.leaving`` and
+        set it false, set ``held.state.released``, then ``entry.leaving`` and
         only then ``entry.held = None`` (leaving first: at no instant does
         the entry look stranded to a renewal pass, which would pass the key
         on while our DELETE is still to come). Those are attribute loads and
@@ -583,7 +576,7 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         this process, for as long as the process lived."""
         self.renewer.untrack(held)
         if self.telemetry is not None:
-            self.telemetry.released(_monotonic() - held._acquired_mono)
+            self.telemetry.released(_monotonic() - held.state.acquired_mono)
 
     def _release_failed(self, held: HeldLock, exc: BaseException, keep: float = 0.0) -> bool:
         """A release's DELETE raised ``exc``: False if the database failed
@@ -615,22 +608,22 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         ``keep`` (seconds, a job's ``at_least``): the row stays, its lease
         ending ``keep`` after it was acquired (database time), if that is
         still to come; it is never handed to a local waiter then."""
-        if held._released:
-            if held._revoked and held._lost is not None:
-                raise LockLost(held.key, held._lost)
+        if held.state.released:
+            if held.state.revoked and held.state.lost is not None:
+                raise LockLost(held.key, held.state.lost)
             raise LockNotHeld(f"lock {held.key!r} is not held (already released)")
-        if not force and held._owner is not _thread_owner():
+        if not force and held.state.holder is not _thread_owner():
             # Not this thread's: perhaps this asyncio task's (the full check).
             self.check_owner(held)
-        entry = held._entry
-        if entry.depth > 1 and not force and entry.held is held._ref:
+        entry = held.state.entry
+        if entry.depth > 1 and not force and entry.held is held.state:
             entry.depth -= 1
             return True
-        ref = held._ref
+        ref = held.state
         if not ref.live:
-            raise LockLost(held.key, held._lost or "dblock released it meanwhile")
+            raise LockLost(held.key, held.state.lost or "dblock released it meanwhile")
         ref.live = False  # claimed and marked with no call before the try: see _let_go
-        held._released = True
+        held.state.released = True
         entry.leaving = True
         entry.held = None
         owner = entry.owner
@@ -638,8 +631,8 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         grace: float | None = None
         try:
             self._let_go(held)
-            if held._fair:
-                if held._lost is None and fair_sql(self.store).seats_on_release:
+            if held.state.fair:
+                if held.state.lost is None and fair_sql(self.store).seats_on_release:
                     waiter = self.registry.pop_waiter(entry)
                 if waiter is not None:
                     return (yield from self._release_seating(held, waiter))
@@ -648,7 +641,7 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
                 # handoff_limit - 1 hand-offs (entry.handoffs of them so far).
                 entry.queue
                 and entry.handoffs + 1 < self._handoff_limit
-                and held._lost is None
+                and held.state.lost is None
                 and not keep
             ):
                 waiter = self.registry.pop_waiter(entry)
@@ -677,8 +670,8 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
                 except BaseException:
                     self._leave(entry, grace, owner)  # cut off as it started: see _leave
                     raise
-        if held._lost is not None:
-            raise LockLost(held.key, held._lost)
+        if held.state.lost is not None:
+            raise LockLost(held.key, held.state.lost)
         if not deleted:
             raise LockLost(held.key, "its row was gone or held by another owner at release")
         return True

@@ -59,7 +59,6 @@ from .errors import BackendError, SchemaMissing
 from .registry import owner_alive, owner_gone_reason
 
 if TYPE_CHECKING:
-    import weakref
 
     from .config import OnLost
     from .telemetry import Recorder
@@ -67,12 +66,32 @@ if TYPE_CHECKING:
 __all__ = ["Renewable", "Renewer"]
 
 
+class RenewalState(Protocol):
+    """A held lock's state the renewal thread reads and writes (``LockRef``
+    in :mod:`dblock._held`, a floor above): a weak reference to the lock,
+    with its lease's local deadlines and what became of it."""
+
+    key: str
+    token: str
+    live: bool
+    tracked: bool
+    deferred: bool
+    released: bool
+    lost: str | None
+    renew_error: str | None
+    expires_mono: float
+    next_check: float
+    holder: Any
+
+    def __call__(self) -> Any: ...
+
+
 class Renewable(Protocol):
     """What the renewal thread reads and writes of a held lock: the contract
     between this module and the locks it renews (``HeldLock`` in
-    :mod:`dblock.lock`, a floor above, and the read-write lock's holders).
-    The underscored members are the lock's renewal-side state, named here so
-    that neither side reaches into the other unannounced."""
+    :mod:`dblock._held`, a floor above, and the read-write lock's holders).
+    The lock's own state is ``state``; the underscored methods are the
+    lock's, overridden by the read-write lock's holders, and not API."""
 
     key: str
     token: str
@@ -80,18 +99,9 @@ class Renewable(Protocol):
     renew: bool
     max_hold: float | None
     on_lost: OnLost | None
-    _deferred: bool
-    _released: bool
-    _lost: str | None
-    _renew_error: str | None
-    _expires_mono: float
-    _next_check: float
 
     @property
-    def _owner(self) -> Any: ...
-
-    @property
-    def _ref(self) -> weakref.ref[Any]: ...
+    def state(self) -> RenewalState: ...
 
     @property
     def remaining(self) -> float: ...
@@ -160,7 +170,7 @@ class Renewer(Generic[L]):
         # The manager's telemetry recorder, when it reports (set by the lock facade).
         self.telemetry: Recorder | None = None
         # token -> weak reference to the lock: renewal never keeps it alive.
-        self._held: dict[str, weakref.ref[L]] = {}
+        self._held: dict[str, RenewalState] = {}
         # Work for this thread posted from elsewhere (releasing collected locks).
         self._jobs: deque[Callable[[], object]] = deque()
         self.callbacks = Callbacks()
@@ -183,10 +193,10 @@ class Renewer(Generic[L]):
     # -- called by the lock ------------------------------------------------
 
     def track(self, held: L) -> None:
-        self._held[held.token] = held._ref
+        self._held[held.token] = held.state
         # Usually the thread already plans to look before this lock is due
         # (leases are mostly the manager's default): then no wake-up at all.
-        if held._next_check < self._wake_at:
+        if held.state.next_check < self._wake_at:
             self._nudge()
 
     def untrack(self, held: L) -> bool:
@@ -337,20 +347,20 @@ class Renewer(Generic[L]):
                 # row gone, at every pass.
                 self._held.pop(token, None)
                 continue
-            if not held._deferred and not owner_alive(held._owner):
-                self._abandon(held, owner_gone_reason(held._owner))
+            if not held.state.deferred and not owner_alive(held.state.holder):
+                self._abandon(held, owner_gone_reason(held.state.holder))
                 continue
-            if held._lost is not None:
+            if held.state.lost is not None:
                 continue
-            if now >= held._expires_mono:
+            if now >= held.state.expires_mono:
                 self.lose(held, self._expired_reason(held))
             elif not held._renewable():
                 # Watch it run out, and look at its owner once per renewal interval.
-                next_check = min(next_check, held._expires_mono, now + held.ttl * RENEW_AT)
-            elif held._next_check <= now + held.ttl * BATCH_WINDOW:
+                next_check = min(next_check, held.state.expires_mono, now + held.ttl * RENEW_AT)
+            elif held.state.next_check <= now + held.ttl * BATCH_WINDOW:
                 due.append(held)
             else:
-                next_check = min(next_check, held._next_check)
+                next_check = min(next_check, held.state.next_check)
         if due:
             next_check = min(next_check, self._renew(due))
         return next_check
@@ -366,10 +376,10 @@ class Renewer(Generic[L]):
         except (BackendError, SchemaMissing) as exc:
             retry = now + RETRY_MAX
             for held in due:
-                held._renew_error = str(exc)
+                held.state.renew_error = str(exc)
                 # Retry well before the lease runs out: a quarter of what is left.
-                held._next_check = now + min(RETRY_MAX, max(held.remaining / 4, 0.01))
-                retry = min(retry, held._next_check)
+                held.state.next_check = now + min(RETRY_MAX, max(held.remaining / 4, 0.01))
+                retry = min(retry, held.state.next_check)
             log.warning("dblock: renewing %d lock(s) failed, will retry: %s", len(due), exc)
             if self.telemetry is not None:
                 self.telemetry.renewals(len(due), ok=False)
@@ -382,7 +392,7 @@ class Renewer(Generic[L]):
         if self.telemetry is not None:
             self.telemetry.renewals(len(leases), ok=True)
         for held in due:
-            if self._held.get(held.token) is not held._ref:
+            if self._held.get(held.token) is not held.state:
                 # Released while the statement ran. (Also when a hand-off
                 # from the fence reserve gave the row, and so its token, to
                 # the next local thread meanwhile: that answer is skipped
@@ -396,7 +406,7 @@ class Renewer(Generic[L]):
                 self.lose(held, "its row was gone or held by another owner at renewal")
                 continue
             held._renewed(lease.expires_at, sent_at + lease.expires_in)
-        return min((h._next_check for h in due if h._lost is None), default=float("inf"))
+        return min((h.state.next_check for h in due if h.state.lost is None), default=float("inf"))
 
     def _plan(self, due: list[L], now: float) -> list[tuple[str, str, float]]:
         """The renewal statement's rows; and how late this pass runs: the
@@ -406,13 +416,13 @@ class Renewer(Generic[L]):
         worst, latest = 0.0, due[0]
         for h in due:
             batch.append((h.key, h.token, h._renewal_ttl(now)))
-            if now - h._next_check > worst:
-                worst, latest = now - h._next_check, h
+            if now - h.state.next_check > worst:
+                worst, latest = now - h.state.next_check, h
         if self.telemetry is not None:
             self.telemetry.renewal_lateness(worst)
         if worst > latest.ttl * LATE_AFTER:
             self._warn_late(
-                latest, worst, sum(now - h._next_check > h.ttl * LATE_AFTER for h in due)
+                latest, worst, sum(now - h.state.next_check > h.ttl * LATE_AFTER for h in due)
             )
         return batch
 
@@ -465,8 +475,8 @@ class Renewer(Generic[L]):
 
     @staticmethod
     def _expired_reason(held: Renewable) -> str:
-        if held._renew_error is not None:
-            return f"its lease ran out while renewal kept failing ({held._renew_error})"
+        if held.state.renew_error is not None:
+            return f"its lease ran out while renewal kept failing ({held.state.renew_error})"
         if not held.renew:
             return "its lease ran out (renewal is off for this lock)"
         if held.max_hold is not None:
@@ -478,7 +488,7 @@ class Renewer(Generic[L]):
         callback thread. Any thread may (the renewal thread, its lease
         watch, a holder's ``check()``): one of them marks it."""
         with self._losing:
-            if self._held.get(held.token) is not held._ref or not held._mark_lost(reason):
+            if self._held.get(held.token) is not held.state or not held._mark_lost(reason):
                 return
         log.error("dblock: lock %r lost: %s", held.key, reason)
         self.notify_lost(held)
@@ -507,7 +517,7 @@ class _LeaseWatch:
         self._renewer = renewer
         self._due = due
         self._stop = threading.Event()
-        delay = max(min(h._expires_mono for h in due) - _monotonic(), 0.0)
+        delay = max(min(h.state.expires_mono for h in due) - _monotonic(), 0.0)
         self._timer = threading.Timer(delay, self._watch)
         self._timer.name = "dblock-lease-watch"
         self._timer.daemon = True
@@ -523,18 +533,18 @@ class _LeaseWatch:
     def _watch(self) -> None:
         while not self._stop.is_set():
             now = _monotonic()
-            pending = [h for h in self._due if h._lost is None and not h._released]
+            pending = [h for h in self._due if h.state.lost is None and not h.state.released]
             if not pending:
                 return
             for held in pending:
-                if held._expires_mono <= now:
+                if held.state.expires_mono <= now:
                     self._renewer.lose(
                         held,
                         self._renewer._expired_reason(held)
-                        if held._renew_error is not None  # failing before this try too
+                        if held.state.renew_error is not None  # failing before this try too
                         else "its lease ran out while its renewal waited for the database's answer",
                     )
-            ends = [h._expires_mono for h in pending if h._expires_mono > now]
+            ends = [h.state.expires_mono for h in pending if h.state.expires_mono > now]
             if not ends:
                 return
             self._stop.wait(min(ends) - now)

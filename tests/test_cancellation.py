@@ -385,7 +385,7 @@ def test_a_task_cancelled_while_releasing_several_locks_releases_them_all(
         with statements_held(db_url, [names[-1]]):
             leave.set()
             # Its release of the newest key under way: its DELETE waits in the database.
-            await until(lambda: newest._released)
+            await until(lambda: newest.state.released)
             await asyncio.sleep(0.05)
             task.cancel()
             await asyncio.sleep(0.1)

@@ -310,10 +310,10 @@ def test_an_exit_interrupted_anywhere_in_its_release_still_releases(
             f"""
             import atexit
             sys.path.insert(0, {os.path.dirname(_HERE)!r})
-            from tests.support.interrupts import arm
+            from tests.support.interrupts import LOCK_FILES, arm
             locks = LockManager(URL, ttl=60)
             held = locks.acquire(KEY)
-            armed = arm({n}, "dblock/manager.py", "dblock/lock.py", "dblock/renewal.py",
+            armed = arm({n}, "dblock/manager.py", *LOCK_FILES, "dblock/renewal.py",
                         note={str(note)!r})
             atexit.register(armed.start)  # (runs before dblock's hook: LIFO)
             """,

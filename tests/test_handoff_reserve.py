@@ -121,7 +121,7 @@ def test_a_takeover_fences_above_the_whole_reserve(
     deadline = time.monotonic() + 30
     while "first" not in got and time.monotonic() < deadline:
         time.sleep(0.001)
-    reserve = got["first"]._reserve
+    reserve = got["first"].state.reserve
     # A run is handoff_limit grants: the row's own, this hand-off, and the
     # rest, whose fences this hand-off drew.
     assert len(reserve) == manager.config.handoff_limit - 2

@@ -40,8 +40,8 @@ from dblock import (
     ManagerClosed,
 )
 from tests.conftest import row_of
+from tests.support.interrupts import LOCK_FILES, interrupt_at
 from tests.support.interrupts import Interrupt as Interrupted
-from tests.support.interrupts import interrupt_at
 from tests.support.proxy import Proxy
 
 # -- helpers -------------------------------------------------------------------
@@ -992,7 +992,7 @@ def test_a_statement_reaching_the_server_after_its_caller_was_interrupted_leaves
         interrupted = threading.Event()
         helper = threading.Thread(target=later, daemon=True)
         helper.start()
-        in_flight = _named("run", "_store/base.py")
+        in_flight = _named("run", "_store/executor.py")
         with interrupt_when(lambda f: held.is_set() and in_flight(f)), pytest.raises(Interrupt):
             m.acquire(key)
         interrupted.set()
@@ -1027,7 +1027,7 @@ def test_interrupted_while_releasing_several_locks_releases_them_all(
             done.wait(10)
 
     releasing = threading.Event()
-    in_statement = _named("run", "_store/base.py")
+    in_statement = _named("run", "_store/executor.py")
     with (
         interrupt_when(lambda f: releasing.is_set() and in_statement(f)) as fired,
         pytest.raises(Interrupt),
@@ -1100,7 +1100,7 @@ def test_a_release_interrupted_anywhere_leaves_nothing_taken(
     one landing after the next local thread was made the key's owner, and
     before it was woken, left that thread waiting for ever."""
     checker = make_manager()
-    files = ("dblock/lock.py", "dblock/registry.py", "dblock/renewal.py", "dblock/telemetry.py")
+    files = (*LOCK_FILES, "dblock/registry.py", "dblock/renewal.py", "dblock/telemetry.py")
     n = 0
     while True:
         n += 1
@@ -1129,7 +1129,7 @@ def test_an_acquire_interrupted_anywhere_leaves_nothing_taken(
     landing as the acquire loop read a granted try's answer (MariaDB, where
     the queued thread tries the row itself) left the row for its lease."""
     checker = make_manager()
-    files = ("dblock/lock.py", "dblock/registry.py", "dblock/renewal.py", "dblock/telemetry.py")
+    files = (*LOCK_FILES, "dblock/registry.py", "dblock/renewal.py", "dblock/telemetry.py")
     n = 0
     while True:
         n += 1

@@ -35,10 +35,10 @@ from typing import Any
 import pytest
 
 from dblock import LockBusy, LockManager, LockTimeout
-from tests.support.interrupts import Interrupt, interrupt_at
+from tests.support.interrupts import LOCK_FILES, Interrupt, interrupt_at
 
 _FILES = (
-    "dblock/lock.py",
+    *LOCK_FILES,
     "dblock/registry.py",
     "dblock/renewal.py",
     "dblock/telemetry.py",
@@ -237,7 +237,7 @@ def test_a_dropped_lock_whose_collection_is_interrupted_is_released(db_url: str,
             held = m.acquire(key, timeout=5)
             with (
                 warnings.catch_warnings(),
-                interrupt_at(n, "dblock/lock.py", "dblock/renewal.py") as armed,
+                interrupt_at(n, *LOCK_FILES, "dblock/renewal.py") as armed,
             ):
                 warnings.simplefilter("ignore", ResourceWarning)
                 del held
@@ -393,6 +393,8 @@ def test_an_asyncio_request_interrupted_anywhere_leaves_nothing_taken(
 
 _STORE_FILES = (
     "dblock/_store/base.py",
+    "dblock/_store/executor.py",
+    "dblock/_store/orphans.py",
     "dblock/_store/batch.py",
     "dblock/_store/sqlite.py",
     "dblock/_store/postgresql.py",

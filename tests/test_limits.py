@@ -102,7 +102,7 @@ def test_a_poisoned_orphan_is_dropped_and_blocks_no_other_key(
     leftover = manager.acquire(b)
     token = leftover.token
     # The row of b stays behind as if its acquisition's outcome were unknown.
-    manager._locker.registry.leave(leftover._entry)
+    manager._locker.registry.leave(leftover.state.entry)
     manager._locker.renewer.untrack(leftover)
     store = manager.store
     store.add_orphan(SURROGATE_KEY, uuid.uuid4().hex)

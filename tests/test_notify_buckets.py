@@ -226,7 +226,7 @@ def test_a_release_by_an_earlier_version_still_wakes_a_waiter(
             f"RETURNING lock_key) SELECT pg_notify(%s, lock_key) FROM gone",
             (key, held.token, names.channel),
         )
-    held._released = True  # released by hand above
+    held.state.released = True  # released by hand above
     until(lambda: got, "the grant", timeout=RECHECK / 2)
     assert got[0] - released < 1.0
     t.join(10)

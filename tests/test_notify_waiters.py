@@ -168,7 +168,7 @@ def test_a_release_before_the_registration_is_not_missed(
     committed = time.monotonic()
     release.commit()
     release.close()
-    held._released = True  # released by hand above
+    held.state.released = True  # released by hand above
     until(lambda: got, "the waiter's grant", timeout=RECHECK / 2)
     assert got[0] - committed < 1.0
     t.join(10)

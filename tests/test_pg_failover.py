@@ -91,7 +91,7 @@ def test_failover_keeps_held_locks_waiters_and_fences(pair: PrivatePostgresPair)
         # Renewal reached the new primary: the lease now ends later than it
         # could have if renewed before the kill.
         before = held.expires_at
-        _until(lambda: held.expires_at > before and not held._renew_error)
+        _until(lambda: held.expires_at > before and not held.state.renew_error)
         _until(lambda: any(s[0] > promoted_at for s in sections))
         assert not held.lost
         assert waited == []  # still waiting: the key is held

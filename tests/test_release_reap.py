@@ -54,7 +54,7 @@ def test_a_reaper_pass_at_any_line_of_a_release_leaves_the_key_to_it(
     held = box[0]
     entry = registry.get(key)
     assert entry is not None
-    assert entry.held is held._ref
+    assert entry.held is held.state
     evicted: list[str] = []
     evict = Registry.evict
 

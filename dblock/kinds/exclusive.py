@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from typing import TYPE_CHECKING
 
 from .._held import HeldLock, LockOptions
 from .._lockbase import (
@@ -37,10 +35,7 @@ from ..errors import (
     ManagerClosed,
     SchemaMissing,
 )
-from ..registry import (
-    Entry,
-    thread_owner,
-)
+from ..registry import Entry
 from ..steps import (
     CLEAN_OP,
     EXPIRY_MARGIN,
@@ -54,15 +49,10 @@ from ..steps import (
 )
 from ..telemetry import Watch
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger("dblock")
 
 _monotonic = time.monotonic
 _urandom = os.urandom
-_current_thread = threading.current_thread
-_thread_owner = thread_owner
 
 
 class RowLoop(LockerBase):

@@ -318,8 +318,8 @@ class _FairRequest:
             sent_at=sent_at,
             options=self.opts,
         )
-        held._fair = True
-        held._ticket = self.ticket
+        held.state.fair = True
+        held.state.ticket = self.ticket
         return held
 
     def _now_waiting(self) -> None:

@@ -203,7 +203,7 @@ class RwHeld(HeldLock):
         return True
 
     def __repr__(self) -> str:
-        state = "released" if self._released else f"expires_at={self.expires_at.isoformat()}"
+        state = "released" if self.state.released else f"expires_at={self.expires_at.isoformat()}"
         return f"<RwHeld {self.mode} {self.key!r} fence={self.fence} {state}>"
 
 
@@ -278,16 +278,16 @@ class RwLocker:
 
     def extend(self, held: HeldLock, ttl: float) -> None:
         assert isinstance(held, RwHeld)
-        if held._released:
+        if held.state.released:
             raise LockNotHeld(f"lock {held.key!r} is not held (already released)")
-        if held._lost is not None:
-            raise LockLost(held.key, held._lost)
+        if held.state.lost is not None:
+            raise LockLost(held.key, held.state.lost)
         sent_at = _monotonic()
         token = held._hold.token
         lease = self.statements.renew([(held.key, token, ttl)]).get(token)
         if lease is None:
             self.renewer.lose(held, "its row was gone or held by another owner at extend()")
-            raise LockLost(held.key, held._lost or "its row was gone or held by another owner")
+            raise LockLost(held.key, held.state.lost or "its row was gone or held by another owner")
         held._renewed(lease.expires_at, sent_at + lease.expires_in)
 
     # -- acquire -------------------------------------------------------------
@@ -410,18 +410,18 @@ class RwLocker:
             ref = entry.readers.get(me)
             mine = None if ref is None else cast("RwHeld | None", ref())
             if mine is not None:
-                if mine._lost is not None:
-                    raise LockLost(entry.key, mine._lost)
+                if mine.state.lost is not None:
+                    raise LockLost(entry.key, mine.state.lost)
                 mine._depth += 1
                 return mine
-            if writer is not None and writer._owner is me:
+            if writer is not None and writer.state.holder is me:
                 # A writer reads its own key: no SQL (the write hold covers it).
                 label = self._locker.owner_label(me)
                 return self._new_holder(entry, me, writer._hold, READ, label, ttl, opts)
             return None
-        if writer is not None and writer._owner is me:
-            if writer._lost is not None:
-                raise LockLost(entry.key, writer._lost)
+        if writer is not None and writer.state.holder is me:
+            if writer.state.lost is not None:
+                raise LockLost(entry.key, writer.state.lost)
             writer._depth += 1
             return writer
         if me in entry.readers:
@@ -550,11 +550,11 @@ class RwLocker:
             options=opts,
         )
         if mode == READ:
-            entry.readers[me] = held._ref
+            entry.readers[me] = held.state
         else:
-            entry.writer = held._ref
+            entry.writer = held.state
         self.renewer.track(held)
-        held._ref.tracked = True
+        held.state.tracked = True
         return held
 
     def _acquire_row(  # noqa: PLR0912, PLR0915, PLR0917 - one loop, so one `finally` owns the clean-up
@@ -728,14 +728,14 @@ class RwLocker:
 
     def release(self, held: HeldLock, *, force: bool = False) -> bool:
         assert isinstance(held, RwHeld)
-        if held._released:
-            if held._revoked and held._lost is not None:
-                raise LockLost(held.key, held._lost)
+        if held.state.released:
+            if held.state.revoked and held.state.lost is not None:
+                raise LockLost(held.key, held.state.lost)
             raise LockNotHeld(f"lock {held.key!r} is not held (already released)")
-        if not force and held._owner is not thread_owner():
+        if not force and held.state.holder is not thread_owner():
             self._locker.check_owner(held)
         with self._mutex:
-            if held._released:
+            if held.state.released:
                 raise LockNotHeld(f"lock {held.key!r} is not held (already released)")
             if held._depth > 1 and not force:
                 held._depth -= 1
@@ -744,7 +744,7 @@ class RwLocker:
 
     def _let_go(self, held: RwHeld, revoked: str | None) -> bool:
         """Release every level of ``held``."""
-        return self._let_go_ref(held._ref, held, revoked)
+        return self._let_go_ref(held.state, held, revoked)
 
     def _let_go_ref(self, ref: LockRef, held: RwHeld | None, revoked: str | None) -> bool:
         """Release every level of the handle ``ref`` refers to (``held``, or
@@ -762,11 +762,11 @@ class RwLocker:
         statement: str | None = None
         try:
             with self._mutex:
-                if not ref.live or (held is not None and held._released):
+                if not ref.live or (held is not None and held.state.released):
                     return False
                 ref.live = False
                 if held is not None:
-                    held._released = True
+                    held.state.released = True
                 claimed = True
                 try:
                     statement = self._leave(entry, who, ref)
@@ -775,9 +775,9 @@ class RwLocker:
                     raise
                 self.renewer.untrack_token(ref.token)
                 if revoked is not None and held is not None:
-                    held._revoked = True
-                    if held._lost is None:
-                        held._lost = revoked
+                    held.state.revoked = True
+                    if held.state.lost is None:
+                        held.state.lost = revoked
                         self.renewer.notify_lost(held)
             if statement is None:
                 return True if held is None else self._outcome(held, True)
@@ -792,8 +792,8 @@ class RwLocker:
             raise
         if held is None:
             return ok
-        if not ok and held._lost is None:
-            held._lost = "its row was gone or held by another owner at release"
+        if not ok and held.state.lost is None:
+            held.state.lost = "its row was gone or held by another owner at release"
         return self._outcome(held, True)
 
     def _collected(self, ref: object) -> None:
@@ -915,8 +915,8 @@ class RwLocker:
 
     @staticmethod
     def _outcome(held: RwHeld, ok: bool) -> bool:
-        if held._lost is not None and not held._revoked:
-            raise LockLost(held.key, held._lost)
+        if held.state.lost is not None and not held.state.revoked:
+            raise LockLost(held.key, held.state.lost)
         return ok
 
     def _forget(self, entry: _Entry) -> None:
@@ -945,8 +945,8 @@ class RwLocker:
             # Every one is lost before any SQL (see Locker.close).
             log.error("dblock: lock %r released and lost: the LockManager was closed", held.key)
             with self._mutex:
-                if not held._released and held._lost is None:
-                    held._lost = reason
+                if not held.state.released and held.state.lost is None:
+                    held.state.lost = reason
                     self.renewer.notify_lost(held)
         try:
             if held_locks:

@@ -88,12 +88,12 @@ class HeldPermit(HeldLock):
         options: LockOptions,
     ) -> None:
         super().__init__(locker, entry, token, owner, ttl, grant, sent_at, options)
-        self.key = self._ref.key = real_key(entry.key)
+        self.key = self.state.key = real_key(entry.key)
         self.slot = grant.slot
         self.permits = size_index(entry.key)[0]
 
     def __repr__(self) -> str:
-        state = "released" if self._released else f"expires_at={self.expires_at.isoformat()}"
+        state = "released" if self.state.released else f"expires_at={self.expires_at.isoformat()}"
         return f"<HeldPermit {self.key!r} {self.slot}/{self.permits} fence={self.fence} {state}>"
 
 

@@ -37,6 +37,21 @@ _AFTER = frozenset(("CALL", "CALL_FUNCTION_EX"))
 _AT = frozenset(("JUMP_BACKWARD",))
 
 
+#: The blocking lock's core, every module of it (``dblock.lock.Locker`` and
+#: the parts it is assembled from): what a walk through acquire or release
+#: must visit. A part split off into a module of its own belongs here.
+LOCK_FILES = (
+    "dblock/lock.py",
+    "dblock/_lockbase.py",
+    "dblock/_held.py",
+    "dblock/_alone.py",
+    "dblock/_handoff.py",
+    "dblock/_lifecycle.py",
+    "dblock/_drive.py",
+    "dblock/kinds/exclusive.py",
+)
+
+
 class Interrupt(Exception):
     """What a signal handler raises (a SIGALRM timeout, say)."""
 
