@@ -10,7 +10,8 @@ of ``dblock/`` read with ``ast``, this fails when
   the file, line and what is imported, and the ways out);
 * an arrow of :data:`ALLOWED_UP` is no longer drawn by any import, or there
   are more than three of them (issue 44's target);
-* two modules import each other, directly or round a circle;
+* two modules the map names apart import each other, directly or round a
+  circle (one that an arrow of :data:`ALLOWED_UP` closes aside);
 * a module imports an underscored name of a module in another package;
 * the picture of the floors, ``docs/img/floors.svg``, is not the one the map
   draws. Draw it again with::
