@@ -87,6 +87,9 @@ if TYPE_CHECKING:
 __all__ = ["AsyncHeldLock", "AsyncHeldLocks", "AsyncLockManager", "AsyncLockRequest"]
 
 log = logging.getLogger("dblock")
+# asyncio's own None-or-loop look-up (what get_running_loop() wraps): a hand-off
+# from a thread without a loop asks it on every wake-up, where get_running_loop()
+# would raise and catch a RuntimeError each time. Read here only.
 _running_loop = asyncio._get_running_loop
 
 P = ParamSpec("P")
@@ -538,7 +541,9 @@ class AsyncLockManager:
         # Group commit for tasks, beside the threads' (dblock._store.batch).
         self.abatcher: AsyncBatcher | None = None
         if self.locker.batcher is not None:
-            self.abatcher = AsyncBatcher(self.sync.store, self.astore.drive, self.locker._post_noop)
+            # Asks for orphans to be deleted soon: a nudge to the renewal thread.
+            clean = functools.partial(self.locker.renewer.post, noop)
+            self.abatcher = AsyncBatcher(self.sync.store, self.astore.drive, clean)
         self._abatcher = self.abatcher  # (the former name)
         _amanagers.add(self)
 

@@ -117,10 +117,7 @@ def locked(
         if not callable(func):
             raise LockArgumentError(f"locked() decorates a function, got {func!r}")
         _refuse_unsupported(func)
-        make_keys = _key_builder(spec, func)
-        handler = None if on_busy == "raise" else on_busy
-        if handler is not None:
-            _check_handler(handler, func)
+        make_keys, handler = _prepared(spec, func, on_busy)
 
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -128,12 +125,7 @@ def locked(
             manager = resolve()
             held: HeldLock | HeldLocks
             try:
-                if isinstance(keys, str):
-                    held = manager.acquire(keys, **options)
-                elif fair:
-                    raise LockArgumentError("fair=True takes one key per call, not several")
-                else:
-                    held = manager.acquire_many(keys, **options)
+                held = _acquirer(manager, keys, fair)(keys, **options)
             except LockNotAcquired as exc:
                 if handler is None:
                     raise
@@ -149,6 +141,30 @@ def locked(
         return wrapper
 
     return decorate
+
+
+def _prepared(
+    spec: KeySpec, func: Callable[..., Any], on_busy: OnBusy
+) -> tuple[KeysOf, BusyHandler | None]:
+    """What both faces' decorators make of a function when they decorate it:
+    what builds its keys from a call, and its busy handler (checked now)."""
+    make_keys = _key_builder(spec, func)
+    handler = None if on_busy == "raise" else on_busy
+    if handler is not None:
+        _check_handler(handler, func)
+    return make_keys, handler
+
+
+def _acquirer(
+    manager: Acquirer | AsyncAcquirer, keys: str | tuple[str, ...], fair: bool
+) -> Callable[..., Any]:
+    """What takes a call's key (``acquire``) or keys (``acquire_many``: not
+    with ``fair``) on either face's manager."""
+    if isinstance(keys, str):
+        return manager.acquire
+    if fair:
+        raise LockArgumentError("fair=True takes one key per call, not several")
+    return manager.acquire_many
 
 
 def _fair_option(options: dict[str, Any], fair: object, spec: KeySpec) -> None:
@@ -220,22 +236,14 @@ def alocked(
                 f"{name} is not a coroutine function (async def): use LockManager.locked "
                 "for plain functions"
             )
-        make_keys = _key_builder(spec, func)
-        handler = None if on_busy == "raise" else on_busy
-        if handler is not None:
-            _check_handler(handler, func)
+        make_keys, handler = _prepared(spec, func, on_busy)
 
         @functools.wraps(func)
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             keys = make_keys(args, kwargs)
             manager = resolve()
             try:
-                if isinstance(keys, str):
-                    held: Any = await manager.acquire(keys, **options)
-                elif fair:
-                    raise LockArgumentError("fair=True takes one key per call, not several")
-                else:
-                    held = await manager.acquire_many(keys, **options)
+                held: Any = await _acquirer(manager, keys, fair)(keys, **options)
             except LockNotAcquired as exc:
                 if handler is None:
                     raise
