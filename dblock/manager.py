@@ -555,11 +555,6 @@ class LockManager:
         self._sweeper = sweeper
         return sweeper
 
-    def _after_fork(self) -> None:
-        self.kinds.after_fork()
-        self._locker.after_fork()
-        self._store.after_fork()
-
     # -- several keys at once ----------------------------------------------
 
     def lock_many(
@@ -623,8 +618,11 @@ def _rw_request(
 
 
 def _after_fork_in_child() -> None:
+    # Each manager's parts forget the parent's threads, holders and connections.
     for manager in list(_managers):
-        manager._after_fork()
+        manager.kinds.after_fork()
+        manager.locker.after_fork()
+        manager.store.after_fork()
 
 
 if hasattr(os, "register_at_fork"):

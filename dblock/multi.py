@@ -119,7 +119,7 @@ def release_all(held: list[HeldLock], *, force: bool = False) -> bool:
         except LockLost as exc:
             lost = lost or exc
         except BaseException:
-            if held[i]._released:  # interrupted in its release, not refused (not ours, ...)
+            if held[i].released:  # interrupted in its release, not refused (not ours, ...)
                 release_later(held[:i])
             raise
     if lost is not None:
