@@ -27,10 +27,10 @@ from ._store.jobs import statements as job_statements
 from .errors import BackendError, LockLost
 from .registry import Entry, Waiter
 from .steps import (
-    RELEASE,
-    STEPS,
-    TRANSFER,
     Op,
+    Release,
+    Run,
+    Transfer,
     noop,
 )
 
@@ -63,7 +63,7 @@ class HandOff(LockerBase):
         if run_ended is None:  # nobody seen lately: ask (MySQL's waiter names)
             asking = self.store.others_wait_steps(held.key)
             try:
-                run_ended = asking is not None and bool((yield (STEPS, asking)))
+                run_ended = asking is not None and bool((yield Run(asking)))
             except BackendError:
                 # Only a hint (whether to give way): a killed connection or
                 # an outage fails the release's own statement, if anything.
@@ -74,21 +74,19 @@ class HandOff(LockerBase):
         # may have failed only because the database was unreachable).
         if held.state.fair:  # wakes the next waiter of the queue, and only it
             queued = held.state.ticket is not None  # others likely queue behind
-            deleted = yield (
-                STEPS,
+            deleted = yield Run(
                 fair_sql(self.store).release_steps(held.key, held.token, queued=queued),
             )
             return deleted, None
         if keep:
-            deleted = yield (
-                STEPS,
+            deleted = yield Run(
                 job_statements(self.store).keep_steps(held.key, held.token, keep, held.owner),
             )
             return deleted, None
         if entry.queue:  # local threads wait: others likely do too
             self.store.hot(held.key, run_ended)
         sent_at = _monotonic()
-        deleted = yield (RELEASE, held.key, held.token)
+        deleted = yield Release(held.key, held.token)
         if run_ended and deleted:
             took = (_monotonic() - sent_at) * GIVE_WAY_RTTS
             entry.handoffs = 0
@@ -125,10 +123,9 @@ class HandOff(LockerBase):
         queued = held.state.ticket is not None
         try:
             if seat_token is None:
-                deleted = yield (STEPS, sql.release_steps(key, token, queued=queued))
+                deleted = yield Run(sql.release_steps(key, token, queued=queued))
             else:
-                deleted, lease = yield (
-                    STEPS,
+                deleted, lease = yield Run(
                     sql.release_seating_steps(
                         key, token, seat_token, ticket.owner, ticket.ttl, queued=queued
                     ),
@@ -199,8 +196,7 @@ class HandOff(LockerBase):
         )
         grant: Grant | None = None
         try:
-            grant = yield (
-                TRANSFER,
+            grant = yield Transfer(
                 held.key,
                 held.token,
                 new_token,

@@ -33,7 +33,7 @@ from .registry import (
     owner_name,
     thread_owner,
 )
-from .steps import RELEASE, SLEEP, Op
+from .steps import Op, Release, Sleep
 
 log = logging.getLogger("dblock")
 
@@ -73,7 +73,7 @@ class Lifecycle(LockerBase):
         is collected and released like any other."""
         task = held.state.holder
         placeholder = HandedOn(task)
-        if not self._local or self.registry.adopt(held.state.entry, task, placeholder):
+        if not self.local or self.registry.adopt(held.state.entry, task, placeholder):
             held.state.holder = placeholder
             held.state.adopt = True
 
@@ -83,7 +83,7 @@ class Lifecycle(LockerBase):
         if not held.state.adopt or not isinstance(old, HandedOn) or not old.returned():
             return  # the acquiring task has not even returned it yet
         me = current_owner()
-        if held.state.released or not self._local or self.registry.adopt(held.state.entry, old, me):
+        if held.state.released or not self.local or self.registry.adopt(held.state.entry, old, me):
             held.state.holder = me
         held.state.adopt = False
 
@@ -169,7 +169,7 @@ class Lifecycle(LockerBase):
                 break  # (never: only we could have taken it again)
             if blocking and timeout is not None and _monotonic() - start >= timeout:
                 raise LockTimeout(key, timeout=timeout, level=1)
-            yield (SLEEP, pause)
+            yield Sleep(pause)
             pause = min(pause * 2, 0.02)
         return None
 
@@ -179,7 +179,7 @@ class Lifecycle(LockerBase):
         and holds no row yet is passed on to the next local waiter, instead
         of keeping every thread and task of the process out for ever. (One
         that holds a row is the renewal pass's: released like a dead thread's.)"""
-        if not self._local:
+        if not self.local:
             return
         for entry in self.registry.stranded():
             owner = entry.owner
@@ -409,7 +409,7 @@ AT_EXIT = "released at interpreter exit"
 
 
 def _release_op(key: str, token: str) -> Op[bool]:
-    deleted: bool = yield (RELEASE, key, token)
+    deleted: bool = yield Release(key, token)
     return deleted
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
+from ._driver import Ops
 from ._held import HeldLock, LockOptions, LockRef
 from ._store import Grant, Holder, Store
 from ._store.base import Lease, Steps
@@ -38,9 +39,9 @@ from .registry import (
 )
 from .renewal import Renewer
 from .steps import (
-    RELEASE,
-    STEPS,
     Op,
+    Release,
+    Run,
     noop,
 )
 
@@ -176,9 +177,13 @@ class LockerBase:
     pid: int
     #: The weak-reference callback of every held lock, bound once (not per lock).
     collect: Callable[[LockRef], None]
-    _local: bool
+    #: Level 1 on (``local_filter``): requests of this process queue here first.
+    local: bool
     _closing: bool
-    _rows: Batcher | Store
+    #: Where the row statements go: the batcher, else the store itself.
+    rows: Batcher | Store
+    #: What each step of a lock operation does on the blocking face.
+    ops: Ops
     _client_id: str
     # What release_at_exit claimed, and the tokens whose release it posted.
     _exit_candidates: list[HeldLock]
@@ -285,7 +290,7 @@ class LockerBase:
 
         Without that the key stayed being let go, in this process, for as
         long as the process lived."""
-        if not self._local:
+        if not self.local:
             return
         grant = None if grace is None else GiveWay(grace)
         if owner is None:
@@ -314,7 +319,7 @@ class LockerBase:
         """Best effort: delete the row if it carries ``token``, and never
         leave it behind for longer than the database takes to answer again."""
         try:
-            yield (RELEASE, key, token)
+            yield Release(key, token)
         except BackendError as exc:
             log.error(
                 "dblock: releasing %r failed; the row stays until its lease ends or the "
@@ -332,7 +337,7 @@ class LockerBase:
     def _leave_queue(self, key: str, token: str) -> Op[None]:
         """Best effort, as :meth:`_delete_row`: delete a fair request's rows."""
         try:
-            yield (STEPS, fair_sql(self.store).leave_steps(key, token))
+            yield Run(fair_sql(self.store).leave_steps(key, token))
         except BackendError as exc:
             log.error("dblock: leaving the fair queue of %r failed: %s", key, exc)
             self.store.add_orphan(

@@ -31,15 +31,16 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from datetime import datetime, timedelta
 from types import CodeType, TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from sqlalchemy import URL
 from sqlalchemy.engine import Engine
 
 from . import decorators, jobs
+from ._driver import drive
 from ._faces import Checked, level2_loop, until_hook
 from ._store import Store
 from ._store.aio import AsyncStore
@@ -63,20 +64,7 @@ from .manager import LockManager
 from .multi import ManySteps, acquire_many_steps, release_later
 from .options import LockArgs
 from .registry import Waiter, current_owner
-from .steps import (
-    CALL,
-    CLEAN,
-    RELEASE,
-    SETTLE,
-    SLEEP,
-    STEPS,
-    TRANSFER,
-    TRY,
-    TURN,
-    WAIT,
-    Op,
-    noop,
-)
+from .steps import Call, Clean, Op, Release, Run, Settle, Sleep, Transfer, Try, Turn, Wait, noop
 
 if TYPE_CHECKING:
     from typing_extensions import Self, Unpack
@@ -129,7 +117,7 @@ class AsyncWaiter(Waiter):
             self._future.set_result(None)
 
     async def turn(self, locker: Locker, timeout: float | None) -> object:
-        """Wait until the key is handed to us (see ``Locker._wait_turn``)."""
+        """Wait until the key is handed to us (see ``BlockingDriver.wait_turn``)."""
         if not self.ready:
             await asyncio.wait((self._future,), timeout=timeout)
         if not self.ready:
@@ -208,42 +196,29 @@ class _LoopEvent:
 class _Notified:
     """Waiting for a holder on PostgreSQL: woken by the release's NOTIFY
     through the process's one LISTEN connection (the one its threads use),
-    with the same safety nets as the blocking side (the caller's cap at the
-    holder's expiry, a periodic re-check, polling while not listening)."""
+    with the blocking side's safety nets (``NotifyWait``, which decides how
+    long each sleep is); here the sleep is awaited on a loop-bound event."""
 
-    __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_poll_max", "_recheck")
+    __slots__ = ("_event", "_wait")
 
     def __init__(
         self, listener: Listener, key: str, since: float, config: Config, address: str | None = None
     ) -> None:
-        self._listener = listener
-        self._key = key
-        self._recheck = config.notify_recheck
-        self._poll_max = config.poll_max
-        self._backoff = Backoff(config.poll_initial, config.poll_max)
+        # (Imported here: the PostgreSQL store's module is loaded only once an
+        # engine of that dialect shows up, and only a PostgreSQL store listens.)
+        from ._store.postgresql import NotifyWait
+
         self._event = _LoopEvent()
-        listener.attach(key, since, self._event)
-        self._address = address  # a fair-queue waiter's own wake-ups
-        if address is not None:
-            listener.attach(address, since, self._event)
+        self._wait = NotifyWait(listener, key, since, config, address, event=self._event)
 
     def prepare(self) -> None:
-        self._event.clear()
+        self._wait.prepare()
 
     async def sleep(self, limit: float) -> None:
-        if not self._listener.listening:
-            # Polling, until the listener is back and wakes us (see NotifyWait).
-            await self._event.wait(self._backoff.step(limit))
-            return
-        if not self._listener.covers(self._key):
-            # Registration not in yet: never later than polling (see NotifyWait).
-            limit = min(limit, self._poll_max)
-        await self._event.wait(min(limit, self._recheck))
+        await self._event.wait(self._wait.timeout(limit))
 
     def close(self) -> None:
-        self._listener.unsubscribe(self._key, self._event)
-        if self._address is not None:
-            self._listener.unsubscribe(self._address, self._event)
+        self._wait.close()
 
 
 def _waiter(
@@ -276,73 +251,70 @@ class _Alone:
         return await self._astore.drive(self._store.release_steps(key, token))
 
 
-async def _drive(  # noqa: PLR0912, PLR0915 - one branch per op
+class AsyncOps:
+    """Each op of a lock operation with asyncio (see :class:`dblock._driver.Ops`;
+    the blocking face's are :class:`dblock._drive.BlockingOps`), for one
+    locker: the exclusive lock's (its row statements grouped by the
+    manager's batcher) or a semaphore's (a store of its own)."""
+
+    __slots__ = ("astore", "locker", "rows", "store")
+
+    def __init__(self, manager: AsyncLockManager, locker: Locker | None = None) -> None:
+        store = manager._astore
+        self.astore = store
+        # The exclusive lock's row statements go through the batcher (group commit).
+        self.rows: AsyncBatcher | _Alone = (
+            manager._abatcher
+            if manager._abatcher is not None and locker in (None, manager._locker)
+            else _Alone(store, (locker or manager._locker).store)
+        )
+        self.locker = locker = locker or manager._locker
+        self.store = locker.store
+
+    async def try_row(self, op: Try) -> Any:
+        return await self.rows.try_acquire(op.key, op.token, op.owner, op.ttl, op.until)
+
+    async def release_row(self, op: Release) -> Any:
+        return await self.rows.release(op.key, op.token)
+
+    async def transfer(self, op: Transfer) -> Any:
+        return await self.astore.drive(
+            self.store.transfer_steps(
+                op.key, op.token, op.new_token, op.owner, op.ttl, extra=op.extra
+            )
+        )
+
+    async def run_steps(self, op: Run) -> Any:
+        return await self.astore.drive(op.steps)
+
+    async def turn(self, op: Turn) -> Any:
+        return await op.waiter.turn(self.locker, op.timeout)
+
+    def wait_for(self, op: Wait) -> _Backoff | _Notified:
+        return _waiter(self.store, op.key, op.since, op.address)
+
+    async def settle(self, op: Settle) -> Any:
+        return await op.waiter.settle_async()
+
+    async def sleep(self, op: Sleep) -> None:
+        await asyncio.sleep(op.seconds)
+
+    async def call(self, op: Call) -> Any:
+        return await op.func()
+
+    async def clean(self, op: Clean) -> None:
+        self.locker.renewer.post(noop)  # the renewal thread deletes orphans
+        await asyncio.sleep(0)
+
+
+def _drive(
     manager: AsyncLockManager, steps: Op[T], locker: Locker | None = None
-) -> T:
-    """Carry out a lock operation's ops with asyncio (the blocking side's
-    driver is :meth:`dblock.lock.Locker.run`), for ``locker`` (default: the
-    exclusive lock's; a semaphore's has a store of its own)."""
-    store = manager._astore
-    # The exclusive lock's row statements go through the batcher (group commit).
-    rows: AsyncBatcher | _Alone = (
-        manager._abatcher
-        if manager._abatcher is not None and locker in (None, manager._locker)
-        else _Alone(store, (locker or manager._locker).store)
-    )
-    locker = locker or manager._locker
-    sync = locker.store
-    wait: _Backoff | _Notified | None = None
-    waiting_for: tuple[Any, ...] = ()
-    try:
-        op = next(steps)
-        while True:
-            try:
-                tag = op[0]
-                answer: object = None
-                if tag is TRY:
-                    if wait is not None:
-                        wait.prepare()
-                    answer = await rows.try_acquire(op[1], op[2], op[3], op[4], op[5])
-                elif tag is RELEASE:
-                    answer = await rows.release(op[1], op[2])
-                elif tag is TRANSFER:
-                    answer = await store.drive(
-                        sync.transfer_steps(op[1], op[2], op[3], op[4], op[5], extra=op[6])
-                    )
-                elif tag is STEPS:
-                    if wait is not None:
-                        wait.prepare()
-                    answer = await store.drive(op[1])
-                elif tag is TURN:
-                    answer = await op[1].turn(locker, op[2])
-                elif tag is WAIT:
-                    if wait is None or op[4:] != waiting_for:
-                        if wait is not None:
-                            wait.close()
-                        wait = _waiter(sync, op[1], op[3], *op[4:5])
-                        waiting_for = op[4:]
-                    await wait.sleep(op[2])
-                elif tag is SETTLE:
-                    await op[1].settle_async()
-                elif tag is SLEEP:
-                    await asyncio.sleep(op[1])
-                elif tag is CALL:
-                    if wait is not None:  # (nothing to wait for while it runs)
-                        wait.close()
-                        wait = None
-                    answer = await op[1]()
-                elif tag is CLEAN:
-                    locker.renewer.post(noop)  # the renewal thread deletes orphans
-                    await asyncio.sleep(0)
-            except BaseException as exc:
-                op = steps.throw(exc)
-            else:
-                op = steps.send(answer)
-    except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
-    finally:
-        if wait is not None:
-            wait.close()
+) -> Coroutine[Any, Any, T]:
+    """Carry out a lock operation's ops with asyncio: the one driver of both
+    faces (:func:`dblock._driver.drive`), with this face's ops, for ``locker``
+    (default: the exclusive lock's; a semaphore's has a store of its own).
+    (The driver's own coroutine, not one more around it.)"""
+    return drive(AsyncOps(manager, locker), steps)
 
 
 class AsyncHeldLock:
@@ -367,7 +339,8 @@ class AsyncHeldLock:
         self.held.check()
 
     async def release(self, *, force: bool = False) -> bool:
-        locker = self.held._locker  # the exclusive lock's, or a semaphore's
+        # The exclusive lock's locker, or a semaphore's: a Locker either way.
+        locker = cast("Locker", self.held._locker)
         return await _drive(self._manager, locker.release_steps(self.held, force), locker)
 
     async def extend(self, ttl: float | None = None) -> None:
@@ -601,13 +574,9 @@ class AsyncLockManager:
         locker = self._locker
         opts = options or locker.defaults
         me = current_owner()
-        entry = None
-        if locker._local:
-            entry = locker.registry.get(key)
-            if entry is not None:
-                again = locker.reenter(entry, me, blocking)
-                if again is not None:
-                    return AsyncHeldLock(self, again)
+        entry, again = locker.enter(key, me, blocking)
+        if again is not None:
+            return AsyncHeldLock(self, again)
         steps = locker.acquire_steps(
             key,
             me,

@@ -63,7 +63,7 @@ from .keys import check_key, db_text
 from .lock import HeldLock, Locker, LockOptions
 from .registry import Waiter, current_owner
 from .schema import FAILED, RUNNING, SUCCESS
-from .steps import CALL, SLEEP, STEPS, Op
+from .steps import Call, Op, Run, Sleep
 
 if TYPE_CHECKING:
     from .config import Config
@@ -483,7 +483,7 @@ def _held_run(  # noqa: PLR0912 - one frame owns the run from key to finish (see
         # alive in the thread's context for as long as the thread lives.
         published = _current.set(weakref.ref(run))
         try:
-            return (yield (CALL, call))
+            return (yield Call(call))
         finally:
             _current.reset(published)
     except GeneratorExit:
@@ -525,7 +525,7 @@ def _ran_already(
     died, only the key tells; or to be retried)."""
     sql = statements(locker.store)
     try:
-        found = yield (STEPS, sql.read_steps(name, fire_time))
+        found = yield Run(sql.read_steps(name, fire_time))
     except SchemaMissing:
         names = locker.store.names
         raise SchemaMissing(
@@ -562,7 +562,7 @@ def _unrun(locker: Locker, run: JobRun) -> Op[None]:
     given back at once, ``at_least`` or not."""
     if run.run_id is not None:
         try:
-            yield (STEPS, statements(locker.store).forget_steps(run.run_id))
+            yield Run(statements(locker.store).forget_steps(run.run_id))
         except BackendError as exc:
             log.error("dblock: job %r did not start, but its record stays: %s", run.name, exc)
         except BaseException:
@@ -589,7 +589,7 @@ def _take_steps(  # noqa: PLR0917 - internal, one caller
         wait = options.at_most if fire_time is not None else 0.0
     if locker.kind_guard is not None:
         locker.kind_guard(key)  # as Locker.acquire: a key is used with one kind of lock
-    if locker._local:
+    if locker.local:
         entry = locker.registry.get(key)
         if entry is not None and entry.owner is me:
             # Waiting for our own key would wait for ourselves.
@@ -727,7 +727,7 @@ def _record_steps(  # noqa: PLR0917 - internal, one caller
         # Interrupted (a signal, a cancellation) or failed after our row may
         # have been written: a fire time must not look like a run that died.
         with contextlib.suppress(Exception):
-            yield (STEPS, sql.forget_steps(run_id))
+            yield Run(sql.forget_steps(run_id))
         raise
 
 
@@ -744,7 +744,7 @@ def _decide_steps(  # noqa: PLR0917 - internal, one caller
     runner: str,
 ) -> Op[JobRun | Skip]:
     try:
-        inserted = yield (STEPS, insert())
+        inserted = yield Run(insert())
     except SchemaMissing:
         if fire_time is not None:
             names = locker.store.names
@@ -765,17 +765,16 @@ def _decide_steps(  # noqa: PLR0917 - internal, one caller
         return JobRun(name, held.key, fire_time, run_id, held)
     assert fire_time is not None  # an unkeyed run never collides
     when = fire_time.isoformat()
-    found = yield (STEPS, sql.read_steps(name, fire_time))
+    found = yield Run(sql.read_steps(name, fire_time))
     if found is None:  # pruned between the two statements: one more try
-        inserted = yield (STEPS, insert())
+        inserted = yield Run(insert())
         if inserted:
             return JobRun(name, held.key, fire_time, run_id, held)
         skip = Skip("done", f"its run for {when} was recorded by another runner", 0)
     elif found.outcome == SUCCESS or not options.retry_failed:
         skip = _settled(found, fire_time)
     else:
-        retaken = yield (
-            STEPS,
+        retaken = yield Run(
             sql.retake_steps(
                 old=found.run_id,
                 run_id=run_id,
@@ -845,7 +844,7 @@ def _record_steps_outcome(
     said = False
     while True:
         try:
-            yield (STEPS, sql.finish_steps(run_id, outcome, detail))
+            yield Run(sql.finish_steps(run_id, outcome, detail))
         except (DatabaseUnreachable, ConnectionLost) as exc:
             held = run.held
             if held.lost or held.remaining <= pause:
@@ -867,7 +866,7 @@ def _record_steps_outcome(
                     outcome,
                     exc,
                 )
-            yield (SLEEP, pause)
+            yield Sleep(pause)
             pause = min(pause * 2, most)
         except BackendError as exc:
             log.error(

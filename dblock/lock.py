@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable
 
 from ._alone import Alone
-from ._drive import BlockingDriver
+from ._drive import BlockingDriver, BlockingOps
 from ._handoff import HandOff
 from ._held import HeldLock, LockOptions, LockRef, release_on_exit
 from ._lifecycle import Lifecycle, release_at_close
@@ -75,10 +75,10 @@ from .registry import (
 )
 from .renewal import RENEW_AT, Renewer
 from .steps import (
-    SETTLE,
-    SLEEP,
-    TURN,
     Op,
+    Settle,
+    Sleep,
+    Turn,
     noop,
 )
 from .telemetry import GRANTED, Recorder, Watch, outcome_of, recorder_for
@@ -123,7 +123,7 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         self.store = store
         self.config = config
         self.registry = Registry()
-        self._local = config.local_filter
+        self.local = config.local_filter
         self.defaults = LockOptions(
             renew=config.renew, max_hold=config.max_hold, on_lost=config.on_lost
         )
@@ -139,7 +139,9 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         #: batcher (group commit, dblock._store.batch) where the dialect can
         #: answer many requests in one statement, else the store itself.
         self.batcher: Batcher | None = Batcher(store) if config.batch and batches(store) else None
-        self._rows: Batcher | Store = self.batcher or store
+        self.rows: Batcher | Store = self.batcher or store
+        #: What each step does on this face (see dblock._driver).
+        self.ops = BlockingOps(self)
         self._closing = False
         #: The ``kind`` of the rows this locker writes; a holder row of another
         #: kind means the key is used as another kind of lock.
@@ -216,17 +218,11 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
     ) -> HeldLock:
         opts = options or self.defaults
         me = current_owner()
-        if self.kind_guard is not None:
-            self.kind_guard(key)
-        entry = None
-        if self._local:
-            entry = self.registry.get(key)
-            if entry is not None:
-                held = self.reenter(entry, me, blocking)
-                if held is not None:
-                    return held
-            elif level2 is None:
-                return self._acquire_alone(key, me, blocking, timeout, ttl, opts)
+        entry, held = self.enter(key, me, blocking)
+        if held is not None:
+            return held
+        if entry is None and level2 is None and self.local:
+            return self._acquire_alone(key, me, blocking, timeout, ttl, opts)
         return self.run(
             self.acquire_steps(
                 key,
@@ -247,6 +243,21 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         ref: LockRef | None = None if entry is None else entry.held
         held = None if ref is None else ref()
         return held is not None and held.owned()
+
+    def enter(self, key: str, me: object, blocking: bool) -> tuple[Entry | None, HeldLock | None]:
+        """What a request does first on both faces, without SQL: refuse a key
+        this process uses as another kind of lock (``kind_guard``), then look
+        at level 1: the key's entry if someone of this process holds or waits
+        for it (else None), and our own lock again if we hold it (re-entrant;
+        see :meth:`reenter`, which also refuses a fail-fast request)."""
+        if self.kind_guard is not None:
+            self.kind_guard(key)
+        if not self.local:
+            return None, None
+        entry = self.registry.get(key)
+        if entry is None:
+            return None, None
+        return entry, self.reenter(entry, me, blocking)
 
     def reenter(self, entry: Entry, me: object, blocking: bool) -> HeldLock | None:
         """Level 1 alone, for a key someone of this process holds or waits
@@ -366,14 +377,14 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         again, free, or passed on to us after a wait in its queue), or the
         row too when the previous holder handed it over. Everything taken is
         recorded in ``c`` the moment it is ours, for the caller's ``except``."""
-        if self._local:
+        if self.local:
             # (``seen``: the caller's own look-up of the key, not made twice.)
             mine = self.registry.get(key) if seen is UNSET else seen
             if mine is not None and mine.owner is me:
                 c.entry = yield from self._take_back(mine, me, blocking, timeout, start)
                 if c.entry is not None:
                     return  # ours at level 1 already: on to level 2
-        if not self._local:
+        if not self.local:
             c.entry = Entry(key, me)
             return
         if not blocking:
@@ -392,7 +403,7 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         self.renewer.ensure_running()
         if watch is not None:
             watch.waiting(1)
-        grant = yield (TURN, got, timeout)
+        grant = yield Turn(got, timeout)
         if grant is CLOSED:
             c.waiter = None
             raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
@@ -436,7 +447,7 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         if timeout is not None:
             pause = min(pause, start + timeout - _monotonic())
         if pause > 0:
-            yield (SLEEP, pause)
+            yield Sleep(pause)
 
     def _undo(self, key: str, me: object, c: Custody) -> Op[None]:
         """Give back exactly what an acquire that raised owned: its place in
@@ -460,7 +471,7 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         (see :meth:`Registry.left_behind`): else the key stayed taken at
         level 1 for every thread of the process while ours lived, and ours
         waited on its next request for a lock it never had."""
-        if not self._local:
+        if not self.local:
             return
         left = self.registry.left_behind(key, me)
         if isinstance(left, Entry):
@@ -474,7 +485,7 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
         entry = waiter.entry
         if self.registry.abandon(entry.key, waiter):
             return
-        yield (SETTLE, waiter)  # an interruption now changes nothing: we are raising already
+        yield Settle(waiter)  # an interruption now changes nothing: we are raising already
         grant = waiter.grant
         if grant is CLOSED:
             return
@@ -542,7 +553,7 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
             owner = entry.owner
             try:
                 self._let_go(held)
-                deleted = self._rows.release(held.key, held.token)
+                deleted = self.rows.release(held.key, held.token)
             except BaseException as exc:
                 return self._release_failed(held, exc)
             finally:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .errors import LockArgumentError, LockLost, LockTimeout
 from .keys import check_key
 from .lock import HeldLock, Locker, LockOptions, release_on_exit
-from .steps import CALL
+from .steps import Call, Step
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -139,7 +139,7 @@ H = TypeVar("H")
 #: The multi-key rule without I/O: yields the face's own calls to take one
 #: key or give back what was taken (``CALL`` ops, which the face's step
 #: driver calls or awaits), returns the held locks (see :func:`acquire_many_steps`).
-ManySteps = Generator[tuple[Any, ...], Any, list[H]]
+ManySteps = Generator[Step, Any, list[H]]
 
 
 def acquire_many_steps(
@@ -160,10 +160,10 @@ def acquire_many_steps(
     try:
         for key in keys:
             wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            held.append((yield (CALL, partial(take, key, wait))))
+            held.append((yield Call(partial(take, key, wait))))
     except BaseException as exc:
         try:
-            yield (CALL, partial(give_back, held))
+            yield Call(partial(give_back, held))
         except LockLost:
             log.exception("dblock: a lock was lost while giving up on %r", keys)
         if isinstance(exc, LockTimeout) and timeout is not None:

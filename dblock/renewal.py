@@ -59,7 +59,6 @@ from .errors import BackendError, SchemaMissing
 from .registry import owner_alive, owner_gone_reason
 
 if TYPE_CHECKING:
-
     from .config import OnLost
     from .telemetry import Recorder
 

@@ -11,10 +11,17 @@ from typing import Any, TypeVar
 
 import pytest
 
-from dblock import AsyncLockManager, LockArgumentError, LockManager, LockTimeout, ManagerClosed
+from dblock import (
+    AsyncLockManager,
+    KindMismatch,
+    LockArgumentError,
+    LockManager,
+    LockTimeout,
+    ManagerClosed,
+)
 from dblock._faces import Checked
 from dblock.multi import acquire_many_steps
-from dblock.steps import CALL
+from dblock.steps import Call
 
 T = TypeVar("T")
 
@@ -113,13 +120,13 @@ def test_once_refuses_a_function_of_the_other_face(manager: LockManager, key: st
 
 
 def _drive(steps: Any) -> Any:
-    """A bare blocking driver of CALL ops (what each face's driver does with them)."""
+    """A bare blocking driver of Call ops (what each face's driver does with them)."""
     try:
         op = next(steps)
         while True:
-            assert op[0] is CALL
+            assert isinstance(op, Call)
             try:
-                answer = op[1]()
+                answer = op.func()
             except BaseException as exc:
                 op = steps.throw(exc)
             else:
@@ -163,3 +170,28 @@ def test_lock_many_runs_the_same_rule_on_both_faces(manager: LockManager, keys: 
         _run(both())
     finally:
         _run(alocks.close())
+
+
+def test_a_key_held_as_another_kind_is_refused_alike_before_any_sql(db_url: str, key: str) -> None:
+    """A key this process holds as a semaphore, asked for as an exclusive
+    lock: both faces refuse it at once, in the same words, without SQL
+    (the asyncio face asked the table first, and said "in the table")."""
+    blocking = LockManager(db_url)
+    try:
+        with blocking.semaphore(key, permits=2), pytest.raises(KindMismatch) as sync_refusal:
+            blocking.acquire(key, blocking=False)
+    finally:
+        blocking.close()
+
+    async def asyncio_face() -> str:
+        alocks = AsyncLockManager(db_url)
+        try:
+            async with alocks.semaphore(key, permits=2):
+                with pytest.raises(KindMismatch) as refusal:
+                    await alocks.acquire(key, blocking=False)
+                return str(refusal.value)
+        finally:
+            await alocks.close()
+
+    assert _run(asyncio_face()) == str(sync_refusal.value)
+    assert "in this process" in str(sync_refusal.value)

@@ -658,7 +658,7 @@ def test_interrupted_while_the_key_is_handed_over(manager: LockManager, key: str
             fired_box[0].wait(10)
 
     def granted(f: types.FrameType) -> bool:
-        if f.f_code.co_name not in ("_wait_turn", "_wait_local"):
+        if f.f_code.co_name not in ("wait_turn", "_wait_local"):
             return False
         waiter = f.f_locals.get("waiter")
         return waiter is not None and bool(waiter.granted)

@@ -468,15 +468,27 @@ class NotifyWait(Wait):
 
     __slots__ = ("_address", "_backoff", "_event", "_key", "_listener", "_poll_max", "_recheck")
 
-    def __init__(
-        self, listener: Listener, key: str, since: float, config: Config, address: str | None = None
+    def __init__(  # noqa: PLR0917 - as Store.waiter, and the event last
+        self,
+        listener: Listener,
+        key: str,
+        since: float,
+        config: Config,
+        address: str | None = None,
+        event: Settable | None = None,
     ) -> None:
         self._listener = listener
         self._key = key
         self._recheck = config.notify_recheck
         self._poll_max = config.poll_max
         self._backoff = Backoff(config.poll_initial, config.poll_max)
-        self._event = listener.subscribe(key, since)
+        # ``event``: the asyncio side's (dblock.aio), set through its loop;
+        # the blocking side's is a threading.Event of the listener's.
+        if event is None:
+            self._event: Any = listener.subscribe(key, since)
+        else:
+            self._event = event
+            listener.attach(key, since, event)
         # A fair-queue waiter: also woken by the notification addressed to it.
         self._address = address
         if address is not None:
@@ -485,19 +497,23 @@ class NotifyWait(Wait):
     def prepare(self) -> None:
         self._event.clear()
 
-    def sleep(self, limit: float) -> None:
+    def timeout(self, limit: float) -> float:
+        """How long the next sleep waits for the event, at most ``limit``
+        (what both faces' waits decide alike; only the waiting differs)."""
         if not self._listener.listening:
             # No listener connection right now: notifications may be missed,
             # so poll; but the listener back (its keys registered again, its
             # buckets listened to again) wakes us at once to look again.
-            self._event.wait(self._backoff.step(limit))
-            return
+            return self._backoff.step(limit)
         if not self._listener.covers(self._key):
             # Its registration is not in yet: woken when it is, but no later
             # than a polling waiter's longest sleep (a busy listener thread
             # must not be what the waiter waits for).
             limit = min(limit, self._poll_max)
-        self._event.wait(min(limit, self._recheck))
+        return min(limit, self._recheck)
+
+    def sleep(self, limit: float) -> None:
+        self._event.wait(self.timeout(limit))
 
     def close(self) -> None:
         self._listener.unsubscribe(self._key, self._event)

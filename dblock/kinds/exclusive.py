@@ -37,14 +37,14 @@ from ..errors import (
 )
 from ..registry import Entry
 from ..steps import (
-    CLEAN_OP,
+    CLEAN_UP,
     EXPIRY_MARGIN,
     OUTAGE_INITIAL,
     OUTAGE_MAX,
-    SLEEP,
-    TRY,
-    WAIT,
     Op,
+    Sleep,
+    Try,
+    Wait,
     noop,
 )
 from ..telemetry import Watch
@@ -129,7 +129,7 @@ class RowLoop(LockerBase):
                 if not waiting and watch is not None:
                     watch.waiting(2)
                 waiting = True
-                yield (WAIT, key, limit, sent_at)
+                yield Wait(key, limit, sent_at)
         except BaseException as exc:
             # (dblock's own errors have settled the row already, if any.)
             if unsettled is not None and not isinstance(exc, DBLockError):
@@ -181,11 +181,11 @@ class RowLoop(LockerBase):
         if self._closing:
             raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
         if self.store.has_orphans:
-            yield CLEAN_OP
+            yield CLEAN_UP
         sent_at = _monotonic()
         until = until_for(deadline, sent_at)
         try:
-            answer: Grant | Holder | BaseException = yield (TRY, key, token, owner, ttl, until)
+            answer: Grant | Holder | BaseException = yield Try(key, token, owner, ttl, until)
         except BaseException as failed:
             answer = failed
         return sent_at, answer
@@ -244,7 +244,7 @@ class RowLoop(LockerBase):
                 self.store.add_orphan(key, handed, released=True)
             raise exc
         log.warning("dblock: waiting for %r; %s, retrying: %s", key, what_failed(exc), exc)
-        yield (SLEEP, outage.step(limit))
+        yield Sleep(outage.step(limit))
         return _urandom(16).hex() if self.store.is_orphan(key, token) else token
 
     def _attempt(  # noqa: PLR0917 - positional, as the op it yields
@@ -267,7 +267,7 @@ class RowLoop(LockerBase):
                 if first is not None:
                     failed, first = first, None
                     raise failed
-                result: Grant | Holder = yield (TRY, key, token, owner, ttl, until)
+                result: Grant | Holder = yield Try(key, token, owner, ttl, until)
                 return result
             except Interrupted as exc:
                 in_doubt = True
@@ -297,7 +297,7 @@ class RowLoop(LockerBase):
                 raise
             if attempt < AMBIGUITY_RETRIES:
                 try:
-                    yield (SLEEP, 0.05 * 2**attempt)
+                    yield Sleep(0.05 * 2**attempt)
                 except BaseException:
                     # Interrupted between tries, the outcome still in doubt.
                     store.add_orphan(key, token, unreachable=True)

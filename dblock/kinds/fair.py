@@ -71,14 +71,14 @@ from ..errors import BackendError, LockBusy, LockTimeout, ManagerClosed
 from ..lock import HeldLock, Locker, LockOptions
 from ..renewal import RENEW_AT
 from ..steps import (
-    CLEAN_OP,
+    CLEAN_UP,
     EXPIRY_MARGIN,
     OUTAGE_INITIAL,
     OUTAGE_MAX,
-    SLEEP,
-    STEPS,
-    WAIT,
     Op,
+    Run,
+    Sleep,
+    Wait,
     noop,
 )
 
@@ -200,7 +200,7 @@ class _FairRequest:
                 if self.locker._closing:
                     raise ManagerClosed(f"the LockManager was closed while waiting for {key!r}")
                 if store.has_orphans:
-                    yield CLEAN_OP
+                    yield CLEAN_UP
                 sent_at = _monotonic()
                 try:
                     self.in_flight = True
@@ -242,7 +242,7 @@ class _FairRequest:
         release): delete our rows and wake the next waiter if we were the first."""
         store, key = self.store, self.entry.key
         try:
-            yield (STEPS, self.sql.leave_steps(key, self.token))
+            yield Run(self.sql.leave_steps(key, self.token))
         except BackendError as exc:
             log.error(
                 "dblock: leaving the fair queue of %r failed; our queue row stays until its "
@@ -266,9 +266,9 @@ class _FairRequest:
             return Queued(seat.ticket, None, None, seat.lease), seat.sent_at
         if self.ticket is None:
             enqueue = self.blocking and (self.deadline is None or self.deadline > sent_at)
-            result = yield (STEPS, self.sql.enter_steps(key, token, owner, ttl, enqueue=enqueue))
+            result = yield Run(self.sql.enter_steps(key, token, owner, ttl, enqueue=enqueue))
         else:
-            result = yield (STEPS, self.sql.turn_steps(key, token, self.ticket, owner, ttl))
+            result = yield Run(self.sql.turn_steps(key, token, self.ticket, owner, ttl))
         return result, sent_at
 
     def _retry_after(self, exc: BackendError) -> Op[None]:
@@ -293,7 +293,7 @@ class _FairRequest:
             exc,
         )
         self.outage = self.outage or Backoff(OUTAGE_INITIAL, OUTAGE_MAX)
-        yield (SLEEP, self.outage.step(limit))
+        yield Sleep(self.outage.step(limit))
         self.token, self.ticket, self.handed, self.lease = os.urandom(16).hex(), None, None, None
 
     def _queue_again(self) -> None:
@@ -342,7 +342,7 @@ class _FairRequest:
             # by another connection (nothing written). Wait as the exclusive
             # lock does for such a holder, then enter again.
             self._now_waiting()
-            yield (WAIT, key, limit, sent_at)
+            yield Wait(key, limit, sent_at)
             return None
         ticket = self.ticket = result.ticket
         if result.lease is not None:
@@ -362,7 +362,7 @@ class _FairRequest:
         # Polling dialects poll afresh (from poll_initial) when whom we
         # wait behind changes: the first waiter must notice a release soon.
         blocker = None if store.can_notify else (result.owner, result.first)
-        yield (WAIT, key, limit, sent_at, address(ticket), blocker)
+        yield Wait(key, limit, sent_at, address(ticket), blocker)
         fence = self.sql.handed(address(ticket))
         if fence is None or self.lease is None:
             return None

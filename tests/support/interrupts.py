@@ -48,6 +48,7 @@ LOCK_FILES = (
     "dblock/_handoff.py",
     "dblock/_lifecycle.py",
     "dblock/_drive.py",
+    "dblock/_driver.py",
     "dblock/kinds/exclusive.py",
 )
 
