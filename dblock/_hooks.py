@@ -30,7 +30,6 @@ changed together with dblock.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
 from typing import Any
 
@@ -122,7 +121,7 @@ def async_statements_sent(manager: AsyncLockManager) -> int:
     on the engine would switch it to a slower path). What its blocking
     engine sends (renewals) is not included: count that at
     ``manager.sync.engine``."""
-    return int(manager._astore.statements)
+    return int(manager.astore.statements)
 
 
 def async_url(url: str | sa.URL) -> sa.URL:
@@ -134,7 +133,7 @@ def async_url(url: str | sa.URL) -> sa.URL:
 def registry_of(manager: LockManager) -> Registry:
     """``manager``'s level-1 registry (one entry per key held or asked for
     in this process)."""
-    return manager._locker.registry
+    return manager.locker.registry
 
 
 def new_registry() -> Registry:
@@ -145,7 +144,7 @@ def new_registry() -> Registry:
 def registry_dict_bytes(registry: Registry) -> int:
     """The size of the registry's table itself (``sys.getsizeof`` of the
     dict, not of its entries)."""
-    return sys.getsizeof(registry._entries)
+    return registry.table_bytes()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,14 +137,14 @@ def _close_async(amanager: AsyncLockManager) -> None:
 
     loop = asyncio._get_running_loop()
     if loop is not None:
-        task = loop.create_task(amanager._astore.close())  # always finishes
+        task = loop.create_task(amanager.astore.close())  # always finishes
         _closing.add(task)  # (the loop keeps only a weak reference)
         task.add_done_callback(_closing.discard)
         return
     try:
-        asyncio.run(amanager._astore.close())
+        asyncio.run(amanager.astore.close())
     except Exception:  # a connection of a dead loop that cannot close: let it go
-        amanager._astore.forget()
+        amanager.astore.forget()
 
 
 def _make_manager() -> LockManager:
