@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import _version
 from .config import Config
 from .decorators import returns
 from .errors import (
@@ -72,9 +73,8 @@ __all__ = [
     "returns",
 ]
 
-#: The one place the version is written (pyproject.toml reads it from here);
-#: a ``.devN`` version while CHANGELOG.md's first heading says unreleased.
-__version__ = "0.2.0.dev0"
+#: The version (written once, in dblock/_version.py, where pyproject.toml reads it).
+__version__ = _version.__version__
 
 
 def __getattr__(name: str) -> Any:

@@ -88,11 +88,7 @@ def available() -> bool:
 
 
 def _version() -> str:
-    # The one import of this floor that runs up (to the package's top, where
-    # pyproject.toml reads the version): tests/test_house_map.py allows it by
-    # name. A ground-floor dblock/_version.py that __init__.py and this both
-    # import, with pyproject.toml pointing there, would end it.
-    from . import __version__
+    from ._version import __version__
 
     return __version__
 

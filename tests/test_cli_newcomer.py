@@ -278,7 +278,7 @@ def test_the_version_is_written_once_and_the_changelog_agrees() -> None:
     project = _pyproject()
     assert "version" not in project["project"]
     assert "version" in project["project"]["dynamic"]
-    assert project["tool"]["hatch"]["version"]["path"] == "dblock/__init__.py"
+    assert project["tool"]["hatch"]["version"]["path"] == "dblock/_version.py"
     version = dblock.__version__
     heading = next(
         line for line in (ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## ")
