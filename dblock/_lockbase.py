@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from ._driver import Ops
-from ._held import HeldLock, LockOptions, LockRef
+from ._held import Custodian, HeldLock, LockOptions, LockRef
 from ._store import Grant, Holder, Store
-from ._store.base import Lease, Steps
+from ._store.base import Steps
 from ._store.batch import Batcher
 from ._store.fair import Seat, fair_sql
 from ._store.jobs import statements as job_statements
@@ -152,7 +152,14 @@ class Ticket:
         self.seats = seats
 
 
-class LockerBase:
+if TYPE_CHECKING:
+    # (For the type checker: a locker is what a held lock calls back.)
+    _Contract = Custodian
+else:
+    _Contract = object
+
+
+class LockerBase(_Contract):
     """The locker's state and level-1 custody, shared by its parts (see the
     module's docstring). What the parts call of each other is declared
     below for the type checker; each is defined once, in its part."""
@@ -190,27 +197,10 @@ class LockerBase:
     _exit_posted: set[str]
 
     if TYPE_CHECKING:
-        # What the parts call of each other: each defined once, in its part.
+        # What the parts call of each other beyond the holder's calls (the
+        # Custodian protocol, declared there): each defined once, in its part.
 
         def run(self, steps: Op[T]) -> T: ...
-
-        def release(self, held: HeldLock, *, force: bool = False) -> bool: ...
-
-        def extend(self, held: HeldLock, ttl: float) -> None: ...
-
-        def adopt(self, held: HeldLock) -> None: ...
-
-        def release_steps(self, held: HeldLock, force: bool, *, keep: float = 0.0) -> Op[bool]: ...
-
-        def check_extend(self, held: HeldLock) -> None: ...
-
-        def extended(self, held: HeldLock, leases: Mapping[str, Lease], sent_at: float) -> None: ...
-
-        def handed_on(self, held: HeldLock) -> None: ...
-
-        def check_owner(self, held: HeldLock) -> None: ...
-
-        def release_later(self, held: HeldLock) -> None: ...
 
         def acquire_steps(
             self,
