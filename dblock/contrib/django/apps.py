@@ -56,7 +56,7 @@ def _follow_test_databases() -> None:
     by other users" and exit status 1)."""
     from django.db.backends.base.creation import BaseDatabaseCreation
 
-    if getattr(BaseDatabaseCreation.create_test_db, "_dblock_follows", False):
+    if getattr(BaseDatabaseCreation.create_test_db, "dblock_follows", False):
         return
     create, destroy = BaseDatabaseCreation.create_test_db, BaseDatabaseCreation.destroy_test_db
 
@@ -72,7 +72,7 @@ def _follow_test_databases() -> None:
         _sessions_ended(self)
         return destroy(self, *args, **kwargs)
 
-    create_test_db._dblock_follows = True  # type: ignore[attr-defined]
+    create_test_db.dblock_follows = True  # type: ignore[attr-defined]
     BaseDatabaseCreation.create_test_db = create_test_db
     BaseDatabaseCreation.destroy_test_db = destroy_test_db
 

@@ -36,6 +36,9 @@ class Command(BaseCommand):
         "Run a management command once across the hosts: NAME is the job's name, "
         "the command and its arguments follow --."
     )
+    # What follows -- on the command line (run_from_argv); None when the
+    # command is called otherwise (call_command: the command is in options).
+    _after: list[str] | None = None
 
     def add_arguments(self, parser: CommandParser) -> None:
         help_ = jobrun.HELP
@@ -55,14 +58,14 @@ class Command(BaseCommand):
     def run_from_argv(self, argv: list[str]) -> None:
         # Everything after the first -- is the command's, options included:
         # argparse alone would give `-c` of `-- shell -c CODE` to this parser.
-        self._after: list[str] | None = None
+        self._after = None
         if "--" in argv:
             cut = argv.index("--")
             argv, self._after = argv[:cut], argv[cut + 1 :]
         super().run_from_argv(argv)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        after = getattr(self, "_after", None)
+        after = self._after
         command = list(options["command"]) + (after or [])
         if not command:
             raise CommandError("dblock_run: give the command to run after --")
