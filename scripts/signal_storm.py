@@ -1228,6 +1228,9 @@ def render(r: dict[str, Any]) -> str:
     )
     for site, n in raised_in.most_common(4):
         lines.append(f"    swallowed x{n} raised in {site}")
+    for label, sample in (r.get("error_samples") or {}).items():
+        lines.append(f"  error {label} (first):")
+        lines += ["    " + line for line in sample.rstrip().splitlines()[-24:]]
     unr = r.get("unraisable_detail") or []
     if unr:
         lines.append(f"  unraisable (first): {unr[0]}")

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from dblock import LockBusy, LockManager
 from tests.support.counting import StatementCounter
+from tests.support.notify import until
 
 pytestmark = pytest.mark.databases("postgresql")
 
@@ -190,3 +191,47 @@ def test_listener_connects_when_the_pool_has_no_room(
         assert got.wait(10)
         t.join(10)
     assert not [r for r in caplog.records if "LISTEN connection failed" in r.getMessage()]
+
+
+def test_a_deadlock_victim_is_run_again_not_raised(make_manager: object, key: str) -> None:
+    """PostgreSQL rolls a deadlock victim's transaction back whole, and each
+    of dblock's statements is its own: it is run again, not raised as a
+    ``BackendError`` (a contender in the signal storm met one). Here the
+    renewal of two rows locks the first, then waits for the second, held by
+    another session's transaction, which then wants the first: the renewal's
+    server process finds the cycle after its ``deadlock_timeout`` (1 s, the
+    other session's is 10 s) and cancels its own statement."""
+    m = make_manager(renew=False)  # type: ignore[operator]
+    a, b = m.acquire(f"{key}:a", ttl=60), m.acquire(f"{key}:b", ttl=60)
+    table = m.store.quoted(m.store.names.table)
+    other = sa.create_engine(m.engine.url, poolclass=sa.pool.NullPool)
+    count = sa.text("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+    leases: dict[str, object] = {}
+    try:
+        with other.connect() as conn:
+            before = conn.execute(count).scalar()
+            conn.execute(sa.text("SET deadlock_timeout = '10s'"))
+            conn.execute(
+                sa.text(f"UPDATE {table} SET owner = owner WHERE lock_key = :k"), {"k": f"{key}:b"}
+            )
+            locks = [(f"{key}:a", a.token, 60.0), (f"{key}:b", b.token, 60.0)]
+            renewal = threading.Thread(
+                target=lambda: leases.update(m.store.drive(m.store.renew_steps(locks)))
+            )
+            renewal.start()
+            time.sleep(0.3)  # the renewal holds a's row and waits for b's
+            conn.execute(
+                sa.text(f"UPDATE {table} SET owner = owner WHERE lock_key = :k"), {"k": f"{key}:a"}
+            )
+            conn.commit()
+        renewal.join(10)
+        assert not renewal.is_alive()
+        assert set(leases) == {a.token, b.token}
+        with other.connect() as conn:
+            # There was a victim, and it was the renewal (the statistics
+            # collector reports within a second or so).
+            until(lambda: conn.execute(count).scalar() > before, "the deadlock to be counted")
+    finally:
+        other.dispose()
+        a.release()
+        b.release()

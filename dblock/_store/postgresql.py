@@ -60,14 +60,34 @@ from sqlalchemy.pool import NullPool
 
 from .. import _threads
 from ..config import Config
+from ..errors import BackendError
 from . import register
 from .admin import COLUMNS, LockRow, SweepReason, TableHealth, lock_row
-from .base import Backoff, ExclusiveSQL, Grant, Holder, Lease, Steps, Store, Wait, sqlstate
+from .base import (
+    Backoff,
+    ExclusiveSQL,
+    Grant,
+    Holder,
+    Lease,
+    Result,
+    Steps,
+    Store,
+    Wait,
+    sqlstate,
+)
 from .sqlparts import BUCKETS, key_lock, lock_class, notify, unnest, waiters_class
 
 log = logging.getLogger("dblock")
 
 _UNDEFINED_TABLE = "42P01"
+# A deadlock victim (40P01) or a serialization failure (40001): PostgreSQL
+# rolled the statement's transaction back whole, and every statement of
+# dblock's is its own transaction, so nothing was written and it is simply
+# run again (as MySQL's deadlock victims are). The batches lock their rows in
+# one order and never deadlock each other; a statement that is no batch (the
+# application's own, another kind's) still can.
+_LOST = frozenset(("40P01", "40001"))
+_LOST_RETRIES = 3
 # A notification payload starting with this addresses one fair-queue waiter
 # (see dblock._store.fair); a space and a fence follow when it is handed the head.
 HANDED_MARK = "\x1f"
@@ -366,6 +386,15 @@ class PostgresStore(Store):
 
     def is_missing_table(self, exc: BaseException) -> bool:
         return sqlstate(exc) == _UNDEFINED_TABLE
+
+    def retry(self, sql: str, exc: BackendError, attempt: int) -> Result | float | None:
+        if attempt < _LOST_RETRIES and self.lost_contention(exc):
+            return 0.005 * 2.0**attempt
+        return None
+
+    def lost_contention(self, exc: BackendError) -> bool:
+        cause = exc.__cause__
+        return sqlstate(getattr(cause, "orig", None) or cause) in _LOST
 
     def close(self) -> None:
         with self._listener_lock:
