@@ -29,6 +29,8 @@ from dblock.errors import BackendError
 from tests.conftest import row_of
 from tests.support.counting import StatementCounter
 from tests.support.innodb import innodb_count
+from tests.support.interrupts import Interrupt as Interrupted
+from tests.support.interrupts import interrupt_at
 from tests.support.proxy import Proxy
 
 # (SQLite has one write lock for the whole file: a test cannot hold one
@@ -403,6 +405,75 @@ def test_connection_cut_mid_batch_settles_each_token(
         assert held.release(force=True) is True
     runner.finish()
     assert not m.store.has_orphans
+
+
+def test_a_release_cut_off_as_its_statement_returns_holds_up_nobody(
+    batching: LockManager, key: str
+) -> None:
+    """A signal handler's exception raised in the thread whose lone
+    statement returned, anywhere between its return and a sender thread
+    taking the requests queued behind it (``Batcher._landed``,
+    ``_dispatch``, the lane's count), once left a batch taken from the queue
+    with nobody to send it: its requesters waited for good (a contender of
+    the signal storm hung there, in ``_await``). Walked over every point
+    where CPython runs a handler in the batcher's code: the releases queued
+    behind always end, and the lane has room after (a statement whose end
+    went uncounted is stuck after STALL: a ghost, forgotten after GHOST)."""
+    batcher = batching._locker.batcher
+    assert batcher is not None
+    lane = batcher._releases
+    n, interrupted = 0, 0
+    while True:
+        n += 1
+        held = [batching.acquire(f"{key}:{n}:{i}") for i in range(2)]
+        runner = Runner()
+        sent = time.monotonic()
+        with batcher._mutex:
+            lane.in_flight += 1  # as if a release had gone out alone
+            lane.flights[sent] = True
+        for h in held:
+            runner.start(h.key, lambda h=h: h.release(force=True))
+        wait_until(lambda: len(lane.queue) == 2, "the releases queued")
+        with interrupt_at(n, "dblock/_store/batch.py") as armed:
+            try:
+                batcher._landed(lane, sent)  # it returned
+            except Interrupted:
+                interrupted += 1
+        wait_until(
+            lambda: all(h.key in runner.results for h in held),
+            f"the releases, interrupted at {armed.where}",
+            10,  # far above STALL
+        )
+        for h in held:
+            assert runner.results[h.key] is True, (armed.where, runner.results[h.key])
+            assert row_of(batching, h.key) is None, armed.where
+        wait_until(
+            lambda: not lane.queue and lane.in_flight == len(lane.flights) <= 1,
+            f"the lane idle ({armed.where})",
+        )
+        assert lane.room(time.monotonic()), armed.where
+        with batcher._mutex:  # (the ghost, if any, forgotten)
+            lane.in_flight -= len(lane.flights)
+            lane.flights.clear()
+        runner.finish()
+        if armed.where is None:
+            break
+    assert interrupted == n - 1 > 3
+
+
+def test_a_lane_full_of_ghosts_forgets_them() -> None:
+    """Statements whose end went uncounted (see above) hold their places
+    until GHOST: then a lane they had filled up has room again."""
+    from dblock._store.batch import GHOST, MAX_FLIGHTS, Lane
+
+    lane: Lane[tuple[str], bool] = Lane(1)
+    for i in range(MAX_FLIGHTS):
+        lane.in_flight += 1
+        lane.flights[100.0 + i] = True
+    assert not lane.room(100.0 + GHOST - 1)
+    assert lane.stall_at() == 100.0 + GHOST
+    assert lane.room(100.0 + GHOST + 0.5)  # the first forgotten
+    assert lane.in_flight == MAX_FLIGHTS - 1
 
 
 def test_a_batch_that_fails_cleanly_goes_again_one_by_one(

@@ -113,6 +113,14 @@ STALL: Final = 0.25
 # per request.
 MAX_FLIGHTS: Final = 4
 
+# Seconds after which a flight that never landed is forgotten, when the
+# lane is at MAX_FLIGHTS: a statement stuck that long (a TCP timeout) no
+# longer counts, nor does a flight whose end its thread could not count (a
+# signal handler's exception raised in a requester thread between its lone
+# statement's return and the lane's count: a ghost). Four ghosts in a
+# process's life would otherwise close the lane for good.
+GHOST: Final = 60.0
+
 # A request with a deadline gives up on its statement no sooner than this
 # after its try began, whatever that deadline (a timeout of 0 is already
 # past): an ordinary batch returns well within it.
@@ -215,7 +223,11 @@ class Lane(Generic[A, R]):
         if self.in_flight < self.depth:
             return True
         if self.in_flight >= MAX_FLIGHTS:
-            return False
+            for sent in [t for t in self.flights if now - t >= GHOST]:
+                del self.flights[sent]  # (and counted out, with no call between)
+                self.in_flight -= 1
+            if self.in_flight >= MAX_FLIGHTS:
+                return False
         # (A flight not in ``flights`` counts as moving.)
         moving = self.in_flight - len(self.flights)
         if stall is None:
@@ -240,11 +252,9 @@ class Lane(Generic[A, R]):
         ``stall``, by default the lane's); None if it never will by time alone."""
         if stall is None:
             stall = self.stall
-        if (
-            self.in_flight >= MAX_FLIGHTS
-            or len(self.flights) < self.in_flight
-            or stall == float("inf")
-        ):
+        if self.in_flight >= MAX_FLIGHTS:
+            return min(self.flights) + GHOST if self.flights else None
+        if len(self.flights) < self.in_flight or stall == float("inf"):
             return None
         moving = sorted(self.flights)
         # Room once all but depth - 1 of the moving flights are stuck.
@@ -285,13 +295,22 @@ class Lane(Generic[A, R]):
         """The statement sent at ``sent`` returned: the next batch, whose
         statement takes its place (sent at ``now``), or None and one
         statement fewer is in flight."""
+        if self.ended(sent, now):
+            return self.take()
+        return None
+
+    def ended(self, sent: float, now: float) -> bool:
+        """:meth:`landed` without the take: True if a statement for the
+        queue takes the place of the one sent at ``sent`` (sent at ``now``;
+        a sender thread takes its batch, see :meth:`Batcher._fly`)."""
         if sent in self.flights:  # (not a flight a test made by hand)
             del self.flights[sent]
         if not self.queue:
-            self.in_flight -= 1
-            return None
+            if self.in_flight > 0:  # (0: forgotten as a ghost meanwhile)
+                self.in_flight -= 1
+            return False
         self.flights[now] = True
-        return self.take()
+        return True
 
     def withdraw(self, request: Request[A, R]) -> bool:
         """Take back a request that was never sent: True if it was still queued."""
@@ -446,7 +465,7 @@ class Batcher:
     ) -> R:
         mutex = self._mutex
         request: Request[A, R] | None = None
-        batch: list[Request[A, R]] | None = None
+        kick = False
         now = _monotonic()
         # A signal handler's exception lands after any call (and as any
         # function starts): the lane's count and our note of it change with
@@ -471,7 +490,10 @@ class Batcher:
                     request = Request(key, args, wake)
                     lane.queue.append(request)
                     if lane.room(now, lane.patience(now, until)):  # the ones in flight are stuck
-                        batch = lane.open(now)
+                        # Lane.open without its take (a sender thread takes
+                        # the batch), no call between the two.
+                        lane.in_flight += 1
+                        lane.flights[now] = kick = True
             if alone:
                 return single(*args)
         finally:
@@ -488,8 +510,8 @@ class Batcher:
                     self._landed(lane, now)
         assert request is not None
         try:
-            if batch:
-                self._dispatch(lane, batch, now, single, many)
+            if kick:
+                self._dispatch(lane, now, single, many)
         finally:
             self._await(lane, request, now, until, single, many)
         if request.error is not None:
@@ -523,15 +545,16 @@ class Batcher:
                             raise _mark(GaveUp(request.key, sent=False))
                         request.abandoned = request.gave_up = True  # its row is buried
                         raise GaveUp(request.key, sent=True)
-                    batch = None
+                    kick = False
                     stall = None
                     if request.state == QUEUED:
                         if lane.room(now, patience):
-                            batch = lane.open(now)
+                            lane.in_flight += 1  # (as in _submit)
+                            lane.flights[now] = kick = True
                         else:
                             stall = lane.stall_at(patience)
-                if batch:
-                    self._dispatch(lane, batch, now, single, many)
+                if kick:
+                    self._dispatch(lane, now, single, many)
                     continue
                 ends = [t for t in (until, stall) if t is not None]
                 if wake.acquire(timeout=max(min(ends) - now, 0.0) + 0.001 if ends else -1):
@@ -551,10 +574,10 @@ class Batcher:
         out together, on a sender thread."""
         with self._mutex:
             now = _monotonic()
-            batch = lane.landed(sent, now)
-        if batch:
+            kick = lane.ended(sent, now)
+        if kick:
             single, many = self._calls(lane)
-            self._dispatch(lane, batch, now, single, many)
+            self._dispatch(lane, now, single, many)
 
     def _calls(self, lane: Lane[Any, Any]) -> tuple[Callable[..., Any], Callable[[Any], Any]]:
         if lane is self._acquires:
@@ -564,13 +587,18 @@ class Batcher:
     def _dispatch(
         self,
         lane: Lane[A, R],
-        batch: list[Request[A, R]],
         sent: float,
         single: Callable[..., R],
         many: Callable[[list[A]], list[R]],
     ) -> None:
-        """Hand a batch to a sender thread (an idle one, else a new one)."""
-        work = (lane, batch, sent, single, many)
+        """Have a sender thread (an idle one, else a new one) send the
+        statement the lane counted in flight since ``sent``: the thread takes
+        its batch from the queue. A requester thread never holds a batch: a
+        signal handler's exception raised in it, anywhere in here, at most
+        loses this statement before it takes anything (its place in the lane,
+        not moving, is stuck after STALL, and the requests still queued go
+        out beside it; see GHOST), never requests taken from the queue."""
+        work = (lane, sent, single, many)
         with self._mutex:
             sender = self._idle.pop() if self._idle else None
             if sender is not None:
@@ -584,10 +612,10 @@ class Batcher:
                     target=self._sending, args=(work,), name="dblock-batch", daemon=True
                 )
             )
-        except BaseException as exc:
+        except RuntimeError as exc:
             # No thread (at interpreter exit): the batch is failed cleanly
             # and each request goes alone on its own thread.
-            self._fly(lane, batch, sent, single, many, failed=exc)
+            self._fly(lane, sent, single, many, failed=exc)
 
     def _sending(self, work: tuple[Any, ...]) -> None:
         """A sender thread: sends the batches handed to it, then waits a while
@@ -602,21 +630,32 @@ class Batcher:
                     if me in self._idle:
                         self._idle.remove(me)
                         return
-                me.wake.acquire()  # handed work as we timed out: it is coming
-            assert me.work is not None
+                # Taken for work as we timed out: it is coming, unless the
+                # requester thread was cut off before waking us (see _dispatch).
+                if not me.wake.acquire(timeout=_SENDER_IDLE):
+                    return
+            if me.work is None:  # (cut off between taking us and handing the work)
+                return
             work, me.work = me.work, None
 
-    def _fly(  # noqa: PLR0917 - as the work tuple it is called with
+    def _fly(
         self,
         lane: Lane[A, R],
-        batch: list[Request[A, R]] | None,
         sent: float,
         single: Callable[..., R],
         many: Callable[[list[A]], list[R]],
         failed: BaseException | None = None,
     ) -> None:
-        """Send ``batch``, settle it, and go on with the next one queued
-        meanwhile, until the lane's queue is empty."""
+        """Take the batch of the statement counted in flight since ``sent``,
+        send it, settle it, and go on with the next one queued meanwhile,
+        until the lane's queue is empty."""
+        with self._mutex:
+            batch: list[Request[A, R]] | None = lane.take()
+        if not batch:  # (every request withdrew meanwhile: the statement is not sent)
+            with self._mutex:
+                now = _monotonic()
+                batch = lane.landed(sent, now)
+            sent = now
         while batch:
             if failed is not None:
                 settle(batch, None, ValueError(f"not sent: {failed!r}"), sent)
