@@ -192,6 +192,73 @@ def _walk(
             return n
 
 
+def _rw_queued(m: LockManager, key: str) -> int:
+    entries = m.kinds.open_rw()._entries  # (no public view of level 1's queue)
+    entry = entries.get(key)
+    return len(entry.queue) if entry is not None else 0
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_request_queued_behind_a_local_reader_interrupted_anywhere_leaves_nothing_taken(
+    db_url: str, key: str, mode: str
+) -> None:
+    """A read request shares this process's read hold; a write request waits
+    in level 1's queue until the reader leaves, then leads. Interrupted at
+    every handler point of either (``_queue``, ``_wait_turn``, the lead's
+    return: once, a request cut off as it was appended to the queue stayed
+    in it, and the key was never taken again in that process; the signal
+    storm found it), nothing is left: the key is free here and elsewhere."""
+    m = LockManager(db_url, ttl=5)
+    checker = LockManager(db_url, ttl=5)
+    KINDS["write"](m, key, 5.0).release()
+    pool: Any = m.engine.pool
+    pooled = pool.checkedout()  # (connections a manager keeps: a listener's, say)
+    n = 0
+    try:
+        while True:
+            n += 1
+            gate = threading.Event()
+            got = threading.Event()
+
+            def hold(gate: threading.Event = gate, got: threading.Event = got) -> None:
+                with m.read_lock(key, timeout=10):
+                    got.set()
+                    if mode == "write":  # leave once the writer queued behind us
+                        deadline = time.monotonic() + 10
+                        while not _rw_queued(m, key) and time.monotonic() < deadline:
+                            if gate.wait(0.002):
+                                break  # (interrupted before it queued)
+                    else:
+                        gate.wait(10)
+
+            holder = threading.Thread(target=hold, daemon=True)
+            holder.start()
+            assert got.wait(10)
+            held = None
+            reached = False
+            with interrupt_at(n, "dblock/kinds/rw.py") as armed:
+                try:
+                    held = KINDS[mode](m, key, 10.0)
+                except Interrupt:
+                    reached = True
+            if armed.where is not None:
+                assert reached, f"interrupted in {armed.where}: the exception was swallowed"
+            if held is not None:
+                held.release()
+            held = None
+            gate.set()
+            holder.join(10)
+            assert not holder.is_alive(), armed.where
+            _settled(m, checker, "write", key, armed.where, None, pooled)
+            assert _rw_queued(m, key) == 0, armed.where
+            if armed.points < n:
+                break
+        assert n > 5
+    finally:
+        m.close()
+        checker.close()
+
+
 _WALKED = ("exclusive", "fair", "read", "write", "semaphore")
 _CASES = [
     (kind, op, queued)

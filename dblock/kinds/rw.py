@@ -120,11 +120,13 @@ def _refs(entry: _Entry) -> list[LockRef]:
 
 
 class _Request:
-    __slots__ = ("mode", "owner")
+    __slots__ = ("led", "mode", "owner")
 
     def __init__(self, mode: str, owner: object) -> None:
         self.mode = mode
         self.owner = owner
+        # The entry, once this request was made its lead (see _wait_turn).
+        self.led: _Entry | None = None
 
 
 class _Entry:
@@ -309,6 +311,7 @@ class RwLocker:
         # leads (the entry is busy), and the hold it was granted (see
         # _acquire_row: a call's result can be lost as the call returns).
         entry: _Entry | None = None
+        request: _Request | None = None
         got: list[_Hold] = []
         done: list[Any] = [False, None]  # _lead_done ran; the holder it made
         label = ""
@@ -328,7 +331,8 @@ class RwLocker:
                     mine = self._reenter(found, me, mode, ttl, opts)
                     if mine is not None:
                         return mine
-                    lead = self._queue(found, _Request(mode, me), blocking, deadline, timeout)
+                    request = _Request(mode, me)
+                    lead = self._queue(found, request, blocking, deadline, timeout)
                     if not lead:  # shared the read hold of this process
                         assert found.hold is not None
                         label = self._locker.owner_label(me)
@@ -339,6 +343,8 @@ class RwLocker:
             label = self._locker.owner_label(me)
             self._acquire_row(key, mode, label, blocking, deadline, timeout, ttl, got)
         finally:
+            if entry is None and request is not None:
+                entry = request.led  # (made lead, cut off as _queue returned)
             if entry is not None:
                 try:
                     self._lead_done(entry, me, mode, label, ttl, opts, got, done)
@@ -442,9 +448,10 @@ class RwLocker:
         timeout: float | None,
     ) -> bool:
         """Under the mutex: queue behind this process's holders and earlier
-        requests; True to lead (talk to the database), False to share the read hold."""
-        entry.queue.append(request)
+        requests; True to lead (talk to the database; ``request.led`` is then
+        the entry, marked busy), False to share the read hold."""
         try:
+            entry.queue.append(request)  # (in the try: a handler's exception may land after it)
             while True:
                 turn = self._wait_turn(entry, request, blocking, deadline, timeout)
                 if turn is not _CHECK:
@@ -488,8 +495,10 @@ class RwLocker:
         timeout: float | None,
     ) -> object:
         """Under the mutex: wait until ``request`` may share this process's read
-        hold (False), talk to the database itself (True), or must first look
-        for writers of other processes (:data:`_CHECK`)."""
+        hold (False), talk to the database itself (True: the entry is busy,
+        and ``request.led`` is the entry, set with no call between, so the
+        caller's ``finally`` undoes it however it is cut off), or must first
+        look for writers of other processes (:data:`_CHECK`)."""
         waited = False
         while True:
             if self._closing:
@@ -498,6 +507,9 @@ class RwLocker:
             if turn is _CHECK:
                 return turn
             if turn is not None:
+                if turn is True:
+                    entry.busy = True
+                    request.led = entry
                 entry.queue.remove(request)
                 if turn is False:
                     entry.joins += 1
