@@ -439,8 +439,9 @@ def test_a_release_cut_off_as_its_statement_returns_holds_up_nobody(
                 batcher._landed(lane, sent)  # it returned
             except Interrupted:
                 interrupted += 1
+        results, keys = runner.results, [h.key for h in held]
         wait_until(
-            lambda: all(h.key in runner.results for h in held),
+            lambda: all(k in results for k in keys),  # noqa: B023 - waited for here
             f"the releases, interrupted at {armed.where}",
             10,  # far above STALL
         )

@@ -393,8 +393,8 @@ class PostgresStore(Store):
         return None
 
     def lost_contention(self, exc: BackendError) -> bool:
-        cause = exc.__cause__
-        return sqlstate(getattr(cause, "orig", None) or cause) in _LOST
+        cause = getattr(exc.__cause__, "orig", None) or exc.__cause__
+        return cause is not None and sqlstate(cause) in _LOST
 
     def close(self) -> None:
         with self._listener_lock:
