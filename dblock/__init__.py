@@ -22,6 +22,7 @@ from .errors import (
     DowngradeRefused,
     JobSkipped,
     KindMismatch,
+    LeadershipLost,
     LockArgumentError,
     LockBusy,
     LockLost,
@@ -35,6 +36,7 @@ from .errors import (
     UpgradeRefused,
 )
 from .jobs import SKIPPED, current_run
+from .leader import Leader, Term
 from .lock import HeldLock
 from .manager import LockManager, LockRequest
 from .multi import HeldLocks
@@ -56,6 +58,8 @@ __all__ = [
     "HeldLocks",
     "JobSkipped",
     "KindMismatch",
+    "Leader",
+    "LeadershipLost",
     "LockArgumentError",
     "LockBusy",
     "LockLost",
@@ -68,6 +72,7 @@ __all__ = [
     "PoolExhausted",
     "PoolerMismatch",
     "SchemaMissing",
+    "Term",
     "UpgradeRefused",
     "current_run",
     "returns",

@@ -38,7 +38,7 @@ from . import __version__, migrations
 from ._engine import ENV_URL, check_url, file_database, mask, mask_text, resolve_url
 from ._store.admin import LockRow, LockStats, TableHealth, filter_phrase, rows_json
 from ._store.jobs import RunRow
-from .config import Config
+from .config import Config, check_lease
 from .errors import DBLockError, JobSkipped, LockArgumentError, SchemaMissing, install_hint
 from .keys import MAX_KEY_LENGTH, check_filter, check_key
 from .manager import LockManager
@@ -115,9 +115,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if "--" in argv:
         cut = argv.index("--")
         head, tail = argv[:cut], argv[cut + 1 :]
-        if "run" in head:
+        if "run" in head or "lead" in head:
             args = parser.parse_args(head)
-            if args.command is cmd_run:
+            if args.command is cmd_run or args.command is cmd_lead:
                 args.argv = [*args.argv, *tail]
                 return args
     return parser.parse_args(argv)
@@ -474,8 +474,50 @@ def _add_run(sub: _Subcommands, common: _Parser) -> None:
     run.set_defaults(command=cmd_run)
 
 
+def _add_lead(sub: _Subcommands, common: _Parser) -> None:
+    """``lead``: a command run while this host leads a role (dblock.leader)."""
+    lead = sub.add_parser(
+        "lead",
+        parents=[common],
+        help="run a command while this host leads a role (one leader across the cluster)",
+        description="Stand for election as leader of ROLE (lock leader:ROLE) and run COMMAND "
+        "while leading, in a process group of its own, with DBLOCK_LEADER_ROLE, "
+        "DBLOCK_LEADER_FENCE (the term's fence: greater than every earlier term's) and "
+        "DBLOCK_LEADER_TOKEN in its environment. If leadership is lost, the group gets "
+        "SIGTERM, then SIGKILL after --grace, and this host stands again. When the command "
+        "ends by itself, leadership is given up at once (a standby takes over without "
+        "waiting for the lease) and its exit status is returned. Signals are passed on to "
+        "the command; on Linux its whole group dies with dblock lead, even by kill -9. "
+        f"The database every host shares is required: --url or ${ENV_URL}. For a systemd unit or a "
+        "container sidecar: `dblock lead outbox-relay -- /usr/local/bin/relay`.",
+        epilog="Exit status: the command's (128+N if signal N ended it); 2 bad arguments and "
+        "127/126 command not found/not executable, before standing; 1 the database failed; "
+        "128+N signal N while standing by (nothing ran).",
+    )
+    lead.add_argument("role", metavar="ROLE", help="the role's name (its lock key is leader:ROLE)")
+    lead.add_argument(
+        "--ttl",
+        type=_signed_duration,
+        default=None,
+        metavar="DURATION",
+        help="the term's lease, renewed while this host leads: how long a leader that dies "
+        "keeps the role from a standby (default: the lock ttl, 30s)",
+    )
+    lead.add_argument(
+        "--grace",
+        type=_signed_duration,
+        default=5.0,
+        metavar="DURATION",
+        help="seconds between SIGTERM and SIGKILL to the command's group once leadership is "
+        "lost (default 5s; keep it well under --ttl)",
+    )
+    lead.add_argument("argv", nargs="*", metavar="-- COMMAND", help="what to run, after --")
+    lead.set_defaults(command=cmd_lead)
+
+
 def _add_jobs(sub: _Subcommands, common: _Parser) -> None:
     _add_run(sub, common)
+    _add_lead(sub, common)
     jobs = sub.add_parser(
         "jobs",
         parents=[common],
@@ -1084,6 +1126,69 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
             print(f"dblock run: {exc} while recording the run", file=sys.stderr)
             return exc.status if exc.status is not None else 128 + exc.signum
         print(f"dblock run: {exc} before the command started; nothing ran", file=sys.stderr)
+        return 128 + exc.signum
+
+
+def cmd_lead(args: argparse.Namespace) -> int:
+    """``dblock lead``: see :func:`_add_lead` for what it does and its exit statuses."""
+    from . import runner
+    from .leader import leader_key
+
+    argv = list(args.argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    # Everything is checked before the database is touched.
+    leader_key(args.role)
+    if args.ttl is not None:
+        check_lease(args.ttl, "--ttl")
+    if args.grace < 0:
+        raise LockArgumentError(f"--grace must be a duration >= 0, got {args.grace:g}")
+    if args.url is None and not os.environ.get(ENV_URL):
+        raise LockArgumentError(
+            f"dblock lead needs the database every host shares: give --url or ${ENV_URL} "
+            "(for one host alone, say so: --url sqlite:///path/to/file.sqlite3)"
+        )
+    try:
+        command = runner.resolve_command(argv)
+    except runner.CommandError as exc:
+        print(f"dblock lead: error: {shortened(str(exc))}; nothing ran", file=sys.stderr)
+        return exc.status
+    try:
+        with runner.interruptible(), _manager(args) as manager:
+            leader = manager.leader(args.role, ttl=args.ttl)
+            while True:
+                term = leader.elect()
+                print(
+                    f"dblock lead: leading {args.role!r} (term {term.fence})",
+                    file=sys.stderr,
+                )
+                env = {
+                    **os.environ,
+                    "DBLOCK_LEADER_ROLE": args.role,
+                    "DBLOCK_LEADER_FENCE": str(term.fence),
+                    "DBLOCK_LEADER_TOKEN": term.token,
+                }
+                try:
+                    return runner.supervise(
+                        command,
+                        held=leader.held,
+                        env=env,
+                        group=True,
+                        grace=args.grace,
+                        name="dblock lead",
+                    )
+                except runner.CommandLost:
+                    leader.step_down()
+                    print(f"dblock lead: standing for {args.role!r} again", file=sys.stderr)
+                except runner.CommandFailed as exc:
+                    return exc.status
+                finally:
+                    leader.step_down()
+    except runner.CommandNotStarted as exc:
+        print(f"dblock lead: error: {shortened(str(exc))}; nothing ran", file=sys.stderr)
+        return exc.status
+    except runner.Interrupted as exc:
+        print(f"dblock lead: {exc} while standing by; nothing ran", file=sys.stderr)
         return 128 + exc.signum
 
 

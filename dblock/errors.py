@@ -9,6 +9,7 @@
      │    └── JobSkipped          a job run skipped: running elsewhere, kept by at_least,
      │                            or its fire time already ran (``on_skip="raise"``)
      ├── LockLost                 we held it, but the row is gone or someone else's
+     │    └── LeadershipLost      a leader's term is over (``check()``, a term's ``guard()``)
      ├── LockNotHeld              release of a lock that is not held, or not by this
      │                            thread / task (also RuntimeError)
      ├── LockArgumentError        bad key or option, refused before any SQL (also ValueError)
@@ -40,6 +41,7 @@ __all__ = [
     "DowngradeRefused",
     "JobSkipped",
     "KindMismatch",
+    "LeadershipLost",
     "LockArgumentError",
     "LockBusy",
     "LockLost",
@@ -140,6 +142,28 @@ class LockLost(DBLockError):
     def __init__(self, key: str, reason: str) -> None:
         super().__init__(f"lock {key!r} was lost: {reason}")
         self.key = key
+        self.reason = reason
+
+
+class LeadershipLost(LockLost):
+    """A leader's term is over (its lock lost, or stepped down) or never began:
+    raised by ``Leader.check()``, by a term's ``guard()`` in the application's
+    transaction (roll it back: a successor may lead), and as an ``async with
+    leader`` block's exit when the loss cancelled it. ``fence`` is the term's
+    (None if there was none)."""
+
+    __module__ = "dblock"
+
+    def __init__(self, role: str, fence: int | None, reason: str) -> None:
+        DBLockError.__init__(
+            self,
+            f"not leading {role!r}"
+            + ("" if fence is None else f" (term {fence} is over)")
+            + f": {reason}",
+        )
+        self.key = f"leader:{role}"
+        self.role = role
+        self.fence = fence
         self.reason = reason
 
 

@@ -33,10 +33,11 @@ from ._engine import SUPPORTED, dialect_of, make_engine, mask, resolve_url
 from ._faces import Requests, level2_loop, until_hook
 from ._lockers import KindLockers
 from ._store import Store, open_store
-from .config import Config, check_timeout
+from .config import Config, check_lease, check_timeout
 from .decorators import KeySpec, OnBusy
 from .deferral import DeferHook, exit_deferring
 from .errors import DBLockError, LockArgumentError
+from .leader import Leader, OnTerm
 from .lock import HeldLock, Locker, live_lockers
 from .multi import HeldLocks, acquire_many
 from .options import LockArgs
@@ -214,6 +215,7 @@ class LockManager:
         self._rw_locker = self.kinds.open_rw
         self._semaphores_ = self.kinds.open_semaphores
         self._sweeper: Sweeper | None = None
+        self._leaders: weakref.WeakSet[Leader] = weakref.WeakSet()  # stopped by close()
         _managers.add(self)
 
     # -- what it is --------------------------------------------------------
@@ -405,6 +407,32 @@ class LockManager:
 
     # -- jobs ----------------------------------------------------------------
 
+    def leader(
+        self,
+        role: str,
+        *,
+        ttl: float | None = None,
+        on_elected: OnTerm | None = None,
+        on_revoked: OnTerm | None = None,
+    ) -> Leader:
+        """This process's candidacy for ``role``: one leader per role across
+        every process using the lock table (see :mod:`dblock.leader`).
+        ``with manager.leader("outbox-relay") as term:`` waits until elected
+        and leads for the block; ``.campaign()`` stands in a thread of its
+        own, calling ``on_elected(term)`` and ``on_revoked(term)``, until
+        ``.stop()`` or this manager's ``close()``. ``ttl``: the term's lease
+        (default: the manager's), renewed while this process lives."""
+        self.checks.open()
+        made = Leader(
+            self,
+            role,
+            ttl=None if ttl is None else check_lease(ttl),
+            on_elected=on_elected,
+            on_revoked=on_revoked,
+        )
+        self._leaders.add(made)
+        return made
+
     def once(
         self,
         name: str,
@@ -514,7 +542,7 @@ class LockManager:
         limit = float("inf") if wait is None else wait
         # Each part is closed whatever the others raised (each reports its
         # own failures); the first error, if any, is raised at the end.
-        parts: list[Callable[[], object]] = []
+        parts: list[Callable[[], object]] = [leader.stop for leader in list(self._leaders)]
         if self._sweeper is not None:
             parts.append(self._sweeper.stop)  # first: its last run may still take its own lock
         parts += self.kinds.closers(limit)

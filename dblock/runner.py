@@ -255,6 +255,9 @@ def in_terminal_foreground() -> bool:
         os.close(fd)
 
 
+#: The guard between ``dblock lead`` and its command's process group.
+_GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
+
 #: Seconds between SIGTERM and SIGKILL to a command whose lock was lost.
 STOP_GRACE = 5.0
 #: How often the lock is looked at while the command runs (seconds).
@@ -262,7 +265,7 @@ _WATCH = 0.1
 _PR_SET_PDEATHSIG = 1
 
 
-def _in_child(mask: set[int] | None) -> Callable[[], None] | None:
+def _in_child(mask: set[int] | None, group: bool = False) -> Callable[[], None] | None:
     """What the child runs before ``exec``: it gets back the signal mask
     ``dblock run`` had before blocking the forwarded signals (a mask
     survives ``exec``); on Linux, the kernel kills it (SIGKILL) when
@@ -271,22 +274,28 @@ def _in_child(mask: set[int] | None) -> Callable[[], None] | None:
     already (between the fork and this), the child ends at once.
 
     (``preexec_fn`` runs Python in the forked child; what it calls here was
-    looked up before the fork and takes no lock another thread may hold.)"""
+    looked up before the fork and takes no lock another thread may hold.)
+    ``group``: the child leads a process group of its own (``dblock lead``
+    stops the whole group)."""
     prctl = None
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):  # every Linux libc has it
             prctl = ctypes.CDLL(None, use_errno=True).prctl
-    if prctl is None and mask is None:  # pragma: no cover - neither Linux nor POSIX
+    if prctl is None and mask is None and not group:  # pragma: no cover - not POSIX
         return None
     parent = os.getpid()
     kill = int(signal.SIGKILL)
     setmask = signal.pthread_sigmask
     before = mask
 
+    setpgid = os.setpgid
+
     def arm() -> None:
+        if group:
+            setpgid(0, 0)
         if before is not None:
             setmask(signal.SIG_SETMASK, before)
-        if prctl is not None:
+        if prctl is not None and not group:  # (the guard watches us itself: see _guard)
             prctl(_PR_SET_PDEATHSIG, kill, 0, 0, 0)
             if os.getppid() != parent:
                 os._exit(128 + kill)
@@ -294,7 +303,15 @@ def _in_child(mask: set[int] | None) -> Callable[[], None] | None:
     return arm
 
 
-def supervise(command: Sequence[str]) -> int:
+def supervise(
+    command: Sequence[str],
+    *,
+    held: HeldLock | None = None,
+    env: dict[str, str] | None = None,
+    group: bool = False,
+    grace: float | None = None,
+    name: str = "dblock run",
+) -> int:
     """Run ``command`` with every forwarded signal passed on to it (but a
     terminal's Ctrl-C and Ctrl-\\, which reached it from the terminal: see
     :func:`in_terminal_foreground`); its exit status. Raises
@@ -312,12 +329,22 @@ def supervise(command: Sequence[str]) -> int:
     ``sigtimedwait``, which says who sent each: the kernel for a terminal's
     keys (not passed on: the command, in the same foreground group, has it),
     a process for ``kill`` (passed on). dblock's own threads block them too
-    (see dblock._threads), so none is delivered where it cannot be seen."""
-    from .jobs import current_run
+    (see dblock._threads), so none is delivered where it cannot be seen.
 
-    run = current_run()
-    held = None if run is None else run.held
-    from_terminal = _TERMINAL_KEYS if in_terminal_foreground() else frozenset()
+    ``held``: the lock watched (default: the current job run's); ``env``:
+    the command's environment; ``group``: the command leads a process group
+    of its own, which gets every signal passed on and, once the lock is
+    lost, SIGTERM then SIGKILL after ``grace`` seconds (default
+    :data:`STOP_GRACE`); ``name``: who says so on stderr."""
+    if held is None:
+        from .jobs import current_run
+
+        run = current_run()
+        held = None if run is None else run.held
+    # (A group of its own is not the terminal's foreground group: the
+    # terminal's keys reach it only through us.)
+    from_terminal = _TERMINAL_KEYS if not group and in_terminal_foreground() else frozenset()
+    stop = _Stop(group, STOP_GRACE if grace is None else grace, name)
     pending: list[int] = []
     started: list[subprocess.Popen[bytes]] = []
 
@@ -327,18 +354,23 @@ def supervise(command: Sequence[str]) -> int:
         if not started:
             pending.append(signum)  # (the command does not exist yet: nothing got it)
             return
-        with contextlib.suppress(ProcessLookupError):
-            started[0].send_signal(signum)
+        stop.send(started[0], signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     mask = _block(_WAITED)
     try:
         if pending:
             raise Interrupted(pending[0])  # before the command: nothing ran
+        argv = list(command)
+        if group:
+            # The guard kills the whole group if we die (see dblock._guard);
+            # run by its path, so its start imports nothing of dblock.
+            argv = [sys.executable, _GUARD, str(os.getpid()), *argv]
         try:
             child = subprocess.Popen(  # noqa: S603 - the operator's own command line
-                list(command),
-                preexec_fn=_in_child(mask),  # noqa: PLW1509 - see _in_child
+                argv,
+                env=env,
+                preexec_fn=_in_child(mask, group),  # noqa: PLW1509 - see _in_child
             )
         except OSError as exc:
             # (Not found, of a program found before: its #! interpreter is
@@ -351,16 +383,14 @@ def supervise(command: Sequence[str]) -> int:
         started.append(child)
         _ran.started = True
         for signum in pending:  # arrived while Popen started it
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(signum)
+            stop.send(child, signum)
 
         def relay(info: signal.struct_siginfo) -> None:
             if info.si_signo in from_terminal and info.si_code == _SI_KERNEL:
                 return  # the terminal sent it to the command too
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(info.si_signo)
+            stop.send(child, info.si_signo)
 
-        returncode, lost = _wait(child, held, relay)
+        returncode, lost = _wait(child, held, relay, stop)
         status = _ran.status = exit_status(returncode)
     finally:
         _unblock(mask)
@@ -396,10 +426,42 @@ def _unblock(mask: set[int] | None) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
+class _Stop:
+    """How a supervised command is signalled and stopped: itself, or its
+    whole process group (``group``), SIGKILL ``grace`` seconds after SIGTERM."""
+
+    def __init__(self, group: bool, grace: float, name: str) -> None:
+        self.group = group
+        self.grace = grace
+        self.name = name
+
+    def send(self, child: subprocess.Popen[bytes], signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if self.group:
+                os.killpg(child.pid, signum)
+            else:
+                child.send_signal(signum)
+
+    def stop(self, child: subprocess.Popen[bytes]) -> int:
+        """SIGTERM, then SIGKILL after the grace; the child's return code.
+        A group gets SIGKILL even if its leader ended in time: what it
+        started must not run on beside the next holder's command."""
+        self.send(child, signal.SIGTERM)
+        try:
+            return child.wait(self.grace)
+        except subprocess.TimeoutExpired:
+            self.send(child, signal.SIGKILL)
+            return child.wait()
+        finally:
+            if self.group:
+                self.send(child, signal.SIGKILL)
+
+
 def _wait(
     child: subprocess.Popen[bytes],
     held: HeldLock | None,
     relay: Callable[[signal.struct_siginfo], None],
+    stop: _Stop,
 ) -> tuple[int, str | None]:
     """Wait for ``child`` to end, passing each forwarded signal to ``relay``
     and watching the job's lock: once it is lost the command is stopped
@@ -421,15 +483,6 @@ def _wait(
         if info is not None and info.si_signo != _CHLD:
             relay(info)
     reason = held.lost_reason or "lost"
-    print(
-        f"dblock run: the job's lock was lost ({reason}); stopping the command",
-        file=sys.stderr,
-    )
-    with contextlib.suppress(ProcessLookupError):
-        child.terminate()
-    try:
-        return child.wait(STOP_GRACE), reason
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            child.kill()
-        return child.wait(), reason
+    what = "the job's lock" if stop.name == "dblock run" else "leadership"
+    print(f"{stop.name}: {what} was lost ({reason}); stopping the command", file=sys.stderr)
+    return stop.stop(child), reason

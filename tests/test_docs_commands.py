@@ -311,10 +311,10 @@ def run_dblock(line: Line, args: list[str], tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DBLOCK_URL"}
     env["PYTHONWARNINGS"] = "ignore"
     url = f"sqlite:///{tmp_path / 'dblock.sqlite3'}"
-    if args[:1] == ["run"]:
-        # `dblock run` takes no default database: its lines are shown from a
-        # shell where DBLOCK_URL is set (the crontab's sets it; see
-        # test_crontab_lines_run_as_cron_runs_them).
+    if args[:1] in (["run"], ["lead"]):
+        # `dblock run` and `dblock lead` take no default database: their
+        # lines are shown from a shell where DBLOCK_URL is set (the
+        # crontab's sets it; see test_crontab_lines_run_as_cron_runs_them).
         env["DBLOCK_URL"] = url
     holder = None
     if not remote:
@@ -338,7 +338,7 @@ def run_dblock(line: Line, args: list[str], tmp_path: Path) -> None:
     assert status != 2, shown  # refused: a mistake in the line
     if remote:
         assert status == 0 or "connect" in err, shown
-    elif args[:1] == ["run"]:
+    elif args[:1] in (["run"], ["lead"]):
         # The line's command is a placeholder (/usr/local/bin/cleanup): not
         # found (127) or not executable (126), said before anything is taken.
         assert status in (0, 126, 127), shown

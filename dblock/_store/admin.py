@@ -293,6 +293,26 @@ class TableAdmin(Driver):
     now_sql: ClassVar[str] = "CURRENT_TIMESTAMP"
     #: How the DBAPI driver spells a named parameter.
     param_style: ClassVar[str] = "%({})s"
+    #: A read that holds its row until the reader's transaction ends, as a
+    #: successor's takeover must wait for (None: the dialect has no row
+    #: locks, and a no-op UPDATE takes the write lock instead).
+    share_lock: ClassVar[str | None] = " FOR SHARE"
+
+    def term_guard(self, key: str, token: str, style: str) -> tuple[str, bool]:
+        """A leader's term guard (``dblock.leader.Term.guard``) for the
+        application's own transaction: the statement (parameters ``key`` and
+        ``token`` spelt by ``style``, ``{}`` for the name, or ``%s``/``?``
+        positional) and whether it is an UPDATE (its row count says) or a
+        read (a row says). Either holds the term's row until that
+        transaction ends, so a successor's takeover waits for its commit."""
+        t = self.quoted(self.names.table)
+        k, tk = style.format("key"), style.format("token")
+        where = (
+            f"WHERE lock_key = {k} AND slot = '' AND token = {tk} AND expires_at > {self.now_sql}"
+        )
+        if self.share_lock is None:
+            return f"UPDATE {t} SET token = token {where}", True
+        return f"SELECT fence FROM {t} {where}{self.share_lock}", False
 
     def rows(
         self,

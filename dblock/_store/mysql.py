@@ -583,6 +583,7 @@ class MySQLStore(WokenStore):
     # -- admin ---------------------------------------------------------------
 
     now_sql: ClassVar[str] = "UTC_TIMESTAMP(6)"
+    share_lock: ClassVar[str | None] = " LOCK IN SHARE MODE"  # (MySQL 8 and MariaDB alike)
 
     def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
         self.known_dialect()

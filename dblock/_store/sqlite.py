@@ -411,6 +411,7 @@ class SQLiteStore(WokenStore):
 
     now_sql: ClassVar[str] = NOW
     param_style: ClassVar[str] = ":{}"
+    share_lock: ClassVar[str | None] = None  # (no row locks: the file's write lock)
 
     def sweep(self, reason: SweepReason, *, older_than: float, limit: int) -> list[LockRow]:
         # One writer at a time anyway; the bound keeps each write transaction

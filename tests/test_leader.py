@@ -1,0 +1,365 @@
+"""Leadership (issue 46): one leader per role across processes, terms whose
+fence grows, a standby woken at a clean step-down, a lost term told, the
+term guard in the application's own transaction, and ``dblock lead``, on
+SQLite, PostgreSQL and MariaDB with real managers, connections and processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import sqlalchemy.orm
+
+from dblock import LeadershipLost, LockArgumentError, LockManager, LockTimeout, Term
+from tests.support.cli import dblock, start_dblock
+
+Make = Callable[..., LockManager]
+
+
+def _until(check: Callable[[], object], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _delete_row(manager: LockManager, key: str) -> None:
+    table = manager.store.table
+    with manager.engine.begin() as conn:
+        conn.execute(sa.delete(table).where(table.c.lock_key == key))
+
+
+# -- the API --------------------------------------------------------------------
+
+
+def test_bad_roles_and_options_are_refused_before_any_sql(make_manager: Make) -> None:
+    m = make_manager()
+    for role, message in (("", "non-empty"), (42, "non-empty"), ("x" * 300, "255")):
+        with pytest.raises(LockArgumentError, match=message):
+            m.leader(role)  # type: ignore[arg-type]
+    with pytest.raises(LockArgumentError, match="ttl"):
+        m.leader("r", ttl=0)
+    with pytest.raises(LockArgumentError, match="on_elected"):
+        m.leader("r", on_elected="no")  # type: ignore[arg-type]
+    with pytest.raises(LockArgumentError, match="paramstyle"), m.leader("r") as term:
+        term.guard_sql("bogus")
+
+
+def test_one_leader_and_a_standby_woken_at_step_down(make_manager: Make, key: str) -> None:
+    """A standby's campaign waits as a lock's waiter does: the leader's step
+    down wakes it at once, long before the 30 s lease could run out."""
+    a, b = make_manager(), make_manager()
+    events: list[tuple[str, int]] = []
+    first = a.leader(key, ttl=30)
+    standby = b.leader(
+        key,
+        ttl=30,
+        on_elected=lambda t: events.append(("elected", t.fence)),
+        on_revoked=lambda t: events.append(("revoked", t.fence)),
+    )
+    with first as term:
+        assert first.leading
+        assert first.term == term
+        assert term.role == key
+        assert term.key == f"leader:{key}"
+        standby.campaign()
+        time.sleep(0.5)
+        assert not standby.leading
+        assert events == []
+        first.check()
+        stepped = time.monotonic()
+    assert not first.leading
+    with pytest.raises(LeadershipLost, match="stepped down"):
+        first.check()
+    _until(lambda: standby.leading, "the standby elected")
+    took = time.monotonic() - stepped
+    assert took < 3.0, took  # a wake-up, not the lease (30 s)
+    assert standby.term is not None
+    assert standby.term.fence > term.fence
+    fence = standby.term.fence
+    standby.stop()
+    assert events == [("elected", fence), ("revoked", fence)]
+    assert not standby.leading
+    # Stopped, it stands no more: another takes the role at once.
+    again = a.leader(key)
+    assert again.elect(timeout=5).fence > fence
+    again.step_down()
+
+
+def test_a_lost_term_is_told_and_checked(make_manager: Make, key: str) -> None:
+    """The role's row deleted under the leader (the lease ran out and was
+    swept, say): the renewal thread finds it gone, ``ended`` is set,
+    ``on_revoked`` is called once, ``leading`` turns false and ``check()``
+    raises."""
+    m = make_manager()
+    revoked: list[Term] = []
+    leader = m.leader(key, ttl=0.6, on_revoked=revoked.append)
+    term = leader.elect()
+    assert not leader.ended.is_set()
+    _delete_row(m, f"leader:{key}")
+    assert leader.ended.wait(10)
+    assert revoked == [term]
+    assert not leader.leading
+    assert leader.term is None
+    assert leader.held is None
+    with pytest.raises(LeadershipLost) as lost:
+        leader.check()
+    assert lost.value.fence == term.fence
+    assert lost.value.role == key
+    leader.step_down()  # after a loss: nothing to do, nothing raised
+    assert revoked == [term]
+
+
+def test_a_campaign_stands_again_after_a_loss(make_manager: Make, key: str) -> None:
+    m = make_manager()
+    fences: list[int] = []
+    leader = m.leader(key, ttl=0.6, on_elected=lambda t: fences.append(t.fence)).campaign()
+    try:
+        _until(lambda: len(fences) == 1, "the first term")
+        _delete_row(m, f"leader:{key}")
+        _until(lambda: len(fences) == 2, "a second term")
+        assert fences[1] > fences[0]
+    finally:
+        leader.stop()
+
+
+def test_close_stops_every_campaign_and_steps_down(make_manager: Make, key: str) -> None:
+    a, b = make_manager(), make_manager()
+    leading = a.leader(key, ttl=30).campaign()
+    _until(lambda: leading.leading, "elected")
+    a.close()
+    assert not leading.leading
+    other = b.leader(key)
+    other.elect(timeout=2)  # at once: no lease to wait for
+    other.step_down()
+
+
+# -- the term guard ---------------------------------------------------------------
+
+
+def test_the_guard_passes_in_the_term_and_refuses_after_it(
+    make_manager: Make, key: str, db_url: str
+) -> None:
+    m = make_manager()
+    leader = m.leader(key, ttl=30)
+    engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+    try:
+        term = leader.elect()
+        with engine.begin() as conn:
+            term.guard(conn)
+        with sa.orm.Session(engine) as session, session.begin():
+            term.guard(session)
+        _delete_row(m, f"leader:{key}")
+        with engine.begin() as conn, pytest.raises(LeadershipLost, match="row is gone"):
+            term.guard(conn)
+    finally:
+        engine.dispose()
+        leader.step_down()
+
+
+def test_a_raw_dbapi_cursor_takes_the_guard(make_manager: Make, key: str, db_url: str) -> None:
+    m = make_manager()
+    engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+    try:
+        with m.leader(key, ttl=30) as term:
+            raw: Any = engine.raw_connection()
+            try:
+                cursor = raw.cursor()
+                term.guard(cursor)
+                raw.commit()
+            finally:
+                raw.close()
+    finally:
+        engine.dispose()
+
+
+def test_a_successor_waits_for_the_guarded_commit(
+    make_manager: Make, key: str, db_url: str
+) -> None:
+    """The leader's application transaction guards its write, then stalls
+    past the term's lease (its own renewal waits for that transaction too):
+    a successor cannot take the role before that transaction ends, so the
+    guarded write never commits beside a successor's term."""
+    leader_m, successor_m = make_manager(), make_manager()
+    leader = leader_m.leader(key, ttl=0.5)
+    engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+    elected_at: list[float] = []
+
+    def succeed() -> None:
+        successor = successor_m.leader(key, ttl=30)
+        try:
+            successor.elect(timeout=15)
+        except LockTimeout:
+            return
+        elected_at.append(time.monotonic())
+        successor.step_down()
+
+    try:
+        term = leader.elect()
+        with engine.begin() as conn:
+            term.guard(conn)
+            successor = threading.Thread(target=succeed)
+            successor.start()
+            time.sleep(1.5)  # three leases: long past its end by both clocks
+            assert elected_at == []
+            committed = time.monotonic()
+        successor.join(20)
+        assert not successor.is_alive()
+        assert elected_at == [] or elected_at[0] > committed
+    finally:
+        engine.dispose()
+        leader.step_down()
+
+
+# -- asyncio --------------------------------------------------------------------------
+
+
+def test_asyncio_leader_and_its_block_cancelled_on_loss(db_url: str, key: str) -> None:
+    from dblock import AsyncLockManager
+
+    async def main() -> None:
+        async with AsyncLockManager(db_url) as locks:
+            leader = locks.leader(key, ttl=0.6)
+            async with leader as term:
+                assert leader.leading
+                assert term.fence > 0
+            assert not leader.leading
+            with pytest.raises(LeadershipLost):
+                async with leader:
+                    _delete_row(locks.sync, f"leader:{key}")
+                    await asyncio.sleep(30)  # cancelled when the loss is found
+            assert not leader.leading
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+# -- dblock lead ------------------------------------------------------------------------
+
+
+def _on(db_url: str, m: LockManager) -> tuple[str, ...]:
+    return ("--url", db_url, "--table", m.config.table)
+
+
+def test_dblock_lead_runs_the_command_with_its_term(private: LockManager, db_url: str) -> None:
+    done = dblock(
+        *_on(db_url, private),
+        "lead",
+        "relay",
+        "--",
+        "sh",
+        "-c",
+        'echo "$DBLOCK_LEADER_ROLE $DBLOCK_LEADER_FENCE ${#DBLOCK_LEADER_TOKEN}"; exit 3',
+    )
+    assert done.returncode == 3, done.stderr
+    role, fence, token_length = done.stdout.split()
+    assert role == "relay"
+    assert int(fence) > 0
+    assert token_length == "32"
+    assert "leading 'relay'" in done.stderr
+    # Given up at its end: the role is free at once.
+    leader = private.leader("relay")
+    assert leader.elect(timeout=0.5).fence > int(fence)
+    leader.step_down()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("lead", "", "--", "true"), "non-empty"),
+        (("lead", "r", "--ttl", "0", "--", "true"), "--ttl"),
+        (("lead", "r", "--grace", "-1s", "--", "true"), "--grace"),
+        (("lead", "r", "--", "/nonexistent/cmd"), "nothing ran"),
+    ],
+)
+def test_dblock_lead_refuses_bad_arguments(
+    private: LockManager, db_url: str, args: tuple[str, ...], message: str
+) -> None:
+    done = dblock(*_on(db_url, private), *args)
+    assert done.returncode in (2, 127), done.stderr
+    assert message in done.stderr
+
+
+def test_dblock_lead_needs_a_shared_database(tmp_path: Path) -> None:
+    done = dblock("lead", "relay", "--", "true", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "--url" in done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups as on Linux")
+def test_dblock_lead_standby_and_kill_9_of_the_leader(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    """Two hosts stand: one runs the command (a shell and a child of its
+    own, the way real commands start workers). ``kill -9`` of its ``dblock
+    lead`` ends the whole group at once, child included, before the
+    standby's term begins; SIGTERM to the new leader ends its command and
+    gives the role up."""
+    marks = {name: tmp_path / f"{name}.pid" for name in ("a", "b")}
+
+    def start(name: str) -> subprocess.Popen[str]:
+        script = f"echo $$ > {marks[name]}; sleep 300 & echo $! >> {marks[name]}; wait"
+        return start_dblock(
+            *_on(db_url, private), "lead", "relay", "--ttl", "2", "--", "sh", "-c", script
+        )
+
+    first = start("a")
+    _until(lambda: marks["a"].exists() and len(marks["a"].read_text().split()) == 2, "a's command")
+    second = start("b")
+    time.sleep(1.0)
+    assert not marks["b"].exists()  # standing by
+    pids = [int(p) for p in marks["a"].read_text().split()]
+    first.kill()
+    first.wait(10)
+    _until(lambda: not any(_alive(p) for p in pids), "a's group gone", timeout=3)
+    _until(marks["b"].exists, "b elected", timeout=20)
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(20) == 128 + signal.SIGTERM
+    _, err = second.communicate()
+    assert "leading 'relay'" in err
+    b_pids = [int(p) for p in marks["b"].read_text().split()]
+    _until(lambda: not any(_alive(p) for p in b_pids), "b's group gone", timeout=10)
+
+
+def test_dblock_lead_stops_its_command_when_leadership_is_lost(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    runs = tmp_path / "runs"
+    script = f"echo $DBLOCK_LEADER_FENCE >> {runs}; exec sleep 300"
+    proc = start_dblock(
+        *_on(db_url, private),
+        *("lead", "relay", "--ttl", "0.6", "--grace", "1", "--", "sh", "-c", script),
+    )
+    try:
+        _until(lambda: runs.exists() and len(runs.read_text().split()) == 1, "the first term")
+        _delete_row(private, "leader:relay")
+        _until(lambda: len(runs.read_text().split()) == 2, "the command again, in a new term")
+        first, second = (int(f) for f in runs.read_text().split())
+        assert second > first
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        _, err = proc.communicate()
+    assert "leadership was lost" in err
+    assert "standing for 'relay' again" in err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its parent to reap it is gone for our purpose
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return False
