@@ -732,6 +732,7 @@ class AsyncLockManager:
             ttl=None if ttl is None else check_lease(ttl),
             on_elected=on_elected,
             on_revoked=on_revoked,
+            telemetry=self.locker.telemetry,
         )
 
     # -- jobs ----------------------------------------------------------------

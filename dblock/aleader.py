@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
     from ._held import HeldLock
     from .options import LockArgs
+    from .telemetry import Recorder
 
 __all__ = ["AsyncElector", "AsyncLeader"]
 
@@ -51,8 +53,11 @@ class AsyncLeader(LeaderBase):
         ttl: float | None = None,
         on_elected: OnTerm | None = None,
         on_revoked: OnTerm | None = None,
+        telemetry: Recorder | None = None,
     ) -> None:
-        super().__init__(role, ttl=ttl, on_elected=on_elected, on_revoked=on_revoked)
+        super().__init__(
+            role, ttl=ttl, on_elected=on_elected, on_revoked=on_revoked, telemetry=telemetry
+        )
         self._elector = elector
         self._aheld: Any = None
         self._task: asyncio.Task[Any] | None = None
@@ -63,9 +68,10 @@ class AsyncLeader(LeaderBase):
     async def elect(self, timeout: float | None = None) -> Term:
         if self.leading:
             raise LockArgumentError(f"already leading {self.role!r}: step down first")
+        stood = time.monotonic()
         aheld = await self._elector.acquire(self.key, **self._options(timeout))
         self._aheld = aheld
-        return self._begin(aheld.held, self._elector.store)
+        return self._begin(aheld.held, self._elector.store, stood)
 
     async def step_down(self) -> None:
         aheld = self._aheld

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ._held import HeldLock
+    from .telemetry import Recorder
 
 __all__ = [
     "LEADER_PREFIX",
@@ -185,8 +186,10 @@ class LeaderBase:
         ttl: float | None,
         on_elected: OnTerm | None,
         on_revoked: OnTerm | None,
+        telemetry: Recorder | None = None,
     ) -> None:
         self.role = role
+        self._telemetry = telemetry
         self.key = leader_key(role)
         if ttl is not None and (not isinstance(ttl, (int, float)) or ttl <= 0):
             raise LockArgumentError(f"ttl must be a positive number of seconds, got {ttl!r}")
@@ -235,7 +238,7 @@ class LeaderBase:
 
     _reason: str | None = None
 
-    def _begin(self, held: HeldLock, guard: Guarded) -> Term:
+    def _begin(self, held: HeldLock, guard: Guarded, stood: float) -> Term:
         term = Term(
             role=self.role,
             fence=held.fence,
@@ -252,6 +255,8 @@ class LeaderBase:
             self.elections += 1
             self.ended.clear()
         log.debug("dblock: %s leads %r (term %s)", held.owner, self.role, held.fence)
+        if self._telemetry is not None:
+            self._telemetry.elected(self.role, _monotonic() - stood)
         if self.on_elected is not None:
             self.on_elected(term)
         return term
@@ -266,6 +271,10 @@ class LeaderBase:
             self._reason = reason
             self.ended.set()
         assert term is not None
+        if self._telemetry is not None:
+            self._telemetry.term_ended(
+                self.role, "stepped_down" if reason == "stepped down" else "lost"
+            )
         if reason != "stepped down":
             log.warning(
                 "dblock: leadership of %r lost (term %s): %s", self.role, term.fence, reason
@@ -301,8 +310,11 @@ class Leader(LeaderBase):
         ttl: float | None = None,
         on_elected: OnTerm | None = None,
         on_revoked: OnTerm | None = None,
+        telemetry: Recorder | None = None,
     ) -> None:
-        super().__init__(role, ttl=ttl, on_elected=on_elected, on_revoked=on_revoked)
+        super().__init__(
+            role, ttl=ttl, on_elected=on_elected, on_revoked=on_revoked, telemetry=telemetry
+        )
         self._elector = elector
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -321,8 +333,9 @@ class Leader(LeaderBase):
         begin a term."""
         if self.leading:
             raise LockArgumentError(f"already leading {self.role!r}: step down first")
+        stood = _monotonic()
         held = self._elector.acquire(self.key, **self._options(timeout))
-        return self._begin(held, self._elector.store)
+        return self._begin(held, self._elector.store, stood)
 
     def step_down(self) -> None:
         """End the current term: the role's lock is released at once, and a

@@ -429,6 +429,7 @@ class LockManager:
             ttl=None if ttl is None else check_lease(ttl),
             on_elected=on_elected,
             on_revoked=on_revoked,
+            telemetry=self.locker.telemetry,
         )
         self._leaders.add(made)
         return made

@@ -25,6 +25,14 @@ Metrics (attributes in brackets; all low-cardinality, never a key):
 ``dblock.job.runs``                counter    job runs [outcome]: success, failed,
                                               skipped (with [reason]: running, kept,
                                               done, failed)
+``dblock.leader.elections``        counter    terms this process began [role]
+``dblock.leader.wait``             histogram  seconds from standing to elected [role]:
+                                              how long the role went without this
+                                              process leading it
+``dblock.leader.terms``            counter    terms this process ended [role, reason]:
+                                              stepped_down, lost
+``dblock.leader.leading``          up-down    1 while this process leads [role]: the
+                                              sum over processes is the role's leaders
 =================================  =========  ==========================================
 
 Every instrument also carries ``dblock.table``, so two managers on two tables
@@ -167,6 +175,18 @@ class Recorder:
         self._jobs = meter.create_counter(
             "dblock.job.runs", unit="{run}", description="job runs by outcome (skipped included)"
         )
+        self._elections = meter.create_counter(
+            "dblock.leader.elections", unit="{term}", description="terms this process began"
+        )
+        self._election_wait = meter.create_histogram(
+            "dblock.leader.wait", unit="s", description="time from standing to elected"
+        )
+        self._terms = meter.create_counter(
+            "dblock.leader.terms", unit="{term}", description="terms this process ended"
+        )
+        self._leading = meter.create_up_down_counter(
+            "dblock.leader.leading", unit="{leader}", description="1 while this process leads"
+        )
         # Attribute sets built once: recording reuses them (no dict per event).
         base = {"dblock.table": table}
         self._base = base
@@ -251,6 +271,19 @@ class Recorder:
         if reason is not None:
             attributes["dblock.reason"] = reason
         self._jobs.add(1, attributes)
+
+    def elected(self, role: str, waited: float) -> None:
+        """This process began a term of ``role`` after standing ``waited`` seconds."""
+        attributes = {**self._base, "dblock.role": role}
+        self._elections.add(1, attributes)
+        self._election_wait.record(waited, attributes)
+        self._leading.add(1, attributes)
+
+    def term_ended(self, role: str, reason: str) -> None:
+        """A term of ``role`` this process led ended (``stepped_down``, ``lost``)."""
+        attributes = {**self._base, "dblock.role": role}
+        self._terms.add(1, {**attributes, "dblock.reason": reason})
+        self._leading.add(-1, attributes)
 
     def swept(self, reason: str, count: int) -> None:
         if count:

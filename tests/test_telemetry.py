@@ -238,3 +238,22 @@ def test_job_runs_and_skips_are_counted(
     assert readout.count(name, outcome="failed") == 1
     assert readout.count(name, outcome="skipped", reason="kept") == 1
     assert readout.count(name, outcome="skipped", reason="failed") == 1
+
+
+def test_leadership_is_counted_per_role(observed: LockManager, key: str, readout: Readout) -> None:
+    """Elections, the wait to be elected, terms ended (and why) and who
+    leads now (an up-down count per role: 1 while this process leads)."""
+    leader = observed.leader(key, ttl=1)
+    with leader:
+        assert readout.count("dblock.leader.leading", role=key) == 1
+    assert readout.count("dblock.leader.leading", role=key) == 0
+    assert readout.count("dblock.leader.elections", role=key) == 1
+    assert readout.histogram_count("dblock.leader.wait", role=key) == 1
+    assert readout.count("dblock.leader.terms", role=key, reason="stepped_down") == 1
+    leader.elect()
+    table = observed.store.table
+    with observed.engine.begin() as conn:
+        conn.execute(table.delete().where(table.c.lock_key == f"leader:{key}"))
+    assert leader.ended.wait(30)
+    assert readout.count("dblock.leader.terms", role=key, reason="lost") == 1
+    assert readout.count("dblock.leader.leading", role=key) == 0
