@@ -363,3 +363,43 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][:1] != "Z"
     except OSError:
         return False
+
+
+# -- APScheduler on the leader only -----------------------------------------------------
+
+
+def test_apscheduler_runs_only_on_the_leader_and_moves_with_it(
+    make_manager: Make, key: str
+) -> None:
+    """Two schedulers (two managers: two hosts), each started paused under
+    ``run_on_leader``: only the leader's fires; when it steps down the
+    standby's scheduler resumes and fires instead."""
+    from apscheduler.schedulers.background import BackgroundScheduler
+
+    from dblock.contrib.apscheduler import run_on_leader
+
+    fired: dict[str, int] = {"a": 0, "b": 0}
+    schedulers, leaders = {}, {}
+    for name in ("a", "b"):
+        scheduler = BackgroundScheduler()
+        scheduler.add_job(
+            lambda name=name: fired.__setitem__(name, fired[name] + 1), "interval", seconds=0.1
+        )
+        scheduler.start(paused=True)
+        schedulers[name] = scheduler
+        leaders[name] = run_on_leader(scheduler, make_manager(), key, ttl=30)
+        if name == "a":
+            _until(lambda: leaders["a"].leading, "a elected")
+    try:
+        time.sleep(1.0)
+        assert fired["a"] >= 3
+        assert fired["b"] == 0
+        leaders["a"].stop()
+        _until(lambda: leaders["b"].leading, "b elected", timeout=5)
+        before = fired["a"]
+        _until(lambda: fired["b"] >= 3, "b's scheduler firing", timeout=10)
+        assert fired["a"] <= before + 1  # paused (one fire may have been under way)
+    finally:
+        for name in ("a", "b"):
+            leaders[name].stop()
+            schedulers[name].shutdown(wait=False)

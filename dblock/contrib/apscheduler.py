@@ -698,3 +698,33 @@ def once_per_cluster(
         inner.remove_executor(alias)
     inner.add_executor(executor, alias)
     return executor
+
+
+class Pausable(Protocol):
+    """What :func:`run_on_leader` needs of a scheduler (APScheduler 3's have it)."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+def run_on_leader(scheduler: Pausable, locks: Any, role: str, *, ttl: float | None = None) -> Any:
+    """Run ``scheduler`` only while this process leads ``role``: the other
+    way to run a scheduler in every process, one lock per cluster instead
+    of one per job (see docs/leadership.md). Start the scheduler paused
+    (``scheduler.start(paused=True)``), then call this: a campaign for the
+    role resumes the scheduler at each election and pauses it as each term
+    ends. Returns the :class:`~dblock.Leader` (``stop()`` it at shutdown; the
+    manager's ``close()`` does too).
+
+    For a blocking scheduler (``BackgroundScheduler``); jobs that must run
+    once per fire time even across a change of leader keep
+    :class:`OncePerClusterExecutor` as well (a new leader may fire at once
+    what the old one had just run)."""
+    leader = locks.leader(
+        role,
+        ttl=ttl,
+        on_elected=lambda term: scheduler.resume(),
+        on_revoked=lambda term: scheduler.pause(),
+    )
+    return leader.campaign()
