@@ -795,11 +795,28 @@ def span(seconds: float) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from .leader import LEADER_PREFIX
+
     with _manager(args) as manager:
         stats = manager.store.stats(storage=True)
+        leaders = [
+            row
+            for row in manager.store.rows(prefix=LEADER_PREFIX, limit=100)
+            if row.kind == "exclusive" and row.slot == "" and row.lease_left > 0
+        ]
         where = {"table": manager.config.table, "url": manager.url}
     if args.json:
-        print(json.dumps({**where, **stats.as_json()}, indent=2))
+        roles = [
+            {
+                "role": row.key[len(LEADER_PREFIX) :],
+                "leader": row.owner,
+                "term": row.fence,
+                "for_s": round(row.age, 3),
+                "lease_left_s": round(row.lease_left, 3),
+            }
+            for row in leaders
+        ]
+        print(json.dumps({**where, **stats.as_json(), "leaders": roles}, indent=2))
         return 0
     oldest = stats.oldest
     print(f"{where['table']} on {where['url']}")
@@ -816,6 +833,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 f"           acquired {_utc(oldest.acquired_at)} UTC, expires "
                 f"{_utc(oldest.expires_at)} UTC (database time), fence {oldest.fence}"
             )
+    for i, row in enumerate(leaders):
+        print(
+            f"  {'leaders' if i == 0 else '':8} {quoted(row.key[len(LEADER_PREFIX) :])}: "
+            f"{row.owner}, term {row.fence}, for {span(row.age)} (lease: {_lease(row.lease_left)})"
+        )
     if stats.table is not None:
         _print_storage(stats.table)
     return 0

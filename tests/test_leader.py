@@ -403,3 +403,23 @@ def test_apscheduler_runs_only_on_the_leader_and_moves_with_it(
         for name in ("a", "b"):
             leaders[name].stop()
             schedulers[name].shutdown(wait=False)
+
+
+def test_dblock_stats_names_each_roles_leader(private: LockManager, db_url: str) -> None:
+    import json
+
+    leader = private.leader("relay", ttl=30)
+    term = leader.elect()
+    try:
+        shown = dblock(*_on(db_url, private), "stats")
+        assert shown.returncode == 0, shown.stderr
+        assert f"leaders  'relay': {term.holder}, term {term.fence}" in shown.stdout
+        data = json.loads(dblock(*_on(db_url, private), "stats", "--json").stdout)
+        (role,) = data["leaders"]
+        assert role["role"] == "relay"
+        assert role["leader"] == term.holder
+        assert role["term"] == term.fence
+    finally:
+        leader.step_down()
+    after = json.loads(dblock(*_on(db_url, private), "stats", "--json").stdout)
+    assert after["leaders"] == []
