@@ -40,13 +40,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
+import signal
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import LeadershipLost, LockArgumentError, LockNotAcquired, LockTimeout, ManagerClosed
@@ -372,6 +374,7 @@ class Leader(LeaderBase):
                 target=self._campaign, name=f"dblock-leader-{self.role}", daemon=True
             )
         _CAMPAIGNS.add(self)
+        _step_down_on_sigterm()
         self._thread.start()
         return self
 
@@ -421,3 +424,34 @@ def _stop_campaigns() -> None:
     for leader in list(_CAMPAIGNS):
         with contextlib.suppress(Exception):
             leader.stop(timeout=2.0)
+
+
+#: Seconds a SIGTERM waits for the campaigns to step down before the process
+#: ends as SIGTERM ends it (then their leases end their terms).
+SIGTERM_GRACE = 3.0
+_sigterm_installed = False
+
+
+def _step_down_on_sigterm() -> None:
+    """SIGTERM's default ends the process without ``atexit``: where nobody
+    handles it (its handler is still the default, and this is the main
+    thread, which alone may set one), the campaigns step down first, then
+    the process ends as the default would have ended it. The step-down runs
+    on a thread of its own, the handler waiting for it at most
+    :data:`SIGTERM_GRACE` seconds: the handler interrupts the main thread
+    anywhere, perhaps holding a lock the release needs."""
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # the application (or its server) handles SIGTERM: its exit runs atexit
+    _sigterm_installed = True
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        stopping = threading.Thread(target=_stop_campaigns, name="dblock-leader-sigterm")
+        stopping.start()
+        stopping.join(SIGTERM_GRACE)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)

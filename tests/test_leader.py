@@ -423,3 +423,34 @@ def test_dblock_stats_names_each_roles_leader(private: LockManager, db_url: str)
         leader.step_down()
     after = json.loads(dblock(*_on(db_url, private), "stats", "--json").stdout)
     assert after["leaders"] == []
+
+
+def test_sigterm_steps_a_campaign_down(make_manager: Make, key: str, db_url: str) -> None:
+    """A process whose campaign leads, ended by SIGTERM (its default: no
+    atexit), steps down first: the standby is elected at once, not when the
+    30 s lease runs out, and the process still ends as SIGTERM ends it."""
+    script = (
+        "import sys, time\n"
+        "from dblock import LockManager\n"
+        "m = LockManager(sys.argv[1])\n"
+        "leader = m.leader(sys.argv[2], ttl=30).campaign()\n"
+        "while not leader.leading: time.sleep(0.01)\n"
+        "print('leading', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, db_url, key], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "leading"
+        standby = make_manager().leader(key, ttl=30)
+        proc.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        standby.elect(timeout=15)
+        assert time.monotonic() - started < 5
+        assert proc.wait(10) == -signal.SIGTERM
+        standby.step_down()
+    finally:
+        proc.kill()
+        proc.wait()
