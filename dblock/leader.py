@@ -46,7 +46,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
@@ -117,7 +117,7 @@ class Term:
     holder: str
     since: datetime
     key: str
-    _guard: Guarded
+    _guard: Guarded = field(repr=False, compare=False)
 
     def guard_sql(
         self, paramstyle: str = "named"
@@ -204,7 +204,8 @@ class LeaderBase:
         self._mutex = threading.Lock()
         self._held: HeldLock | None = None
         self._term: Term | None = None
-        #: Set while no term is running (before the first, and once one ends).
+        #: Set while no term is running (before the first, and once one has
+        #: ended and its ``on_revoked`` returned).
         self.ended = threading.Event()
         self.ended.set()
         self._told: Term | None = None  # the term on_revoked was called for
@@ -271,7 +272,6 @@ class LeaderBase:
             term = self._term
             self._told = term
             self._reason = reason
-            self.ended.set()
         assert term is not None
         if self._telemetry is not None:
             self._telemetry.term_ended(
@@ -281,11 +281,13 @@ class LeaderBase:
             log.warning(
                 "dblock: leadership of %r lost (term %s): %s", self.role, term.fence, reason
             )
-        if self.on_revoked is not None:
-            try:
+        try:
+            if self.on_revoked is not None:
                 self.on_revoked(term)
-            except Exception:
-                log.exception("dblock: on_revoked of %r raised", self.role)
+        except Exception:
+            log.exception("dblock: on_revoked of %r raised", self.role)
+        finally:
+            self.ended.set()  # (once on_revoked returned: a waiter sees its effects)
 
     def _on_lost(self, held: HeldLock) -> None:
         self._end(held, held.lost_reason or "lost")
@@ -379,25 +381,28 @@ class Leader(LeaderBase):
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """End the campaign: step down if leading, stop standing, and wait
-        (at most ``timeout`` seconds) for its thread."""
+        """End the campaign: step down if leading and stop standing. Waits
+        (at most ``timeout`` seconds) for a leading campaign's thread; a
+        standby's, waiting for the role, ends at its next look (a term it
+        wins meanwhile is given back at once, no ``on_elected`` called)."""
         self._stop.set()
         self.step_down()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            thread.join(timeout if self._term is not None and self._told is not self._term else 0.1)
         self._thread = None
         _CAMPAIGNS.discard(self)
 
-    #: How long a standby waits in one request before looking whether it was
-    #: stopped (a release wakes it at once; this only bounds ``stop()``'s
-    #: thread's exit).
-    STANDBY = 2.0
+    #: How long a standby waits in one request: a release wakes it at once,
+    #: so this only bounds how often an idle standby sends a statement (once
+    #: per this many seconds) and how late a stopped one's thread ends.
+    STANDBY = 10.0
 
     def _campaign(self) -> None:
         while not self._stop.is_set():
+            stood = _monotonic()
             try:
-                self.elect(timeout=self.STANDBY)
+                held = self._elector.acquire(self.key, **self._options(self.STANDBY))
             except LockTimeout:
                 continue
             except ManagerClosed:
@@ -406,9 +411,11 @@ class Leader(LeaderBase):
                 log.warning("dblock: standing for %r failed: %s; again in 1 s", self.role, exc)
                 self._stop.wait(1.0)
                 continue
-            if self._stop.is_set():
-                self.step_down()
+            if self._stop.is_set():  # stopped while standing: give it back, untold
+                with contextlib.suppress(Exception):
+                    held.release(force=True)
                 return
+            self._begin(held, self._elector.store, stood)
             while not self._stop.is_set() and self.leading:
                 self.ended.wait(0.2)
             self.step_down()
