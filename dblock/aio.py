@@ -60,7 +60,7 @@ from .errors import (
     LockTimeout,
     ManagerClosed,
 )
-from .leader import OnTerm
+from .leader import LeaderArgs
 from .lock import HeldLock, Level2, Locker
 from .manager import LockManager
 from .multi import ManySteps, acquire_many_steps, release_later
@@ -712,28 +712,14 @@ class AsyncLockManager:
         """The blocking manager's store (what a term's guard is written by)."""
         return self.sync.store
 
-    def leader(
-        self,
-        role: str,
-        *,
-        ttl: float | None = None,
-        on_elected: OnTerm | None = None,
-        on_revoked: OnTerm | None = None,
-    ) -> AsyncLeader:
+    def leader(self, role: str, **options: Unpack[LeaderArgs]) -> AsyncLeader:
         """:meth:`dblock.LockManager.leader` on the asyncio face: ``async
         with locks.leader("outbox-relay") as term:`` waits until elected; a
         term lost while the block runs cancels the task running it, and the
         block's exit raises :class:`~dblock.LeadershipLost`. ``campaign()``
         is a coroutine to run as a task (cancel it to step down)."""
         self.sync.checks.open()
-        return AsyncLeader(
-            self,
-            role,
-            ttl=None if ttl is None else check_lease(ttl),
-            on_elected=on_elected,
-            on_revoked=on_revoked,
-            telemetry=self.locker.telemetry,
-        )
+        return AsyncLeader(self, role, options, self.locker.telemetry)
 
     # -- jobs ----------------------------------------------------------------
 

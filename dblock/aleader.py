@@ -12,18 +12,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import LeadershipLost, LockArgumentError, LockTimeout, ManagerClosed
-from .leader import Guarded, Leader, LeaderBase, OnTerm, Term
+from .leader import Guarded, Leader, LeaderBase, Term
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ._held import HeldLock
     from .options import LockArgs
-    from .telemetry import Recorder
 
 __all__ = ["AsyncElector", "AsyncLeader"]
 
@@ -45,25 +43,11 @@ class AsyncLeader(LeaderBase):
     and the block's exit raises :class:`~dblock.LeadershipLost` in place of
     that cancellation. Made by :meth:`dblock.AsyncLockManager.leader`."""
 
-    def __init__(
-        self,
-        elector: AsyncElector,
-        role: str,
-        *,
-        ttl: float | None = None,
-        on_elected: OnTerm | None = None,
-        on_revoked: OnTerm | None = None,
-        telemetry: Recorder | None = None,
-    ) -> None:
-        super().__init__(
-            role, ttl=ttl, on_elected=on_elected, on_revoked=on_revoked, telemetry=telemetry
-        )
-        self._elector = elector
-        self._aheld: Any = None
-        self._task: asyncio.Task[Any] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._cancelled_by_us = False
-        self._campaign_task: asyncio.Task[None] | None = None
+    _elector: AsyncElector
+    _aheld: Any = None
+    _task: asyncio.Task[Any] | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _cancelled_by_us = False
 
     async def elect(self, timeout: float | None = None) -> Term:
         if self.leading:
@@ -100,12 +84,7 @@ class AsyncLeader(LeaderBase):
             raise LeadershipLost(self.role, term.fence, self._reason or "lost")
         return term
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, kind: type[BaseException] | None, exc: Any, tb: object) -> None:
         task, self._task = self._task, None
         cancelled_by_us, self._cancelled_by_us = self._cancelled_by_us, False
         term = self._term
@@ -114,7 +93,7 @@ class AsyncLeader(LeaderBase):
             uncancel = getattr(task, "uncancel", None)  # (3.11: else nothing counts)
             if uncancel is not None:
                 uncancel()
-            if exc_type is asyncio.CancelledError or exc_type is None:
+            if kind is asyncio.CancelledError or kind is None:
                 raise LeadershipLost(
                     self.role, None if term is None else term.fence, self._reason or "lost"
                 ) from exc

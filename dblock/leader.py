@@ -49,8 +49,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
+from .config import check_lease
 from .errors import LeadershipLost, LockArgumentError, LockNotAcquired, LockTimeout, ManagerClosed
 from .keys import check_key
 from .options import LockArgs
@@ -66,6 +67,7 @@ __all__ = [
     "Elector",
     "Guarded",
     "Leader",
+    "LeaderArgs",
     "LeaderBase",
     "OnTerm",
     "Term",
@@ -178,29 +180,47 @@ def _is_sqlite_cursor(cursor: Any) -> bool:
 OnTerm = Callable[[Term], object]
 
 
+class LeaderArgs(TypedDict, total=False):
+    """What ``leader()`` takes beside the role, on both faces. ``ttl``: the
+    term's lease (default: the manager's); ``on_elected(term)`` and
+    ``on_revoked(term)``: called as each term begins and ends."""
+
+    ttl: float | None
+    on_elected: OnTerm | None
+    on_revoked: OnTerm | None
+
+
 class LeaderBase:
-    """What both faces share: the role, the options, the current term."""
+    """What both faces share: the role, the options, the current term. Made
+    by the manager's ``leader()``, with what it names (``elector``: the
+    manager; ``telemetry``: its recorder, if any)."""
 
     def __init__(
         self,
+        elector: Any,
         role: str,
-        *,
-        ttl: float | None,
-        on_elected: OnTerm | None,
-        on_revoked: OnTerm | None,
+        options: LeaderArgs,
         telemetry: Recorder | None = None,
     ) -> None:
+        unknown = sorted(set(options) - set(LeaderArgs.__annotations__))
+        if unknown:
+            raise LockArgumentError(
+                f"unknown option {unknown[0]!r}; the options are: on_elected, on_revoked, ttl"
+            )
         self.role = role
-        self._telemetry = telemetry
         self.key = leader_key(role)
-        if ttl is not None and (not isinstance(ttl, (int, float)) or ttl <= 0):
-            raise LockArgumentError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        ttl = options.get("ttl")
+        on_elected, on_revoked = options.get("on_elected"), options.get("on_revoked")
         for name, callback in (("on_elected", on_elected), ("on_revoked", on_revoked)):
             if callback is not None and not callable(callback):
                 raise LockArgumentError(f"{name} must be callable, got {callback!r}")
-        self.ttl = ttl
+        self.ttl = None if ttl is None else check_lease(ttl)
         self.on_elected = on_elected
         self.on_revoked = on_revoked
+        self._elector = elector
+        self._telemetry = telemetry
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         self._mutex = threading.Lock()
         self._held: HeldLock | None = None
         self._term: Term | None = None
@@ -306,22 +326,7 @@ class Leader(LeaderBase):
     """A role's leadership for this process, on the blocking face (see the
     module). Made by :meth:`dblock.LockManager.leader`."""
 
-    def __init__(
-        self,
-        elector: Elector,
-        role: str,
-        *,
-        ttl: float | None = None,
-        on_elected: OnTerm | None = None,
-        on_revoked: OnTerm | None = None,
-        telemetry: Recorder | None = None,
-    ) -> None:
-        super().__init__(
-            role, ttl=ttl, on_elected=on_elected, on_revoked=on_revoked, telemetry=telemetry
-        )
-        self._elector = elector
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    _elector: Elector
 
     def __repr__(self) -> str:
         state = (

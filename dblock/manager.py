@@ -33,11 +33,11 @@ from ._engine import SUPPORTED, dialect_of, make_engine, mask, resolve_url
 from ._faces import Requests, level2_loop, until_hook
 from ._lockers import KindLockers
 from ._store import Store, open_store
-from .config import Config, check_lease, check_timeout
+from .config import Config, check_timeout
 from .decorators import KeySpec, OnBusy
 from .deferral import DeferHook, exit_deferring
 from .errors import DBLockError, LockArgumentError
-from .leader import Leader, OnTerm
+from .leader import Leader, LeaderArgs
 from .lock import HeldLock, Locker, live_lockers
 from .multi import HeldLocks, acquire_many
 from .options import LockArgs
@@ -407,14 +407,7 @@ class LockManager:
 
     # -- jobs ----------------------------------------------------------------
 
-    def leader(
-        self,
-        role: str,
-        *,
-        ttl: float | None = None,
-        on_elected: OnTerm | None = None,
-        on_revoked: OnTerm | None = None,
-    ) -> Leader:
+    def leader(self, role: str, **options: Unpack[LeaderArgs]) -> Leader:
         """This process's candidacy for ``role``: one leader per role across
         every process using the lock table (see :mod:`dblock.leader`).
         ``with manager.leader("outbox-relay") as term:`` waits until elected
@@ -423,14 +416,7 @@ class LockManager:
         ``.stop()`` or this manager's ``close()``. ``ttl``: the term's lease
         (default: the manager's), renewed while this process lives."""
         self.checks.open()
-        made = Leader(
-            self,
-            role,
-            ttl=None if ttl is None else check_lease(ttl),
-            on_elected=on_elected,
-            on_revoked=on_revoked,
-            telemetry=self.locker.telemetry,
-        )
+        made = Leader(self, role, options, self.locker.telemetry)
         self._leaders.add(made)
         return made
 

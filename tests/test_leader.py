@@ -49,6 +49,8 @@ def test_bad_roles_and_options_are_refused_before_any_sql(make_manager: Make) ->
             m.leader(role)  # type: ignore[arg-type]
     with pytest.raises(LockArgumentError, match="ttl"):
         m.leader("r", ttl=0)
+    with pytest.raises(LockArgumentError, match="unknown option 'bogus'"):
+        m.leader("r", bogus=1)  # type: ignore[call-arg]
     with pytest.raises(LockArgumentError, match="on_elected"):
         m.leader("r", on_elected="no")  # type: ignore[arg-type]
     with pytest.raises(LockArgumentError, match="paramstyle"), m.leader("r") as term:
