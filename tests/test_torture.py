@@ -28,8 +28,14 @@ SCRIPT = ROOT / "scripts" / "torture.py"
 # every 1.6 s from the 2nd second, none in the last 2.1 s. The run ends once
 # every kind came round (--cycles 1, ~11-13 s on an idle machine), or at
 # --seconds, the cap a loaded machine may need.
+# --slack 1.0, not the script's 0.5: beside the suite's three other workers
+# on two cores, a fresh clone's run saw a key blocked 1.83 s after its
+# holder's kill -9 on PostgreSQL 18 (lease 1 s + poll 0.1 s + 0.5 s allowed);
+# the same run alone took the key within the 1.6 s. The full run
+# (scripts/torture.py's defaults, a quiet machine) keeps 0.5.
 SHORT = ["--seconds", "30", "--cycles", "1", "--processes", "3", "--threads", "3",
-         "--keys", "2", "--ttl", "1.0", "--poll-max", "0.1", "--fault-every", "1.6"]  # fmt: skip
+         "--keys", "2", "--ttl", "1.0", "--poll-max", "0.1", "--fault-every", "1.6",
+         "--slack", "1.0"]  # fmt: skip
 
 
 def _on(server: str) -> list[str]:
