@@ -141,6 +141,8 @@ from dblock import (  # noqa: E402
 )
 
 TABLE = "dblock_torture"
+# --kind leader: the leaders' guarded writes, in the database under test.
+WRITES = "dblock_torture_writes"
 DATABASES = ("postgresql", "mariadb", "sqlite")
 # Replicated topologies, run only when asked for (--db galera, --db pg-failover, --db patroni).
 CLUSTERS = ("galera", "pg-failover", "patroni")
@@ -169,10 +171,27 @@ LEDGER_DDL = (
     " t_start REAL NOT NULL, lease_end REAL NOT NULL, wall_start REAL NOT NULL,"
     " t_end REAL, lease_end_at_end REAL, outcome TEXT, slot TEXT NOT NULL DEFAULT '',"
     " t_asked REAL, mode TEXT NOT NULL DEFAULT 'exclusive', ticket INTEGER)",
+    "CREATE TABLE IF NOT EXISTS writes ("
+    " role TEXT NOT NULL, fence INTEGER NOT NULL, pid INTEGER NOT NULL, seq INTEGER NOT NULL,"
+    " t_start REAL NOT NULL, t_end REAL NOT NULL, outcome TEXT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS stats ("
     " pid INTEGER, requests INTEGER, grants INTEGER, busy INTEGER, timeouts INTEGER,"
     " backend_errors INTEGER, lost INTEGER, release_failed INTEGER)",
 )
+
+
+def writes_table(metadata: sa.MetaData) -> sa.Table:
+    """--kind leader: the leaders' guarded writes, numbered as they are
+    inserted (under the guard's row lock, so a successor's rows come later)."""
+    return sa.Table(
+        WRITES,
+        metadata,
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True),
+        sa.Column("role", sa.String(255), nullable=False),
+        sa.Column("fence", sa.BigInteger, nullable=False),
+        sa.Column("pid", sa.Integer, nullable=False),
+        sa.Column("seq", sa.Integer, nullable=False),
+    )
 
 
 # -- the worker process ----------------------------------------------------
@@ -203,6 +222,9 @@ def worker(spec: dict[str, Any]) -> None:
     deadline = spec["deadline"]
     # The parent may end the run early (--cycles): it writes the new deadline there.
     early_end = Path(spec["run_dir"]) / EARLY_END
+    if spec.get("kind") == "leader":
+        leader_worker(spec, manager, ledger_path, setup)
+        return
     permits = spec.get("permits")
     rw = spec.get("kind") == "rw"
     write_share = spec.get("write_share", 0.3)
@@ -295,6 +317,130 @@ def worker(spec: dict[str, Any]) -> None:
     manager.close()
 
 
+def leader_worker(
+    spec: dict[str, Any], manager: LockManager, ledger_path: str, setup: sqlite3.Connection
+) -> None:
+    """``--kind leader``: a thread per role (the hot keys) stands for it, over
+    and over. A term is a section (its fence, its lease as renewed); while it
+    lasts the thread makes guarded writes to WRITES in the database under
+    test, each in a transaction of its own on a connection of the
+    application's (``term.guard`` first, then the INSERT), without asking
+    ``leader.leading`` first: a term that is over must be refused by the
+    guard itself. Each attempt and how it ended goes to the local ledger."""
+    from dblock import LeadershipLost
+
+    pid = os.getpid()
+    ttl = spec["ttl"]
+    deadline = spec["deadline"]
+    early_end = Path(spec["run_dir"]) / EARLY_END
+    app = sa.create_engine(spec["url"], pool_pre_ping=True, pool_size=len(spec["keys"]))
+    writes = writes_table(sa.MetaData())
+    totals: dict[str, int] = defaultdict(int)
+    totals_lock = threading.Lock()
+
+    def run(role: str, n: int) -> None:
+        rng = random.Random(pid * 1000 + n)
+        ledger = _ledger(ledger_path)
+        name = threading.current_thread().name
+        counts: dict[str, int] = defaultdict(int)
+        end = deadline
+        seq = 0
+        while time.monotonic() < end:
+            if end == deadline and early_end.exists():
+                end = min(deadline, float(early_end.read_text()))
+                continue
+            counts["requests"] += 1
+            leader = manager.leader(role, ttl=ttl)
+            t_asked = time.monotonic()
+            try:
+                term = leader.elect(timeout=rng.uniform(0.2, 2.0))
+            except LockTimeout:
+                counts["timeouts"] += 1
+                continue
+            except BackendError:
+                counts["backend_errors"] += 1
+                time.sleep(rng.uniform(0.02, 0.1))
+                continue
+            held = leader.held
+            t_start = time.monotonic()
+            row = ledger.execute(
+                "INSERT INTO sections (lock_key, fence, token, pid, thread, t_start,"
+                " lease_end, wall_start, t_asked) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (term.key, term.fence, term.token, pid, name, t_start,
+                 t_start + (held.remaining if held else 0.0), time.time(), t_asked),
+            ).lastrowid  # fmt: skip
+            counts["grants"] += 1
+            tenure = t_start + rng.uniform(0.2, 2.5) * ttl  # past a renewal or two, at times
+            outcome = "released"
+            last = False
+            while not last:
+                # The last write comes after the tenure: a leader paused
+                # mid-term always tries once more when it runs again.
+                last = time.monotonic() >= tenure
+                seq += 1
+                t_write = time.monotonic()
+                try:
+                    with app.begin() as conn:
+                        term.guard(conn)
+                        conn.execute(
+                            writes.insert().values(
+                                role=term.key, fence=term.fence, pid=pid, seq=seq
+                            )
+                        )
+                    result = "committed"
+                except LeadershipLost:
+                    result = "refused"
+                except Exception as exc:  # a cut connection, a restart: try again
+                    result = f"error: {type(exc).__name__}"
+                now = time.monotonic()
+                ledger.execute(
+                    "INSERT INTO writes (role, fence, pid, seq, t_start, t_end, outcome)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (term.key, term.fence, pid, seq, t_write, now, result),
+                )
+                counts[f"writes_{result.split(':')[0]}"] += 1
+                held = leader.held
+                if held is not None:
+                    ledger.execute(
+                        "UPDATE sections SET lease_end_at_end = ? WHERE id = ?",
+                        (now + held.remaining, row),
+                    )
+                if result == "refused":
+                    outcome = "lost"
+                    break
+                if not last:
+                    time.sleep(rng.uniform(0.001, 0.02))
+            t_end = time.monotonic()
+            ledger.execute("UPDATE sections SET t_end = ? WHERE id = ?", (t_end, row))
+            if outcome == "released" and not leader.leading:
+                outcome = "lost"
+            leader.step_down()
+            if outcome == "lost":
+                counts["lost"] += 1
+            ledger.execute("UPDATE sections SET outcome = ? WHERE id = ?", (outcome, row))
+        ledger.close()
+        with totals_lock:
+            for k, v in counts.items():
+                totals[k] += v
+
+    threads = [
+        threading.Thread(target=run, args=(role, n), name=f"w{n}")
+        for n, role in enumerate(spec["keys"])
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    setup.execute(
+        "INSERT INTO stats VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (pid, totals["requests"], totals["grants"], 0, totals["timeouts"],
+         totals["backend_errors"], totals["lost"], 0),
+    )  # fmt: skip
+    setup.close()
+    app.dispose()
+    manager.close()
+
+
 # -- the parent: servers, workers, faults --------------------------------
 
 
@@ -352,6 +498,22 @@ class Run:
         with LockManager(self.url, table=TABLE) as manager:
             manager.create_schema()
         self.direct = sa.create_engine(self.url, poolclass=sa.pool.NullPool)
+        if self.args.kind == "leader":
+            writes_table(sa.MetaData()).create(self.direct)
+
+    def committed_writes(self) -> list[tuple[int, str, int, int, int]]:
+        """--kind leader: the guarded writes the database holds, in the order
+        their rows were numbered (id, role, fence, pid, seq)."""
+        if self.args.kind != "leader":
+            return []
+        table = writes_table(sa.MetaData())
+        with self.direct.connect() as conn:
+            rows = conn.execute(
+                sa.select(
+                    table.c.id, table.c.role, table.c.fence, table.c.pid, table.c.seq
+                ).order_by(table.c.id)
+            ).all()
+        return [tuple(r) for r in rows]  # type: ignore[misc]
 
     def _start_cluster(self) -> None:
         from tests.support.proxy import Proxy
@@ -983,6 +1145,70 @@ def check(
     return result
 
 
+def read_writes(run_dir: Path) -> list[tuple[str, int, int, float, str]]:
+    """--kind leader: every guarded write attempted (role, fence, pid, start, outcome)."""
+    attempts = []
+    for path in sorted(run_dir.glob("ledger-*.sqlite3")):
+        conn = sqlite3.connect(path)
+        attempts += conn.execute("SELECT role, fence, pid, t_start, outcome FROM writes").fetchall()
+        conn.close()
+    return attempts
+
+
+def check_writes(
+    committed: list[tuple[int, str, int, int, int]],
+    attempts: list[tuple[str, int, int, float, str]],
+    sections: list[Section],
+) -> dict[str, Any]:
+    """--kind leader: the guarded writes. In the database, per role in the
+    order the rows were numbered, no write of a term older than one already
+    written (``writes_out_of_term_order``; two terms' writes interleaved
+    show up there too). In the ledgers, no write committed that began after
+    a later term of its role had begun (``stale_writes_committed``): its
+    guard ran after the takeover, so it had to be refused."""
+    out_of_order = 0
+    examples: list[str] = []
+    newest: dict[str, tuple[int, int]] = {}  # role: (fence, id) of its newest term's writes
+    for row_id, role, fence, _pid, _seq in committed:
+        top = newest.get(role)
+        if top is not None and fence < top[0]:
+            out_of_order += 1
+            if len(examples) < 5:
+                examples.append(
+                    f"{role}: row {row_id} of term {fence} after row {top[1]} of {top[0]}"
+                )
+        elif top is None or fence > top[0]:
+            newest[role] = (fence, row_id)
+    starts: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for s in sections:
+        starts[s.key].append((s.t_start, s.fence))
+    for group in starts.values():
+        group.sort()
+    stale = 0
+    for role, fence, _pid, t_start, outcome in attempts:
+        if outcome != "committed":
+            continue
+        group = starts.get(role, [])
+        begun = group[: bisect.bisect_left(group, (t_start, -1))]
+        if any(f > fence for _, f in begun):
+            stale += 1
+            if len(examples) < 10:
+                examples.append(
+                    f"{role}: a write of term {fence} committed, begun after a later term"
+                )
+    outcomes: dict[str, int] = defaultdict(int)
+    for *_, outcome in attempts:
+        outcomes[outcome.split(":")[0]] += 1
+    return {
+        "writes_in_database": len(committed),
+        "writes_attempted": dict(outcomes),
+        "writes_out_of_term_order": out_of_order,
+        "stale_writes_committed": stale,
+        "writes_examples": examples,
+        "writes_ok": out_of_order == 0 and stale == 0 and len(committed) > 0,
+    }
+
+
 # Violation reports kept per database (a broken lock could make thousands).
 MAX_REPORTED = 100
 
@@ -1056,6 +1282,11 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         + (f" (semaphores of {args.permits} permits)" if semaphores else "")
         + (" (read-write locks)" if getattr(args, "kind", "") == "rw" else "")
         + (" (fair=True)" if fair else "")
+        + (
+            " (leaders: a role per hot key, guarded writes)"
+            if getattr(args, "kind", "") == "leader"
+            else ""
+        )
         + ", "
         + (
             f"until every fault kind came round {args.cycles} time(s) (at most "
@@ -1096,6 +1327,18 @@ def render(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{db}: grants out of the fair queue: {r['queued_grants']:,}, granted out of "
                 f"ticket order: {r['ticket_order_violations']}"
             )
+    if getattr(args, "kind", "") == "leader":
+        lines.append("")
+        for db, r in results.items():
+            tried = r["writes_attempted"]
+            lines.append(
+                f"{db}: guarded writes: {r['writes_in_database']:,} in the database "
+                f"({tried.get('committed', 0):,} committed, {tried.get('refused', 0)} refused as "
+                f"stale, {tried.get('error', 0)} failed); of a term older than one already "
+                f"written: {r['writes_out_of_term_order']}; committed after a later term began: "
+                f"{r['stale_writes_committed']}"
+            )
+            lines += [f"    {e}" for e in r["writes_examples"]]
     if semaphores:
         lines.append("")
         for db, r in results.items():
@@ -1120,6 +1363,7 @@ def torture(db: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         run.start()
         run.go()
+        committed = run.committed_writes()
     finally:
         run.close()
     # With --keep, what the checker needs besides the ledgers, to look again later.
@@ -1142,6 +1386,9 @@ def torture(db: str, args: argparse.Namespace) -> dict[str, Any]:
         permits=args.permits if args.kind == "semaphore" else None,
         outages=outages,
     )
+    if args.kind == "leader":
+        result.update(check_writes(committed, read_writes(run_dir), sections))
+        result["ok"] = result["ok"] and result["writes_ok"]
     result["failovers"] = run.failovers
     result["worker_stats"] = stats
     result["run_dir"] = str(run_dir)
@@ -1184,10 +1431,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=6)
     parser.add_argument(
         "--kind",
-        choices=("exclusive", "semaphore", "rw", "fair"),
+        choices=("exclusive", "semaphore", "rw", "fair", "leader"),
         default="exclusive",
         help="lock kind (fair: exclusive locks with fair=True; the checker also wants the "
-        "grants out of the queue in ticket order)",
+        "grants out of the queue in ticket order; leader: a role per hot key, one thread per "
+        "role in each process, guarded writes in the database under test)",
     )
     parser.add_argument(
         "--write-share", type=float, default=0.3, help="rw: share of write requests (0.3)"

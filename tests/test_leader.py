@@ -456,3 +456,33 @@ def test_sigterm_steps_a_campaign_down(make_manager: Make, key: str, db_url: str
     finally:
         proc.kill()
         proc.wait()
+
+
+# -- the failover benchmark, smoke size --------------------------------------------------
+
+
+def test_failover_benchmark_smoke(db_url: str, tmp_path: Path) -> None:
+    """``python -m benchmarks.leadership`` at smoke size: after kill -9 of the
+    leader a standby leads within the lease (+ 1 s, + 1 s for a loaded
+    machine); after a step-down well within it; the idle standby sends at
+    most a look per lease or two; every term's fence above the last."""
+    import json
+
+    out = tmp_path / "failover.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.leadership", "--trials", "2", "--ttl", "1",
+         "--json", str(out), db_url],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    (result,) = json.loads(out.read_text())
+    assert result["fences_grew"]
+    assert len(result["kills"]) == len(result["step_downs"]) == 2
+    assert max(result["kills"]) <= 1 + 1 + 1
+    assert max(result["step_downs"]) < 1.0
+    assert result["standby_statements_per_lease"] <= 4
+    assert "| to a new leader p50 |" in done.stdout
