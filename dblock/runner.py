@@ -364,8 +364,10 @@ def supervise(
         argv = list(command)
         if group:
             # The guard kills the whole group if we die (see dblock._guard);
-            # run by its path, so its start imports nothing of dblock.
-            argv = [sys.executable, _GUARD, str(os.getpid()), *argv]
+            # run by its path, so its start imports nothing of dblock, and
+            # isolated without site (-I -S: it needs only the standard
+            # library), which halves its start: a successor's command waits for it.
+            argv = [sys.executable, "-I", "-S", _GUARD, str(os.getpid()), *argv]
         try:
             child = subprocess.Popen(  # noqa: S603 - the operator's own command line
                 argv,
