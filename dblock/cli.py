@@ -795,15 +795,11 @@ def span(seconds: float) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .leader import LEADER_PREFIX
+    from .leader import LEADER_PREFIX, leaders_of
 
     with _manager(args) as manager:
         stats = manager.store.stats(storage=True)
-        leaders = [
-            row
-            for row in manager.store.rows(prefix=LEADER_PREFIX, limit=100)
-            if row.kind == "exclusive" and row.slot == "" and row.lease_left > 0
-        ]
+        leaders = leaders_of(manager.store.rows(prefix=LEADER_PREFIX, limit=100))
         where = {"table": manager.config.table, "url": manager.url}
     if args.json:
         roles = [

@@ -45,7 +45,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import FrameType, TracebackType
@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ._held import HeldLock
+    from ._store.admin import LockRow
     from .telemetry import Recorder
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "OnTerm",
     "Term",
     "leader_key",
+    "leaders_of",
 ]
 
 log = logging.getLogger("dblock.leader")
@@ -86,6 +88,20 @@ def leader_key(role: str) -> str:
     if not isinstance(role, str) or not role:
         raise LockArgumentError(f"a leader's role must be a non-empty string, got {role!r}")
     return check_key(LEADER_PREFIX + role)
+
+
+def leaders_of(rows: Iterable[LockRow]) -> list[LockRow]:
+    """Those of the lock table's ``rows`` that are a role's leadership now
+    (``leader:<role>``, exclusive, inside its lease): what ``dblock stats``,
+    ``dblock top`` and the Django admin name as leaders."""
+    return [
+        row
+        for row in rows
+        if row.key.startswith(LEADER_PREFIX)
+        and row.kind == "exclusive"
+        and row.slot == ""
+        and row.lease_left > 0
+    ]
 
 
 class Guarded(Protocol):

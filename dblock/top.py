@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from ._store.admin import LockRow, LockStats
 from .errors import DBLockError
+from .leader import LEADER_PREFIX, leaders_of
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -85,6 +86,8 @@ class TopState:
     expired_only: bool = False
     limit: int = DEFAULT_LIMIT
     rows: list[LockRow] = field(default_factory=list)
+    #: The roles led now (their lock rows, live ones: see leaders_of).
+    leaders: list[LockRow] = field(default_factory=list)
     more: bool = False
     stats: LockStats | None = None
     error: str | None = None
@@ -121,6 +124,7 @@ class TopState:
         try:
             rows = manager.store.rows(prefix=self.prefix or None, limit=self.limit + 1)
             self.stats = manager.store.stats()
+            self.leaders = leaders_of(manager.store.rows(prefix=LEADER_PREFIX, limit=LEADERS))
         except DBLockError as exc:
             if raising:
                 raise
@@ -134,6 +138,10 @@ class TopState:
     def shown(self) -> list[LockRow]:
         rows = [r for r in self.rows if r.expired] if self.expired_only else self.rows
         return self.sort.apply(rows)
+
+
+#: How many roles' leaders the header names at most.
+LEADERS = 20
 
 
 def _span(seconds: float) -> str:
@@ -181,6 +189,8 @@ def render(
         lines.append(Text(f"database error (retrying): {state.error}", style="bold red"))
     if state.editing is not None:
         lines.append(Text(f"prefix: {state.editing}_  (Enter applies, Esc cancels)"))
+    if state.leaders:
+        lines.append(_leaders_line(state.leaders))
 
     table = Table(expand=not fit, show_edge=False, pad_edge=False)
     # KIND is never cut (a label of a few words: its own width); KEY and
@@ -196,12 +206,14 @@ def render(
     table.add_column("AGE", justify="right", no_wrap=True)
     table.add_column("LEASE", justify="right", no_wrap=True)
     table.add_column("FENCE", justify="right", no_wrap=True)
+    leading = {(row.key, row.token) for row in state.leaders}
     for row in shown:
         if row.expired:
             lease = Text(f"EXPIRED {_span(row.lease_left)} ago", style="bold red")
         else:
             lease = Text(_span(row.lease_left))
-        table.add_row(row.key, row.kind_label, row.owner, _span(row.age), lease, str(row.fence))
+        kind = "leader" if (row.key, row.token) in leading else row.kind_label
+        table.add_row(row.key, kind, row.owner, _span(row.age), lease, str(row.fence))
     lines.append(table)
     if legend:
         lines.append(
@@ -211,6 +223,17 @@ def render(
             )
         )
     return Group(*lines)
+
+
+def _leaders_line(leaders: list[LockRow]) -> RenderableType:
+    """Who leads each role: ``leaders: 'relay' host:pid:thread (term 41, 3m02s)``."""
+    from rich.text import Text
+
+    line = Text("leaders: ", style="bold")
+    for i, row in enumerate(leaders):
+        line.append(("  " if i else "") + f"{row.key[len(LEADER_PREFIX) :]!r} ")
+        line.append(f"{row.owner} (term {row.fence}, {_span(row.age)})")
+    return line
 
 
 @contextlib.contextmanager

@@ -593,6 +593,29 @@ def test_admin_lists_locks_read_only_and_force_releases() -> None:
             held.release()
 
 
+def test_admin_names_each_roles_leader_and_filters_them() -> None:
+    admin_user = User.objects.create_superuser("lead", "lead@example.com", "pw")
+    client = Client()
+    client.force_login(admin_user)
+    with other_manager() as other:
+        leader = other.leader("admin-relay", ttl=60)
+        term = leader.elect()
+        plain = other.acquire("admin:plain", ttl=60)
+        try:
+            html = client.get("/admin/dblock/lock/").content.decode()
+            assert f"Leader of &#x27;admin-relay&#x27;: {term.holder}, term {term.fence}" in html
+            only = client.get("/admin/dblock/lock/?as=leader").content.decode()
+            assert "leader:admin-relay" in only
+            assert "admin:plain" not in only
+            others = client.get("/admin/dblock/lock/?as=lock").content.decode()
+            assert "admin:plain" in others
+            assert "leader:admin-relay</a>" not in others
+        finally:
+            plain.release()
+            leader.step_down()
+    assert "Leader of" not in client.get("/admin/dblock/lock/").content.decode()
+
+
 def test_admin_lists_job_runs_read_only() -> None:
     admin_user = User.objects.create_superuser("jobs", "jobs@example.com", "pw")
     client = Client()

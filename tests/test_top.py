@@ -156,6 +156,22 @@ def test_top_once_prints_one_frame(private: LockManager, db_url: str) -> None:
     assert "1 row, 1 live, 0 expired" in done.stdout
 
 
+def test_top_names_the_leaders(private: LockManager, db_url: str) -> None:
+    leader = private.leader("top-relay", ttl=600)
+    term = leader.elect()
+    try:
+        done = dblock(
+            "top", "--once", "--url", db_url, "--table", private.config.table,
+            env={"COLUMNS": "200"},
+        )  # fmt: skip
+    finally:
+        leader.step_down()
+    assert done.returncode == 0, done.stderr
+    assert f"leaders: 'top-relay' {term.holder} (term {term.fence}," in done.stdout
+    (row,) = [line for line in done.stdout.splitlines() if "leader:top-relay" in line]
+    assert [cell.strip() for cell in row.split("│")][1] == "leader"
+
+
 def test_top_refuses_a_bad_interval() -> None:
     done = dblock("top", "--interval", "0", "--url", "sqlite:///ignored.sqlite3")
     assert done.returncode == 2

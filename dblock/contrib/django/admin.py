@@ -7,8 +7,11 @@ reached), and which have been held for long (the age filter and column).
 Above the list, the table's storage as ``dblock stats`` shows it (size, dead
 rows and autovacuum on PostgreSQL, purge lag on MariaDB/MySQL), as a warning
 when vacuum does not keep up (docs/operations.md, "Vacuum and bloat").
-Ages and leases here use this web server's clock, not the database's: the
-``dblock list`` and ``dblock top`` commands read both from the database.
+Above the list too, each role's leader now (``dblock lead``,
+``LockManager.leader``); the "held as" filter shows only leaders, job runs
+or other locks. Ages and leases in the list use this web server's clock, not
+the database's: the ``dblock list`` and ``dblock top`` commands read both
+from the database.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ from django.utils import timezone
 from django.utils.html import format_html
 
 from ...errors import DBLockError
+from ...jobs import JOB_PREFIX
+from ...leader import LEADER_PREFIX, leaders_of
 from .. import _admin
 from . import conf, get_manager
 from .models import JobRun, Lock
 
+#: How many roles' leaders the list names above it at most.
+_LEADERS = 20
 #: How many distinct key prefixes the prefix filter offers at most.
 _PREFIXES = 50
 #: How many keys it reads to find them (the table may hold many more).
@@ -85,6 +92,28 @@ class KeyPrefixFilter(admin.SimpleListFilter):
         return queryset.filter(lock_key__startswith=prefix) if prefix else queryset
 
 
+class HeldAsFilter(admin.SimpleListFilter):
+    """What a row is held as: a role's leadership (``leader:<role>``), a
+    job's run (``job:<name>``) or any other lock."""
+
+    title = "held as"
+    parameter_name = "as"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("leader", "a role's leader"), ("job", "a job's run"), ("lock", "a lock")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Lock]) -> QuerySet[Lock]:
+        if self.value() == "leader":
+            return queryset.filter(lock_key__startswith=LEADER_PREFIX)
+        if self.value() == "job":
+            return queryset.filter(lock_key__startswith=JOB_PREFIX)
+        if self.value() == "lock":
+            return queryset.exclude(lock_key__startswith=LEADER_PREFIX).exclude(
+                lock_key__startswith=JOB_PREFIX
+            )
+        return queryset
+
+
 @admin.register(Lock)
 class LockAdmin(admin.ModelAdmin):
     list_display = (
@@ -99,7 +128,7 @@ class LockAdmin(admin.ModelAdmin):
         "acquired_at",
         "expires_at",
     )
-    list_filter = (KeyPrefixFilter, "kind", LeaseFilter, AgeFilter)
+    list_filter = (HeldAsFilter, KeyPrefixFilter, "kind", LeaseFilter, AgeFilter)
     search_fields = ("lock_key", "owner")
     readonly_fields = (
         "lock_key",
@@ -121,8 +150,24 @@ class LockAdmin(admin.ModelAdmin):
 
     def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
         if request.method == "GET":
+            self._leader_messages(request)
             self._storage_messages(request)
         return super().changelist_view(request, extra_context)
+
+    def _leader_messages(self, request: HttpRequest) -> None:
+        """Who leads each role now, read with the database's clock (as
+        ``dblock stats`` names them): a line per role, at most 20."""
+        try:
+            rows = get_manager().store.rows(prefix=LEADER_PREFIX, limit=_LEADERS)
+        except DBLockError:
+            return  # the list itself says whether the database answers
+        for row in leaders_of(rows):
+            self.message_user(
+                request,
+                f"Leader of {row.key[len(LEADER_PREFIX) :]!r}: {row.owner}, term {row.fence}, "
+                f"for {_span(row.age)} (lease left {_span(row.lease_left)}).",
+                messages.INFO,
+            )
 
     def _storage_messages(self, request: HttpRequest) -> None:
         try:
