@@ -29,6 +29,12 @@ class DBLockConfig(AppConfig):
     verbose_name = "dblock"
     default_auto_field = "django.db.models.BigAutoField"
 
+    def __init__(self, app_name: str, app_module: Any) -> None:
+        super().__init__(app_name, app_module)
+        # Made as INSTALLED_APPS are read, before any app's ready() or a
+        # connection could import Django's MySQL backend.
+        _pymysql_for_mysqldb()
+
     def ready(self) -> None:
         settings = conf.read()  # a bad DBLOCK setting fails here, at start-up
         conf.check_engine(settings)  # and so does a bad URL or ENGINE_OPTIONS
@@ -36,6 +42,32 @@ class DBLockConfig(AppConfig):
         _follow_test_databases()
         if settings.sweeper:
             request_started.connect(_maybe_start_sweeper, dispatch_uid="dblock-sweeper")
+
+
+def _pymysql_for_mysqldb() -> None:
+    """Django's MySQL backend imports ``MySQLdb`` (mysqlclient, a C module
+    that needs a compiler and libmariadb to install); dblock's ``mysql``
+    extra installs PyMySQL. If the project's databases use that backend,
+    mysqlclient is missing and PyMySQL is there, PyMySQL stands in for it
+    (``pymysql.install_as_MySQLdb()``, as Django's own docs suggest doing in
+    settings), so ``pip install 'dblock[django,mysql]'`` starts a project on
+    MariaDB or MySQL as it is. With mysqlclient installed nothing changes."""
+    from django.conf import settings
+
+    engines = {db.get("ENGINE") for db in getattr(settings, "DATABASES", {}).values()}
+    if "django.db.backends.mysql" not in engines:
+        return
+    try:  # (the backend imports it next anyway)
+        import MySQLdb  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return
+    try:
+        import pymysql
+    except ImportError:
+        return  # Django's own error names mysqlclient: nothing better to say
+    pymysql.install_as_MySQLdb()
 
 
 def _settings_changed(*, setting: str, **_: Any) -> None:
