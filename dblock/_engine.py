@@ -32,11 +32,13 @@ from .errors import LockArgumentError, install_hint
 __all__ = [
     "DEFAULT_URL",
     "Dialect",
+    "blocking_url",
     "borrow",
     "check_engine_options",
     "check_url",
     "dialect_of",
     "file_database",
+    "is_async_engine",
     "make_engine",
     "mask",
     "mask_text",
@@ -59,6 +61,22 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "sqlite": ("pysqlite",),
 }
 _EXTRAS = {"postgresql": "postgresql", "mysql": "mysql", "mariadb": "mysql"}
+
+#: The asyncio drivers' URL forms ``AsyncLockManager`` takes (SQLAlchemy's
+#: names for them), each with the blocking driver of the same database that
+#: its blocking side speaks (its tasks' statements go through the asyncio one).
+ASYNC_FORMS: dict[tuple[str, str], str] = {
+    ("postgresql", "psycopg_async"): "psycopg",
+    ("mysql", "aiomysql"): "pymysql",
+    ("mariadb", "aiomysql"): "pymysql",
+    ("sqlite", "aiosqlite"): "pysqlite",
+}
+#: asyncio drivers dblock does not speak yet, with the URL form it does.
+_ASYNC_NOT_YET = {
+    ("postgresql", "asyncpg"): "postgresql+psycopg",
+    ("mysql", "asyncmy"): "mysql+aiomysql",
+    ("mariadb", "asyncmy"): "mariadb+aiomysql",
+}
 
 
 T = TypeVar("T")
@@ -204,6 +222,17 @@ def check_dialect(dialect: str, driver: str) -> None:
             "(postgresql://), MySQL/MariaDB (mysql://, mariadb://) and SQLite (sqlite://)"
         )
     drivers = SUPPORTED[dialect]
+    if (dialect, driver) in ASYNC_FORMS:
+        raise LockArgumentError(
+            f"{dialect}+{driver} is an asyncio driver: give this URL to AsyncLockManager, or "
+            f"use {dialect}+{ASYNC_FORMS[dialect, driver]}://... with LockManager"
+        )
+    if (dialect, driver) in _ASYNC_NOT_YET:
+        raise LockArgumentError(
+            f"dblock does not speak {dialect} through {driver} yet; use "
+            f"{_ASYNC_NOT_YET[dialect, driver]}://... (with AsyncLockManager: its asyncio "
+            f"driver; pip install 'dblock[{_EXTRAS[dialect]}-async]')"
+        )
     if driver not in drivers:
         raise LockArgumentError(
             f"dblock speaks {dialect} through {' or '.join(drivers)}, not {driver!r}; "
@@ -222,6 +251,23 @@ def resolve_url(url: str | URL | None) -> URL:
     if "+" not in parsed.drivername and parsed.drivername in _DRIVERS:
         parsed = parsed.set(drivername=f"{parsed.drivername}+{_DRIVERS[parsed.drivername]}")
     return parsed
+
+
+def blocking_url(url: URL) -> URL:
+    """For ``AsyncLockManager``: ``url`` with an asyncio driver of
+    :data:`ASYNC_FORMS` turned into the blocking driver of its database (its
+    blocking side's); any other URL as it is."""
+    blocking = ASYNC_FORMS.get((url.get_backend_name(), url.get_driver_name()))
+    if blocking is None:
+        return url
+    return url.set(drivername=f"{url.get_backend_name()}+{blocking}")
+
+
+def is_async_engine(engine: object) -> bool:
+    """Whether ``engine`` is SQLAlchemy's ``AsyncEngine`` (told without
+    importing the asyncio extension, which needs greenlet)."""
+    kind = type(engine)
+    return kind.__name__ == "AsyncEngine" and kind.__module__.startswith("sqlalchemy.ext.asyncio")
 
 
 # Query parameters whose value is a secret: libpq's password/sslpassword,

@@ -41,6 +41,7 @@ from sqlalchemy.engine import Engine
 
 from . import decorators, jobs
 from ._driver import drive
+from ._engine import blocking_url, is_async_engine, resolve_url
 from ._faces import Checked, level2_loop, until_hook
 from ._store import Store
 from ._store.aio import AsyncStore
@@ -69,6 +70,7 @@ from .registry import Waiter, current_owner
 from .steps import Call, Clean, Op, Release, Run, Settle, Sleep, Transfer, Try, Turn, Wait, noop
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
     from typing_extensions import Self, Unpack
 
     from ._store.postgresql import Listener
@@ -486,12 +488,13 @@ class AsyncLockManager:
 
     def __init__(
         self,
-        url: str | URL | Engine | LockManager | None = None,
+        url: str | URL | AsyncEngine | Engine | LockManager | None = None,
         *,
         engine_options: Mapping[str, Any] | None = None,
         async_engine_options: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
+        self.sync: LockManager
         if isinstance(url, LockManager):
             if options or engine_options:
                 raise LockArgumentError(
@@ -499,7 +502,20 @@ class AsyncLockManager:
                 )
             self.sync, self._owns = url, False
         else:
-            self.sync = LockManager(url, engine_options=engine_options, **options)
+            if isinstance(url, Engine):
+                raise LockArgumentError(
+                    "AsyncLockManager takes a URL, an AsyncEngine or a LockManager, not a "
+                    "blocking Engine: use LockManager(engine), and AsyncLockManager(that "
+                    "manager) for the tasks beside its threads"
+                )
+            if is_async_engine(url):
+                # Its URL (password included) and pool size; the connections
+                # are dblock's own (AUTOCOMMIT, no reset on return: see _engine).
+                target, async_engine_options = _from_async_engine(url, async_engine_options)
+            else:
+                # An asyncio driver's URL form names the blocking side's driver too.
+                target = blocking_url(resolve_url(cast("str | URL | None", url)))
+            self.sync = LockManager(target, engine_options=engine_options, **options)
             self._owns = True
         try:
             #: The statements on the async engine (``_astore``: the former name).
@@ -524,6 +540,11 @@ class AsyncLockManager:
 
     def __repr__(self) -> str:
         return f"<AsyncLockManager {self.sync.url} table={self.sync.config.table!r}>"
+
+    @property
+    def url(self) -> str:
+        """The database URL (of the blocking side) with the password masked."""
+        return self.sync.url
 
     @property
     def config(self) -> Any:
@@ -836,3 +857,17 @@ if hasattr(os, "register_at_fork"):
 
 _ACQUIRE = AsyncLockManager.acquire.__code__
 _ACQUIRE_MANY = AsyncLockManager.acquire_many.__code__
+
+
+def _from_async_engine(
+    engine: Any, options: Mapping[str, Any] | None
+) -> tuple[URL, Mapping[str, Any] | None]:
+    """What an ``AsyncEngine`` given to ``AsyncLockManager`` lends it: its URL
+    (password included) in the blocking driver's form, and its pool's size
+    for dblock's own asyncio pool (unless ``async_engine_options`` say)."""
+    url = blocking_url(engine.url)
+    pool = engine.sync_engine.pool
+    size = getattr(pool, "size", None)
+    if callable(size) and not (options and "pool_size" in options):
+        options = {"pool_size": size(), **(options or {})}
+    return url, options

@@ -29,7 +29,7 @@ from sqlalchemy import URL
 from sqlalchemy.engine import Engine
 
 from . import decorators, migrations
-from ._engine import SUPPORTED, dialect_of, make_engine, mask, resolve_url
+from ._engine import SUPPORTED, dialect_of, is_async_engine, make_engine, mask, resolve_url
 from ._faces import Requests, level2_loop, until_hook
 from ._lockers import KindLockers
 from ._store import Store, open_store
@@ -181,6 +181,11 @@ class LockManager:
         **options: Any,
     ) -> None:
         self.config = Config.from_options(config, options)
+        if is_async_engine(url):
+            raise LockArgumentError(
+                "an AsyncEngine is for AsyncLockManager(engine); LockManager takes a URL or a "
+                "blocking Engine"
+            )
         if isinstance(url, Engine):
             if engine_options:
                 raise LockArgumentError(

@@ -32,3 +32,78 @@ def test_without_greenlet_the_error_names_the_extra(
     assert f"pip install '.[{extra}]'" in message
     assert "'dblock[" not in message  # dblock is not on a package index
     assert "greenlet" in message
+
+
+# -- the URL forms and engines AsyncLockManager takes (issue 47) -------------------
+
+
+ASYNC_FORMS = {
+    "sqlite": ("sqlite+aiosqlite",),
+    "postgresql": ("postgresql+psycopg_async", "postgresql+psycopg"),
+    "mariadb": ("mysql+aiomysql", "mariadb+aiomysql"),
+}
+
+
+@pytest.mark.databases("sqlite", "postgresql", "mariadb")
+def test_each_async_url_form_and_an_async_engine_take_a_lock(
+    db_server: str, db_url: str, key: str
+) -> None:
+    import asyncio
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    base = make_url(db_url)
+
+    async def run(source: object) -> int:
+        alocks = AsyncLockManager(source)  # type: ignore[arg-type]
+        try:
+            async with alocks.lock(key) as held:
+                return held.fence
+        finally:
+            await alocks.close()
+
+    fences = []
+    for form in ASYNC_FORMS[db_server]:
+        url = base.set(drivername=form)
+        fences.append(asyncio.run(run(url.render_as_string(hide_password=False))))
+
+        async def on_engine(url: object = url) -> int:
+            engine = create_async_engine(url, pool_size=2)  # type: ignore[arg-type]
+            try:
+                return await run(engine)
+            finally:
+                await engine.dispose()
+
+        fences.append(asyncio.run(on_engine()))
+    assert fences == sorted(fences)
+    assert len(set(fences)) == len(fences)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("postgresql+asyncpg://u@h/db", r"through asyncpg yet; use postgresql\+psycopg:"),
+        ("mysql+asyncmy://u@h/db", r"through asyncmy yet; use mysql\+aiomysql:"),
+    ],
+)  # fmt: skip
+def test_drivers_not_spoken_yet_are_refused_naming_the_form_to_use(
+    source: str, message: str
+) -> None:
+    with pytest.raises(LockArgumentError, match=message):
+        AsyncLockManager(source)
+
+
+def test_each_engine_kind_given_to_the_other_manager_is_refused(tmp_path: Path) -> None:
+    import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from dblock import LockManager
+
+    path = tmp_path / "x.sqlite3"
+    with pytest.raises(LockArgumentError, match="not a blocking Engine: use LockManager"):
+        AsyncLockManager(sa.create_engine(f"sqlite:///{path}"))
+    with pytest.raises(LockArgumentError, match="an AsyncEngine is for AsyncLockManager"):
+        LockManager(create_async_engine(f"sqlite+aiosqlite:///{path}"))  # type: ignore[arg-type]
+    with pytest.raises(LockArgumentError, match="is an asyncio driver: give this URL to"):
+        LockManager(f"sqlite+aiosqlite:///{path}")
