@@ -50,6 +50,17 @@ def pytest_configure(config: pytest.Config) -> None:
         use_own_databases(name)
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    from tests.support.interrupts import OFFSET, STRIDE
+
+    if STRIDE == 1:
+        return "interruption walks: every point (DBLOCK_FULL=1)"
+    return (
+        f"interruption walks: every {STRIDE}th point from offset {OFFSET} (today's; "
+        f"DBLOCK_WALK_OFFSET={OFFSET} repeats it, DBLOCK_FULL=1 visits every point)"
+    )
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     name = worker()
     if name is not None:

@@ -23,7 +23,7 @@ from dblock import AsyncLockManager, LockManager
 from dblock._store import Grant, Holder
 from dblock.aio import _drive as drive_async
 from dblock.steps import Call, Op, Release, Run, Sleep, Step, Try
-from tests.support.interrupts import Interrupt, interrupt_at
+from tests.support.interrupts import Interrupt, interrupt_at, next_point
 
 Seq = Callable[[str, list[str]], Op[Any]]
 
@@ -162,7 +162,7 @@ def _walk(run: Callable[[Op[Any]], Any], files: tuple[str, ...], key: str) -> in
     caller, and the steps are never left suspended (their clean-up ran)."""
     n = 0
     while True:
-        n += 1
+        n = next_point(n)
         log: list[str] = []
         steps = _cleans_up(key, log)
         with interrupt_at(n, *files) as armed, contextlib.suppress(Interrupt):

@@ -22,6 +22,7 @@ import sqlalchemy as sa
 
 from dblock import LockManager
 from tests.conftest import row_of
+from tests.support.interrupts import next_point
 from tests.support.proxy import Proxy
 
 _PRELUDE = """
@@ -302,7 +303,7 @@ def test_an_exit_interrupted_anywhere_in_its_release_still_releases(
     posted left the row for its lease."""
     n = 0
     while True:
-        n += 1
+        n = next_point(n)
         note = tmp_path / f"point-{n}"
         done = _run(
             db_url,

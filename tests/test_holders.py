@@ -40,7 +40,7 @@ from dblock import (
     ManagerClosed,
 )
 from tests.conftest import row_of
-from tests.support.interrupts import LOCK_FILES, interrupt_at
+from tests.support.interrupts import LOCK_FILES, interrupt_at, next_point
 from tests.support.interrupts import Interrupt as Interrupted
 from tests.support.proxy import Proxy
 
@@ -1058,7 +1058,7 @@ def test_an_acquire_interrupted_inside_the_registry_or_the_batcher_leaves_nothin
     checker = make_manager()
     n = 0
     while True:
-        n += 1
+        n = next_point(n)
         held = None
         with (
             interrupt_at(n, "dblock/registry.py", "dblock/_store/batch.py") as armed,
@@ -1103,7 +1103,7 @@ def test_a_release_interrupted_anywhere_leaves_nothing_taken(
     files = (*LOCK_FILES, "dblock/registry.py", "dblock/renewal.py", "dblock/telemetry.py")
     n = 0
     while True:
-        n += 1
+        n = next_point(n)
         held = manager.acquire(key, timeout=10)
         waiter: tuple[threading.Thread, dict[str, Any]] | None = None
         if waiting:
@@ -1132,7 +1132,7 @@ def test_an_acquire_interrupted_anywhere_leaves_nothing_taken(
     files = (*LOCK_FILES, "dblock/registry.py", "dblock/renewal.py", "dblock/telemetry.py")
     n = 0
     while True:
-        n += 1
+        n = next_point(n)
         holder: tuple[threading.Thread, dict[str, Any]] | None = None
         gave_up = threading.Event()
         if queued:

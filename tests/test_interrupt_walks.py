@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 
 from dblock import LockBusy, LockManager, LockTimeout
-from tests.support.interrupts import LOCK_FILES, Interrupt, interrupt_at
+from tests.support.interrupts import LOCK_FILES, Interrupt, interrupt_at, next_point
 
 _FILES = (
     *LOCK_FILES,
@@ -165,7 +165,7 @@ def _walk(
     pooled = pool.checkedout()  # (connections a manager keeps: a listener's, say)
     n = 0
     while True:
-        n += 1
+        n = next_point(n)
         held = None
         other = None
         if release:
@@ -216,7 +216,7 @@ def test_a_request_queued_behind_a_local_reader_interrupted_anywhere_leaves_noth
     n = 0
     try:
         while True:
-            n += 1
+            n = next_point(n)
             gate = threading.Event()
             got = threading.Event()
 
@@ -300,7 +300,7 @@ def test_a_dropped_lock_whose_collection_is_interrupted_is_released(db_url: str,
     try:
         n = 0
         while True:
-            n += 1
+            n = next_point(n)
             held = m.acquire(key, timeout=5)
             with (
                 warnings.catch_warnings(),
@@ -401,7 +401,7 @@ def test_an_asyncio_request_interrupted_anywhere_leaves_nothing_taken(
         await (await _aacquire(a, kind, key, 5.0)).release()
         n = 0
         while True:
-            n += 1
+            n = next_point(n)
             held = None
             if op == "release":
                 held = await _aacquire(a, kind, key, 10.0)
@@ -482,7 +482,7 @@ def test_an_exclusive_request_interrupted_anywhere_in_the_store_leaves_nothing_t
     try:
         n = 0
         while True:
-            n += 1
+            n = next_point(n)
             held = m.acquire(key, timeout=10) if op == "release" else None
             reached = False
             with interrupt_at(n, *_STORE_FILES) as armed:

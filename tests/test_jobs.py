@@ -30,7 +30,7 @@ from dblock import (
 )
 from dblock._store.jobs import statements
 from tests.support import job_procs
-from tests.support.interrupts import Interrupt, interrupt_at
+from tests.support.interrupts import Interrupt, interrupt_at, next_point
 
 ctx = multiprocessing.get_context("spawn")
 UTC = timezone.utc
@@ -733,7 +733,7 @@ def test_a_run_interrupted_at_any_instruction_leaves_its_key_and_record_settled(
     key = f"job:{name}"
     n = 0
     while True:
-        n += 1
+        n = next_point(n)
         fire = FIRE + timedelta(minutes=n)
         kwargs: dict[str, Any] = {"fire_time": fire} if per else {}
         with interrupt_at(n, "dblock/jobs.py") as armed, contextlib.suppress(Interrupt):

@@ -22,9 +22,11 @@ are not counted.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import dis
 import functools
 import gc
+import os
 import sys
 import threading
 import time
@@ -32,6 +34,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import CodeType, FrameType
 from typing import Any
+
+from .sizes import FULL
 
 _AFTER = frozenset(("CALL", "CALL_FUNCTION_EX"))
 _AT = frozenset(("JUMP_BACKWARD",))
@@ -51,6 +55,25 @@ LOCK_FILES = (
     "dblock/_driver.py",
     "dblock/kinds/exclusive.py",
 )
+
+
+#: A walk at smoke size (the default) visits every STRIDE-th point, which of
+#: them set by OFFSET: it changes each day, so successive runs of the suite
+#: cover every point in turn. ``DBLOCK_FULL=1`` visits every point (as a
+#: release, or a change to what the walks guard, should); a failure names its
+#: point, and ``DBLOCK_WALK_OFFSET=K`` runs that day's selection again.
+STRIDE = 1 if FULL else max(1, int(os.environ.get("DBLOCK_WALK_STRIDE") or 3))
+OFFSET = int(os.environ.get("DBLOCK_WALK_OFFSET") or datetime.date.today().toordinal()) % STRIDE
+
+
+def next_point(n: int) -> int:
+    """The point a walk visits after point ``n`` (0: its first). Points are
+    counted from 1 in the order the code reaches them, so a point that never
+    fires ends the walk whatever the stride: none after it fires either."""
+    n += 1
+    while (n - 1) % STRIDE != OFFSET:
+        n += 1
+    return n
 
 
 class Interrupt(Exception):
