@@ -542,11 +542,6 @@ class AsyncLockManager:
         return f"<AsyncLockManager {self.sync.url} table={self.sync.config.table!r}>"
 
     @property
-    def url(self) -> str:
-        """The database URL (of the blocking side) with the password masked."""
-        return self.sync.url
-
-    @property
     def config(self) -> Any:
         return self.sync.config
 

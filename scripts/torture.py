@@ -101,6 +101,18 @@ queue (those with a ticket), taken per key in the order they were made
 (their fences), must carry growing tickets: nobody is granted before a live
 waiter that arrived earlier (``fair queue: ... out of ticket order``).
 
+With ``--kind leader`` each hot key is a role (``leader:hot:N``): every
+process stands for every role on a thread of its own, over and over
+(``LockManager.leader(role).elect``), and a term is a section. While a term
+lasts its thread makes guarded writes to ``dblock_torture_writes`` in the
+database under test, each in a transaction of its own on a connection of
+its own engine (``term.guard`` first, then an INSERT), without asking
+whether it still leads: a term that is over must be refused by the guard
+itself (a paused leader always tries once more when it runs again). Besides
+the checks above, per role in the order the database numbered the rows, no
+write of a term older than one already written; and in the ledgers, no
+write committed that began after a later term of its role had begun.
+
 Exit code 0 when every check passed.
 """
 
