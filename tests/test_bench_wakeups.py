@@ -32,3 +32,22 @@ def test_every_waiter_is_served_soon_after_its_release(
     out = capsys.readouterr().out
     assert "grant after release p50" in out
     assert "statements/s" in out
+
+
+def test_the_recheck_interval_grows_with_the_waiters_of_a_process() -> None:
+    from dblock._store.base import RECHECKS_PER_SECOND, recheck_every
+
+    assert recheck_every(2.0, 1) == 2.0
+    assert recheck_every(2.0, int(2 * RECHECKS_PER_SECOND)) == 2.0
+    assert recheck_every(2.0, 1000) == 1000 / RECHECKS_PER_SECOND
+
+
+@pytest.mark.databases("mariadb", "postgresql")
+def test_many_keys_awaited_send_few_statements_while_they_wait(db_url: str) -> None:
+    """600 keys awaited from one process: the re-checks that insure against
+    a lost wake-up come at most 100 a second between them (they were 300 a
+    second here, one per waiter every 2 s), so the process's statements
+    while it waits stay far below one per waiter per 2 s."""
+    got = measure(db_url, keys=600, gap=0.002, idle=2.0, settle=1.0, timeout=90)
+    assert got.missing == 0
+    assert got.waiter_statements < 200, got.waiter_statements

@@ -73,6 +73,7 @@ from .base import (
     Steps,
     Store,
     Wait,
+    recheck_every,
     sqlstate,
 )
 from .sqlparts import BUCKETS, key_lock, lock_class, notify, unnest, waiters_class
@@ -539,7 +540,7 @@ class NotifyWait(Wait):
             # than a polling waiter's longest sleep (a busy listener thread
             # must not be what the waiter waits for).
             limit = min(limit, self._poll_max)
-        return min(limit, self._recheck)
+        return min(limit, self._listener.recheck_every(self._recheck))
 
     def sleep(self, limit: float) -> None:
         self._event.wait(self.timeout(limit))
@@ -701,6 +702,10 @@ class Listener:
                 return  # woken once registered, which covers any release before
             if self._listening_since > since or self._recent.get(key, -1.0) >= since:
                 event.set()
+
+    def recheck_every(self, every: float) -> float:
+        """How often a woken waiter looks again unwoken (see base.recheck_every)."""
+        return recheck_every(every, len(self._subs))
 
     def covers(self, key: str) -> bool:
         """Whether every release of ``key`` notifies now (its registration

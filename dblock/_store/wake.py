@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 from .. import _threads
 from ..config import Config
-from .base import Backoff, Steps, Store, Wait
+from .base import Backoff, Steps, Store, Wait, recheck_every
 
 log = logging.getLogger("dblock")
 
@@ -169,6 +169,10 @@ class Waker:
     def covers(self, key: str) -> bool:
         """Whether a release of ``key`` wakes its waiters now (else they poll)."""
         return False
+
+    def recheck_every(self, every: float) -> float:
+        """How often a woken waiter looks again unwoken (see base.recheck_every)."""
+        return recheck_every(every, len(self._subs))
 
     def take_handed(self, address: str) -> int | None:
         return None  # fair-queue hand-overs are not announced here
@@ -325,7 +329,7 @@ class WokenWait(Wait):
         elif not self._waker.covers(self._key):
             self._event.wait(self._backoff.step(limit))
         else:
-            self._event.wait(min(limit, self._recheck))
+            self._event.wait(min(limit, self._waker.recheck_every(self._recheck)))
 
     def close(self) -> None:
         self._waker.unsubscribe(self._key, self._event)
