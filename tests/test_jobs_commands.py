@@ -140,3 +140,31 @@ def test_flask_dblock_run_usage_and_a_failing_command(db_url: str) -> None:
     assert failed[0] == 1
     assert "failed on purpose" in failed[2]
     assert _runs(db_url, name) == ["failed"]
+
+
+# -- one skip line, three faces ----------------------------------------------------------
+
+
+@pytest.mark.databases("sqlite")
+def test_the_three_faces_say_the_same_skip(db_url: str, tmp_path: Path) -> None:
+    """A fire time that already ran, asked again through ``dblock run``,
+    ``manage.py dblock_run`` and ``flask dblock run``: the same exit status
+    and the same line, naming the job, the fire time and why."""
+    name = f"faces-{uuid.uuid4().hex[:10]}"
+    fire = ["--fire-time", "2026-01-01T03:00Z", "--at-most", "5"]
+    dblock = os.path.join(os.path.dirname(sys.executable), "dblock")
+    first = _together([[dblock, "run", name, *fire, "--", "true"]],
+                      env={"DBLOCK_URL": db_url}, cwd=ROOT)[0]  # fmt: skip
+    assert first[0] == 0, first
+    shell = _together([[dblock, "run", name, *fire, "--", "true"]],
+                      env={"DBLOCK_URL": db_url}, cwd=ROOT)[0]  # fmt: skip
+    django = _together([[sys.executable, "manage.py", "dblock_run", name, *fire, "--", "check"]],
+                       env=_django_env(db_url, tmp_path), cwd=EXAMPLE)[0]  # fmt: skip
+    flask = _together([_flask("dblock", "run", name, *fire, "--", "work", "nightly")],
+                      env={"DBLOCK_URL": db_url}, cwd=ROOT)[0]  # fmt: skip
+    assert shell[0] == django[0] == flask[0] == 75, (shell, django, flask)
+    line = shell[2].strip()
+    assert line.startswith(f"dblock run: job '{name}'"), line
+    assert "skipped" in line
+    assert django[2].strip().splitlines()[-1] == line, django[2]
+    assert flask[2].strip().splitlines()[-1] == line, flask[2]

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .. import SKIPPED
-from ..cli import parse_duration
-from ..errors import LockArgumentError
+from ..cli import parse_duration, shortened
+from ..errors import JobSkipped, LockArgumentError
 from ..manager import LockManager
 from ..runner import EX_TEMPFAIL, period_fire_time
 
@@ -95,19 +94,21 @@ def run_command(
     unless ``quiet``). The command's own exceptions propagate (the run is
     recorded as failed)."""
     fire = fire_time(options.fire_time, options.per)
-    result = manager.run_job(
-        name,
-        command,
-        fire_time=fire,
-        at_most=options.at_most,
-        at_least=options.at_least,
-        retry_failed=options.retry_failed,
-        wait=options.wait,
-        on_skip="return",
-    )
-    if result is SKIPPED:
+    try:
+        manager.run_job(
+            name,
+            command,
+            fire_time=fire,
+            at_most=options.at_most,
+            at_least=options.at_least,
+            retry_failed=options.retry_failed,
+            wait=options.wait,
+            on_skip="raise",
+        )
+    except JobSkipped as exc:
+        # The line `dblock run` says: the job, its fire time, why, and who
+        # runs it when known (one line each face, for cron to mail).
         if not options.quiet:
-            at = f" (fire time {fire.isoformat()})" if fire is not None else ""
-            say(f"dblock: job {name!r}{at} skipped: it runs or ran elsewhere")
+            say(f"dblock run: {shortened(str(exc))}")
         return options.skip_status
     return 0
