@@ -231,7 +231,7 @@ def check_dialect(dialect: str, driver: str) -> None:
         raise LockArgumentError(
             f"dblock does not speak {dialect} through {driver} yet; use "
             f"{_ASYNC_NOT_YET[dialect, driver]}://... (with AsyncLockManager: its asyncio "
-            f"driver; pip install 'dblock[{_EXTRAS[dialect]}-async]')"
+            f"driver; {install_hint(_EXTRAS[dialect] + '-async')})"
         )
     if driver not in drivers:
         raise LockArgumentError(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import faulthandler
 import getpass
 import json
@@ -45,7 +46,7 @@ from .manager import LockManager
 from .schema import RUNNING, TableNames
 from .sweeper import Sweeper, SweeperConfig
 
-__all__ = ["main", "parse_args", "parse_duration"]
+__all__ = ["Face", "main", "parse_args", "parse_duration"]
 
 log = logging.getLogger("dblock.cli")
 
@@ -69,13 +70,31 @@ class _Parser(argparse.ArgumentParser):
 _Subcommands: TypeAlias = "argparse._SubParsersAction[_Parser]"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+@dataclasses.dataclass(frozen=True)
+class Face:
+    """Another command line that runs these commands on its application's
+    database (``flask dblock``, ``manage.py dblock_*``): its manager's URL
+    (password included) and lock table are what ``--url`` and ``--table``
+    default to; the commands, their options, output and exit statuses are
+    the shell's own."""
+
+    url: URL
+    table: str
+
+
+def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
     if not faulthandler.is_enabled():
         # A crash in native code (the interpreter, a driver) says where, on
         # stderr, instead of a bare exit status -11 for whoever runs the job.
         with contextlib.suppress(Exception):  # (stderr closed: nothing to say it on)
             faulthandler.enable()
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if face is not None:
+        if args.url is None:
+            args.url = face.url
+        if not any(a == "--table" or a.startswith("--table=") for a in argv):
+            args.table = face.table
     bad = _undecodable(args)
     if bad is not None:
         print(f"dblock: error: {bad}", file=sys.stderr)

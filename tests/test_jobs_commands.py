@@ -168,3 +168,49 @@ def test_the_three_faces_say_the_same_skip(db_url: str, tmp_path: Path) -> None:
     assert "skipped" in line
     assert django[2].strip().splitlines()[-1] == line, django[2]
     assert flask[2].strip().splitlines()[-1] == line, flask[2]
+
+
+@pytest.mark.databases("sqlite")
+def test_jobs_stats_and_top_are_the_shells_in_every_face(db_url: str, tmp_path: Path) -> None:
+    """``dblock jobs|stats|top``, ``flask dblock jobs|stats|top`` and
+    ``manage.py dblock_jobs|dblock_stats|dblock_top``: one parser, so the
+    same output and exit status, bad input included."""
+    name = f"faces-{uuid.uuid4().hex[:10]}"
+    dblock = os.path.join(os.path.dirname(sys.executable), "dblock")
+    ran = _together([[dblock, "run", name, "--per", "1d", "--", "true"]],
+                    env={"DBLOCK_URL": db_url}, cwd=ROOT)[0]  # fmt: skip
+    assert ran[0] == 0, ran
+    asks = [
+        ["jobs", name, "--json"],
+        ["stats", "--json"],
+        ["top", "--once", "--prefix", "nothing-here:"],
+        ["jobs", "--limit", "0"],
+        ["stats", "--bogus"],
+    ]
+    for ask in asks:
+        shell = _together([[dblock, *ask]], env={"DBLOCK_URL": db_url, "COLUMNS": "120"},
+                          cwd=ROOT)[0]  # fmt: skip
+        flask = _together([_flask("dblock", *ask)], env={"DBLOCK_URL": db_url, "COLUMNS": "120"},
+                          cwd=ROOT)[0]  # fmt: skip
+        django = _together(
+            [[sys.executable, "manage.py", f"dblock_{ask[0]}", *ask[1:]]],
+            env={**_django_env(db_url, tmp_path), "COLUMNS": "120"},
+            cwd=EXAMPLE,
+        )[0]
+        assert shell[0] == flask[0] == django[0], (ask, shell, flask, django)
+
+        def same(text: str) -> str:  # (the URL as each face names it: its own engine's)
+            return text.replace("sqlite+pysqlite://", "sqlite://")
+
+        if ask[-1] == "--json" or ask[0] == "top":
+            got = {same(shell[1]), same(flask[1]), same(django[1])}
+            if ask[0] == "top":  # the frame's time of day may tick between the three
+                got = {
+                    "\n".join(line for line in t.splitlines() if " at " not in line) for t in got
+                }
+            assert len(got) == 1, (ask, got)
+        else:
+            assert same(shell[2]) == same(flask[2]) == same(django[2]), (ask, shell, flask, django)
+    listed = _together([[dblock, "jobs", name, "--json"]], env={"DBLOCK_URL": db_url}, cwd=ROOT)
+    jobs = json.loads(listed[0][1])
+    assert jobs[0]["job"] == name

@@ -408,7 +408,11 @@ def _start_sweeper_once() -> None:
 
 # -- flask dblock ... ----------------------------------------------------------
 
-cli = AppGroup("dblock", help="dblock's lock table: migrate, sweep, list, release; run a job.")
+cli = AppGroup(
+    "dblock",
+    help="dblock's lock table: migrate, sweep, list, stats, top, release; run a job, "
+    "and its record (jobs).",
+)
 
 
 def _manager() -> LockManager:
@@ -482,6 +486,38 @@ def release_command(key: str | None, prefix: str | None, owner: str | None, forc
     only for locks whose holders are known to be gone.
     """
     _run(lambda: _admin.release_report(_manager(), key, force=force, prefix=prefix, owner=owner))
+
+
+#: The commands ``flask dblock`` runs as the shell's ``dblock`` runs them (its
+#: parser, output and exit statuses), on the app's database and table.
+SHELL_COMMANDS = {
+    "jobs": "The record of job runs (as `dblock jobs`; --help for its options).",
+    "stats": "Rows held, expired, the oldest, who leads each role (as `dblock stats`).",
+    "top": "The rows refreshing in the terminal (as `dblock top`; needs rich).",
+}
+
+
+def _shell_command(name: str, help_text: str) -> click.Command:
+    @click.command(
+        name,
+        help=help_text,
+        context_settings={"ignore_unknown_options": True, "help_option_names": []},
+    )
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def command(args: tuple[str, ...]) -> None:
+        from .. import cli as shell
+
+        manager = _manager()
+        face = shell.Face(url=manager.engine.url, table=manager.config.table)
+        status = shell.main([name, *args], face=face)
+        if status:
+            raise SystemExit(status)
+
+    return command
+
+
+for _name, _help in SHELL_COMMANDS.items():
+    cli.add_command(_shell_command(_name, _help))
 
 
 def _durations(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:

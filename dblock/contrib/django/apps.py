@@ -50,7 +50,7 @@ def _pymysql_for_mysqldb() -> None:
     extra installs PyMySQL. If the project's databases use that backend,
     mysqlclient is missing and PyMySQL is there, PyMySQL stands in for it
     (``pymysql.install_as_MySQLdb()``, as Django's own docs suggest doing in
-    settings), so ``pip install 'dblock[django,mysql]'`` starts a project on
+    settings), so installing the ``django,mysql`` extras starts a project on
     MariaDB or MySQL as it is. With mysqlclient installed nothing changes."""
     from django.conf import settings
 

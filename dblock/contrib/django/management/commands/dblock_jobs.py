@@ -1,0 +1,9 @@
+"""``manage.py dblock_jobs``: ``dblock jobs`` on the project's lock table (see _shell)."""
+
+from __future__ import annotations
+
+from ._shell import ShellCommand
+
+
+class Command(ShellCommand):
+    name = "jobs"
