@@ -575,3 +575,57 @@ def test_failover_benchmark_smoke(db_url: str, tmp_path: Path) -> None:
     assert max(result["step_downs"]) < 1.0
     assert result["standby_statements_per_lease"] <= 4
     assert "| to a new leader p50 |" in done.stdout
+
+
+# -- the systemd unit of docs/leadership.md -----------------------------------------------
+
+UNIT = Path(__file__).resolve().parent.parent / "examples" / "systemd" / "outbox-relay.service"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups as on Linux")
+def test_the_systemd_units_exec_start_leads_and_stops_as_systemd_stops_it(
+    private: LockManager, db_url: str, tmp_path: Path
+) -> None:
+    """Two hosts run the unit's ``ExecStart`` line (its ``dblock`` and relay
+    replaced by this checkout's and a script, its URL by the test's): one
+    relays, the other stands by; stopping the leader as systemd does
+    (SIGTERM to the main process, ``KillMode=mixed``) ends its relay and
+    hands the role over at once, not after the 15 s lease."""
+    import configparser
+    import shlex
+
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read_string(UNIT.read_text())
+    service = unit["Service"]
+    assert service["Environment"].startswith("DBLOCK_URL=")
+    assert service["KillMode"] == "mixed"
+    argv = shlex.split(service["ExecStart"])
+    assert argv[0] == "/usr/local/bin/dblock"
+    cut = argv.index("--")
+    dblock_args, relay = argv[1:cut], argv[cut + 1 :]
+    assert relay == ["/usr/local/bin/relay"]
+    marks = tmp_path / "relays"
+    script = tmp_path / "relay"
+    script.write_text(f"#!/bin/sh\necho $DBLOCK_LEADER_FENCE >> {marks}\nexec sleep 300\n")
+    script.chmod(0o755)
+    env = {"DBLOCK_URL": db_url}
+
+    def host() -> subprocess.Popen[str]:
+        return start_dblock(
+            *dblock_args, "--table", private.config.table, "--", str(script), env=env
+        )
+
+    first = host()
+    _until(lambda: marks.exists() and len(marks.read_text().split()) == 1, "a relay")
+    second = host()
+    time.sleep(0.5)
+    assert len(marks.read_text().split()) == 1  # one relay at a time
+    stopped = time.monotonic()
+    first.send_signal(signal.SIGTERM)  # systemctl stop: SIGTERM to the main process
+    assert first.wait(20) == 128 + signal.SIGTERM
+    _until(lambda: len(marks.read_text().split()) == 2, "the standby's relay", timeout=10)
+    assert time.monotonic() - stopped < 5  # handed over, not the 15 s lease
+    a, b = (int(f) for f in marks.read_text().split())
+    assert b > a
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(20) == 128 + signal.SIGTERM
