@@ -502,16 +502,16 @@ class AsyncLockManager:
                 )
             self.sync, self._owns = url, False
         else:
-            if isinstance(url, Engine):
-                raise LockArgumentError(
-                    "AsyncLockManager takes a URL, an AsyncEngine or a LockManager, not a "
-                    "blocking Engine: use LockManager(engine), and AsyncLockManager(that "
-                    "manager) for the tasks beside its threads"
-                )
+            # A blocking Engine is the blocking side's, shared (an application
+            # on psycopg2, say); its tasks' statements go through the asyncio
+            # driver of the same database.
+            target: URL | Engine
             if is_async_engine(url):
                 # Its URL (password included) and pool size; the connections
                 # are dblock's own (AUTOCOMMIT, no reset on return: see _engine).
                 target, async_engine_options = _from_async_engine(url, async_engine_options)
+            elif isinstance(url, Engine):
+                target = url
             else:
                 # An asyncio driver's URL form names the blocking side's driver too.
                 target = blocking_url(resolve_url(cast("str | URL | None", url)))
