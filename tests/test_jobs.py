@@ -781,6 +781,13 @@ def test_an_async_run_cancelled_at_any_step_leaves_its_key_and_record_settled(
     record_checked = private.engine.dialect.name not in ("mysql", "mariadb")
 
     def settled() -> tuple[bool, list[Any]]:
+        # The cancellation takes effect at once; a row its INSERT may still
+        # write (the server runs what it was sent after aiomysql dropped the
+        # connection) is deleted once that statement has ended. Until the
+        # orphan is gone the key's state is not final: a look that finds it
+        # free may come before the INSERT lands (once under the suite's load).
+        if private.store.has_orphans:
+            return False, []
         try:
             checker.acquire(key, blocking=False).release()
             free = True
