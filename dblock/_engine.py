@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import weakref
@@ -27,6 +28,7 @@ from sqlalchemy import URL, create_engine, event, make_url
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ArgumentError
 
+from ._signals import unshielded
 from .errors import LockArgumentError, install_hint
 
 __all__ = [
@@ -585,6 +587,30 @@ def gate_pool_wait(pool: Any, gate: Any) -> None:
     has no public hook for it."""
     get = pool._do_get
     pool._do_get = lambda: gate(get)
+
+
+def unshield_waits(engine: Engine) -> None:
+    """Open windows in dblock's signal shield (:mod:`dblock._signals`) where
+    the pool may block: the driver's connect and pre-ping (the dialect's
+    ``connect`` and ``do_ping``, which the pool's creator and checkout look
+    up on the dialect at each call) and a ``QueuePool``'s wait for a
+    connection (its queue's condition). A handler's exception there is an
+    error the pool already undoes; held back, a request timeout would wait
+    for a connect to a dead host. Outside a shield the wrappers only call
+    through. Idempotent, per dialect and per queue."""
+    dialect: Any = engine.dialect
+    if dialect not in _unshielded:
+        _unshielded.add(dialect)
+        dialect.connect = functools.partial(unshielded, dialect.connect)
+        dialect.do_ping = functools.partial(unshielded, dialect.do_ping)
+    queue = pool_queue(engine.pool)
+    condition = getattr(queue, "not_empty", None)
+    if condition is not None and condition not in _unshielded:
+        _unshielded.add(condition)
+        condition.wait = functools.partial(unshielded, condition.wait)
+
+
+_unshielded: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def pool_connects_as(pool: Any) -> dict[str, Any]:

@@ -36,7 +36,9 @@ from .._engine import (
     mask,
     mask_text,
     max_overflow,
+    unshield_waits,
 )
+from .._signals import handlers_exception, shielded
 from ..errors import (
     AuthenticationFailed,
     BackendError,
@@ -145,6 +147,7 @@ class Executor:
         "_url",
         "on_interrupted",
         "request",
+        "sends",
     )
 
     def __init__(
@@ -182,17 +185,25 @@ class Executor:
         #: it was sent, before that connection is dropped (Orphans.settle_later
         #: where the dialect can watch it), or None.
         self.on_interrupted: Callable[[Any], None] | None = None
+        #: Statements about to be sent, counted (not exactly, across threads:
+        #: a count that did not move says none was sent, see Driver.drive).
+        self.sends = 0
 
     @property
     def engine(self) -> Engine:
         return self._engine
 
-    def run(  # noqa: PLR0912 - the hot path, its helpers' common cases inlined
+    def run(  # noqa: PLR0912, PLR0915 - the hot path, its helpers' common cases inlined
         self, sql: str, params: Params, fetch: bool = False, lastrowid: bool = False
     ) -> Result:
         """Run ``sql``; ``fetch`` its rows if it returns any."""
         # Anyone listening for execution events: the observed path.
-        if not self._owns or has_events(self._engine):
+        try:
+            observed = not self._owns or has_events(self._engine)
+        except BaseException as exc:  # a signal handler's: nothing sent yet
+            _mark_unsent(exc)
+            raise
+        if observed:
             return self._run_observed(sql, params, fetch, lastrowid)
         try:
             # _checkout(), its first step inlined: the connection on top of the stack.
@@ -203,12 +214,14 @@ class Executor:
                 conn, kept = self._checkout(), None
             else:
                 if _monotonic() - since >= IDLE_SECONDS:
-                    conn.close()  # back to the pool, which recycles or pings it as configured
+                    # Back to the pool, which recycles or pings it as configured.
+                    shielded(conn.close)
                     conn, kept = self._checkout(), None
         except BaseException as exc:  # a signal handler's, say, while waiting for the pool
             _mark_unsent(exc)
             raise
         try:
+            self.sends += 1
             if self._keep_cursor:
                 if kept is None:
                     kept = conn.dbapi_connection.cursor()  # type: ignore[union-attr]
@@ -260,8 +273,8 @@ class Executor:
             # behind a route that still points at it): a new connection
             # goes wherever the route points now (a balancer's, a
             # multi-host URL's read-write choice), this one never will.
-            conn.invalidate(exc)
-            invalidate_in_pool(self._engine.pool, conn, exc)
+            shielded(conn.invalidate, exc)
+            shielded(invalidate_in_pool, self._engine.pool, conn, exc)
             self.release_idle()
         else:
             self._checkin(conn, kept)
@@ -278,13 +291,13 @@ class Executor:
             # of empty fields from a statement brute-force aborted as it
             # ran): the connection's protocol state is unknown, and so is
             # the outcome.
-            conn.invalidate(exc)
+            shielded(conn.invalidate, exc)
             return self.translate(exc, sent=True, interrupted=True)
         # Interrupted mid-statement (KeyboardInterrupt, a signal handler),
         # or parameters the driver cannot encode.
         if self.on_interrupted is not None:
             self.on_interrupted(conn.dbapi_connection)
-        conn.invalidate()
+        shielded(conn.invalidate)
         return None
 
     def _checkout(self) -> PoolProxiedConnection:
@@ -296,7 +309,7 @@ class Executor:
                 break
             if _monotonic() - since < IDLE_SECONDS:
                 return conn
-            conn.close()  # back to the pool, which recycles or pings it as configured
+            shielded(conn.close)  # back to the pool, which recycles or pings it as configured
         if self._bounded is None:
             return self._connect()
         with self._mutex:
@@ -308,7 +321,7 @@ class Executor:
             if last is not None:
                 if _monotonic() - last[1] < IDLE_SECONDS:
                     return last[0]
-                last[0].close()
+                shielded(last[0].close)
             self._wait_for_pool()
             return self._connect()
         finally:
@@ -319,6 +332,7 @@ class Executor:
         """Gate a bounded pool's wait (see the class docstring): whoever is
         about to wait in it (``QueuePool._do_get``) counts itself and first
         hands one idle connection of our stack back to the pool."""
+        unshield_waits(self._engine)  # (the pool's waits in dblock's shield: see _connect)
         self._bounded = None
         if not isinstance(pool, QueuePool) or max_overflow(pool) < 0:
             return
@@ -344,13 +358,18 @@ class Executor:
 
     def _connect(self) -> PoolProxiedConnection:
         try:
-            return self._engine.raw_connection()
+            # Shielded: a signal handler's exception inside the pool's
+            # bookkeeping would leave its mutex held or its count wrong.
+            return shielded(self._engine.raw_connection, undo=_give_back)
         except sa_exc.TimeoutError as exc:
             raise self.exhausted(exc) from exc
-        except sa_exc.DBAPIError as exc:
-            raise self.translate(exc.orig or exc, sent=False) from exc
-        except self._dbapi_error as exc:  # SQLAlchemy 2.1 lets connect errors through
-            raise self.translate(exc, sent=False) from exc
+        except (sa_exc.DBAPIError, self._dbapi_error) as exc:
+            # (SQLAlchemy 2.1 lets connect errors through unwrapped.)
+            own = handlers_exception(exc)
+            if own is not None:  # the application's, met by the driver's connect
+                raise own from None
+            orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) else None
+            raise self.translate(orig or exc, sent=False) from exc
 
     def _wait_for_pool(self) -> None:
         """If every pooled connection is checked out and this thread has a
@@ -401,9 +420,9 @@ class Executor:
             # The store closed while this statement ran (a thread releasing
             # as the manager closes): the pool it came from is disposed, and
             # a connection checked in there would stay open until collected.
-            conn.invalidate()
+            shielded(conn.invalidate)
         else:
-            conn.close()
+            shielded(conn.close)
 
     def _pool_exhausted(self) -> bool:
         """Whether every connection the pool may make is checked out (those
@@ -437,7 +456,7 @@ class Executor:
             except IndexError:
                 return
             with contextlib.suppress(Exception):
-                conn.close()
+                shielded(conn.close)
 
     def forget_idle(self) -> None:
         """In a forked child: drop the parent's connections without touching
@@ -452,16 +471,25 @@ class Executor:
         try:
             if self._bounded is not None:
                 self._wait_for_pool()
-            with self._engine.connect() as conn:
+            # The checkout and the return shielded (see _connect).
+            conn = shielded(self._engine.connect, undo=_give_back)
+            try:
                 sent = True
+                self.sends += 1
                 return self._observed_statement(conn, sql, params, fetch, lastrowid)
+            finally:
+                shielded(conn.close)
         except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
             raise self.exhausted(exc) from exc
-        except sa_exc.DBAPIError as exc:
-            raise self.translate(
-                exc.orig or exc, sent=sent, interrupted=exc.connection_invalidated
-            ) from exc
-        except self._dbapi_error as exc:
+        except (sa_exc.DBAPIError, self._dbapi_error) as exc:
+            own = None if sent else handlers_exception(exc)
+            if own is not None:  # the application's, met by the driver's connect
+                _mark_unsent(own)
+                raise own from None
+            if isinstance(exc, sa_exc.DBAPIError):
+                raise self.translate(
+                    exc.orig or exc, sent=sent, interrupted=exc.connection_invalidated
+                ) from exc
             raise self.translate(exc, sent=sent) from exc
         except BaseException as exc:
             if sent and _undecodable(exc):  # see run()
@@ -482,8 +510,8 @@ class Executor:
         except sa_exc.DBAPIError as exc:
             if exc.orig is not None and not_writable(exc.orig):  # see run()
                 fairy = conn.connection
-                conn.invalidate(exc.orig)
-                invalidate_in_pool(self._engine.pool, fairy, exc.orig)
+                shielded(conn.invalidate, exc.orig)
+                shielded(invalidate_in_pool, self._engine.pool, fairy, exc.orig)
                 self.release_idle()
             raise
         except BaseException:
@@ -492,7 +520,7 @@ class Executor:
             if on_interrupted is not None:
                 on_interrupted(dbapi_connection)
             if not conn.invalidated:
-                conn.invalidate()
+                shielded(conn.invalidate)
             raise
         return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
 
@@ -530,6 +558,12 @@ def _prepared_elsewhere(exc: BaseException) -> bool:
     """psycopg's prepared statements (named ``_pg3_N``) found missing or
     different on the server: see :class:`PoolerMismatch`."""
     return getattr(exc, "sqlstate", None) in _PREPARED_STATES and '"_pg3_' in str(exc)
+
+
+def _give_back(conn: PoolProxiedConnection | Connection) -> None:
+    """A connection checked out for a statement that will not run (a signal
+    handler's exception as the checkout returned): back to the pool."""
+    conn.close()
 
 
 def what_failed(exc: BackendError) -> str:
@@ -626,14 +660,19 @@ class Driver:
 
     def drive(self, steps: Steps[T]) -> T:
         """Run ``steps`` on blocking connections."""
-        run = self.run
+        run, executor = self.run, self.executor
+        sends = executor.sends
         try:
             statement = next(steps)
             while True:
                 statement = steps.send(run(*statement))
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
-        except BaseException:
+        except BaseException as exc:
+            if executor.sends == sends:
+                # Cut off before any statement of these steps left (as a
+                # statement's frame started, say): nothing written.
+                _mark_unsent(exc)
             # Their clean-up (a ``finally`` around a statement) runs here,
             # where an exception it meets reaches the caller, not later in
             # the garbage collector, which only prints it.

@@ -212,7 +212,13 @@ class _FairRequest:
                     continue
                 self.outage = None
                 if isinstance(result, Grant):
-                    return self._held(result, sent_at)
+                    # Granted, not yet a handle: cut off here (a signal handler's
+                    # exception as the handle's frame starts), our rows are an
+                    # orphan's, as mid-statement.
+                    self.in_flight = True
+                    granted = self._held(result, sent_at)
+                    self.in_flight = False
+                    return granted
                 if result is DROPPED:
                     self._queue_again()
                     continue

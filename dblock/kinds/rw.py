@@ -841,6 +841,7 @@ class RwLocker:
         :meth:`_finish` marks it done, so that its clean-up may repeat it."""
         progress[0] = 1
         statements, drive = self.statements, self.store.drive
+        sends = self.store.executor.sends  # (no call before the try: see above)
         ok = statement != "downgrade"  # (what a failure leaves the hold: see _finish)
         try:
             try:
@@ -861,11 +862,21 @@ class RwLocker:
                     # Deleted (if still ours) as soon as the database answers again.
                     self.store.add_orphan(key, hold.token, released=True)
                 return False  # (the entry is finished below)
-            except BaseException:
+            except BaseException as exc:
                 if statement == "release_write":
                     # Cut off with the statement perhaps not committed.
                     self.store.add_orphan(key, hold.token, released=True)
                     self.renewer.post(noop)
+                elif statement == "release_read" and (
+                    never_sent(exc) or self.store.executor.sends == sends
+                ):
+                    # Cut off before the statement left (waiting for a
+                    # connection): no share was dropped, so the renewal
+                    # thread drops it. One that was sent may have dropped
+                    # it (read counts carry no names): left to the lease.
+                    self.renewer.post(
+                        functools.partial(_drop_share, self.store, statements, key, hold.token)
+                    )
                 raise
         finally:
             try:
@@ -1007,3 +1018,16 @@ def _own_read_phase(head: RwRow | None, token: str) -> RwRow | None:
 
 def noop() -> None:
     """A job that only wakes the renewal thread (which cleans orphans on its pass)."""
+
+
+def _drop_share(store: Store, statements: RwStatements, key: str, epoch: str) -> None:
+    """On the renewal thread: a read release whose statement never left."""
+    try:
+        store.drive(statements.release_read_steps(key, epoch))
+    except BackendError as exc:
+        log.error(
+            "dblock: releasing %r failed; the row stays until its lease ends or the "
+            "sweeper removes it: %s",
+            key,
+            exc,
+        )
