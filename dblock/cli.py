@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
+import functools
 import getpass
 import json
 import logging
@@ -74,12 +75,39 @@ _Subcommands: TypeAlias = "argparse._SubParsersAction[_Parser]"
 class Face:
     """Another command line that runs these commands on its application's
     database (``flask dblock``, ``manage.py dblock_*``): its manager's URL
-    (password included) and lock table are what ``--url`` and ``--table``
-    default to; the commands, their options, output and exit statuses are
-    the shell's own."""
+    (password included), lock table and index name are what ``--url``,
+    ``--table`` and ``--index`` default to; the commands, their options,
+    output and exit statuses are the shell's own.
+
+    ``prog``: how the face names the command in its usage and refusals
+    (``flask dblock list``, ``manage.py dblock_list``). ``run``: what
+    ``run`` runs after ``--`` in that face, a command of the application's
+    own run in this process instead of a program: given the command's words,
+    a callable that runs it and returns its exit status, or
+    :class:`~dblock.runner.CommandError` (before anything is taken) when the
+    application has no such command."""
 
     url: URL
     table: str
+    index: str | None = None
+    prog: str | None = None
+    run: Callable[[list[str]], Callable[[], int]] | None = None
+
+
+#: The commands the other faces have, with the shell's options, output and
+#: exit statuses (``lead`` and ``demo`` are the shell's alone: a supervisor
+#: of programs and a self-check of a clone).
+FACE_COMMANDS = ("migrate", "list", "stats", "release", "sweep", "top", "run", "jobs")
+
+
+def command_help() -> dict[str, str]:
+    """Each command's one line of help, as ``dblock --help`` lists it."""
+    parser = build_parser()
+    found: dict[str, str] = {}
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for choice in getattr(action, "_choices_actions", ()):
+            found[choice.dest] = choice.help or ""
+    return found
 
 
 def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
@@ -89,12 +117,14 @@ def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
         with contextlib.suppress(Exception):  # (stderr closed: nothing to say it on)
             faulthandler.enable()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
+    args = parse_args(argv, prog=None if face is None else face.prog)
     if face is not None:
         if args.url is None:
             args.url = face.url
-        if not any(a == "--table" or a.startswith("--table=") for a in argv):
+        if not _given("--table", argv):
             args.table = face.table
+        if face.index is not None and getattr(args, "index", None) is None:
+            args.index = face.index
     bad = _undecodable(args)
     if bad is not None:
         print(f"dblock: error: {bad}", file=sys.stderr)
@@ -105,6 +135,7 @@ def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
     )
     logging.getLogger("dblock").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     command: Command = args.command
+    args.face = face
     try:
         return command(args)
     except LockArgumentError as exc:
@@ -121,12 +152,25 @@ def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
         return 1
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def _given(option: str, argv: Sequence[str]) -> bool:
+    head = list(argv)[: list(argv).index("--")] if "--" in argv else argv
+    return any(a == option or a.startswith(f"{option}=") for a in head)
+
+
+def parse_args(argv: Sequence[str], *, prog: str | None = None) -> argparse.Namespace:
     """The ``dblock`` command line ``argv`` parsed (exits 2 on a mistake, as
     argparse does). For ``dblock run … -- COMMAND …`` everything after the
     first ``--`` is the command, untouched: argparse alone would give options
-    written after KEY to no one."""
+    written after KEY to no one. ``prog``: the name of the command ``argv``
+    starts with in another face (:class:`Face`), for its usage and refusals."""
     parser = build_parser()
+    if prog is not None and argv:
+        for action in parser._subparsers._group_actions if parser._subparsers else ():
+            sub = getattr(action, "choices", {}).get(argv[0])
+            if sub is not None:
+                # (Its mistakes are said by the subcommand's parser or, for
+                # arguments left over, by the top one: both named so.)
+                parser.prog = sub.prog = prog
     argv = _negative_values(list(argv))
     unknown = _unknown_option(parser, argv)
     if unknown is not None:
@@ -1121,7 +1165,7 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
         )
     _shared_database(args)
     try:
-        command = runner.resolve_command(argv)
+        work = _run_work(getattr(args, "face", None), argv)
     except runner.CommandError as exc:
         print(f"dblock run: error: {shortened(str(exc))}; nothing was taken", file=sys.stderr)
         return exc.status
@@ -1133,8 +1177,7 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
             fire_time = args.fire_time if args.per is None else runner.period_fire_time(args.per)
             status = manager.run_job(
                 args.key,
-                runner.supervise,
-                command,
+                work,
                 fire_time=fire_time,
                 at_most=options.at_most,
                 at_least=options.at_least,
@@ -1164,6 +1207,19 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
             return exc.status if exc.status is not None else 128 + exc.signum
         print(f"dblock run: {exc} before the command started; nothing ran", file=sys.stderr)
         return 128 + exc.signum
+
+
+def _run_work(face: Face | None, argv: list[str]) -> Callable[[], int]:
+    """What ``dblock run`` runs under the job's lock: the program ``argv``
+    names (supervised), or in another face its command of the application's
+    (:attr:`Face.run`); :class:`~dblock.runner.CommandError` if there is none."""
+    from . import runner
+
+    if face is None or face.run is None:
+        return functools.partial(runner.supervise, runner.resolve_command(argv))
+    if not argv:
+        raise LockArgumentError("dblock run needs a command after --: dblock run KEY -- command …")
+    return functools.partial(runner.run_here, face.run(argv))
 
 
 def cmd_lead(args: argparse.Namespace) -> int:
