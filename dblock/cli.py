@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
         with contextlib.suppress(Exception):  # (stderr closed: nothing to say it on)
             faulthandler.enable()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv, prog=None if face is None else face.prog)
+    args = parse_args(argv, face=face)
     if face is not None:
         if args.url is None:
             args.url = face.url
@@ -157,20 +157,15 @@ def _given(option: str, argv: Sequence[str]) -> bool:
     return any(a == option or a.startswith(f"{option}=") for a in head)
 
 
-def parse_args(argv: Sequence[str], *, prog: str | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str], *, face: Face | None = None) -> argparse.Namespace:
     """The ``dblock`` command line ``argv`` parsed (exits 2 on a mistake, as
     argparse does). For ``dblock run … -- COMMAND …`` everything after the
     first ``--`` is the command, untouched: argparse alone would give options
-    written after KEY to no one. ``prog``: the name of the command ``argv``
-    starts with in another face (:class:`Face`), for its usage and refusals."""
+    written after KEY to no one. In another ``face``, its help and refusals
+    name the command as that face does, and the defaults it gives."""
     parser = build_parser()
-    if prog is not None and argv:
-        for action in parser._subparsers._group_actions if parser._subparsers else ():
-            sub = getattr(action, "choices", {}).get(argv[0])
-            if sub is not None:
-                # (Its mistakes are said by the subcommand's parser or, for
-                # arguments left over, by the top one: both named so.)
-                parser.prog = sub.prog = prog
+    if face is not None and argv:
+        _in_face(parser, argv[0], face)
     argv = _negative_values(list(argv))
     unknown = _unknown_option(parser, argv)
     if unknown is not None:
@@ -184,6 +179,23 @@ def parse_args(argv: Sequence[str], *, prog: str | None = None) -> argparse.Name
                 args.argv = [*args.argv, *tail]
                 return args
     return parser.parse_args(argv)
+
+
+def _in_face(parser: argparse.ArgumentParser, name: str, face: Face) -> None:
+    """Command ``name``'s help and refusals as ``face`` shows them."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        sub = getattr(action, "choices", {}).get(name)
+        if sub is None:
+            continue
+        if face.prog is not None:
+            # (Its mistakes are said by the subcommand's parser or, for
+            # arguments left over, by the top one: both named so.)
+            parser.prog = sub.prog = face.prog
+        for option in sub._actions:
+            if "--url" in option.option_strings:
+                option.help = "database URL (default: the application's)"
+            elif "--table" in option.option_strings:
+                option.help = f"lock table name (default: the application's, {face.table})"
 
 
 #: The options whose value is a duration: a value written negative (``--at-most
@@ -724,10 +736,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         before = migrations.current(manager.engine, names)
         migrations.upgrade(manager.engine, names)
         after = migrations.current(manager.engine, names)
+        shown = manager.url  # (as every command names it: its engine's, masked)
     if before == after:
-        print(f"{names.table} on {mask(url)} is up to date (revision {after})")
+        print(f"{names.table} on {shown} is up to date (revision {after})")
     else:
-        print(f"migrated {names.table} on {mask(url)}: {before or 'empty'} -> {after}")
+        print(f"migrated {names.table} on {shown}: {before or 'empty'} -> {after}")
     return 0
 
 
@@ -739,9 +752,10 @@ def _migrate_sql(url: URL, names: TableNames, start: str | None) -> int:
 
     latest = migrations.head()
     if start is None:
-        start = _current_revision(url, names) or "base"
+        at, shown = _current_revision(url, names)
+        start = at or "base"
         if start == latest:
-            print(f"-- {names.table} on {mask(url)} is at revision {latest}, the latest: no SQL")
+            print(f"-- {names.table} on {shown} is at revision {latest}, the latest: no SQL")
             return 0
     elif start != "base" and not migrations.known_revision(start):
         raise LockArgumentError(
@@ -753,23 +767,25 @@ def _migrate_sql(url: URL, names: TableNames, start: str | None) -> int:
     return 0
 
 
-def _current_revision(url: URL, names: TableNames) -> str | None:
+def _current_revision(url: URL, names: TableNames) -> tuple[str | None, str]:
     """The revision the database at ``url`` is at (None: dblock was never
-    migrated there, or the SQLite file does not exist: it is not made)."""
+    migrated there, or the SQLite file does not exist: it is not made), and
+    the URL as the commands show it."""
     if file_database(url):
         database = url.database or ""
         if database in ("", ":memory:") or (
             not database.startswith("file:") and not Path(database).expanduser().is_file()
         ):
-            return None
+            return None, mask(url)
     with LockManager(url, table=names.table, index=names.index) as manager:
         at = migrations.current(manager.engine, names)
+        shown = manager.url
     if at is not None and not migrations.known_revision(at):
         raise DBLockError(
-            f"{names.table} on {mask(url)} is at revision {at}, newer than this dblock "
+            f"{names.table} on {shown} is at revision {at}, newer than this dblock "
             f"knows (latest {migrations.head()}): no SQL to give"
         )
-    return at
+    return at, shown
 
 
 def cmd_list(args: argparse.Namespace) -> int:

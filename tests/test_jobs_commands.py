@@ -206,6 +206,7 @@ def test_jobs_stats_and_top_are_the_shells_in_every_face(db_url: str, tmp_path: 
         def same(text: str) -> str:  # (the URL as each face names it: its own engine's)
             # (and the program's name in a refusal: the face's)
             text = re.sub(r"\S*python\S* -m flask dblock |manage\.py dblock_", "dblock ", text)
+            text = re.sub(r"\bdblock \w+(: error: | --help\))", r"dblock\1", text)
             return text.replace("sqlite+pysqlite://", "sqlite://")
 
         if ask[-1] == "--json":

@@ -442,7 +442,7 @@ def _shell_command(name: str, help_text: str) -> click.Command:
         name,
         cls=_Untouched,
         help=help_text,
-        short_help=help_text,
+        short_help=help_text.split(" (e.g. ")[0],
         context_settings={"ignore_unknown_options": True, "help_option_names": []},
     )
     @click.argument("args", nargs=-1, type=click.UNPROCESSED)
@@ -517,8 +517,8 @@ def _shell_help() -> dict[str, str]:
 #: (``run`` runs one of the app's flask commands, not a program).
 _HELP = {
     **_shell_help(),
-    "run": "run a flask command once across the hosts (as the shell's run: NAME [options] "
-    "-- COMMAND [ARGS...])",
+    "run": "run a flask command once across the hosts, as the shell's run runs a program "
+    "(e.g. `flask dblock run nightly --per 1d --at-most 30m -- purge --days 30`)",
 }
 
 for _name, _help in _HELP.items():
