@@ -101,6 +101,17 @@ _TICKING = [
     (re.compile(r"fence \d+"), "fence <n>"),
     (re.compile(r'"(age|lease_left|for_s|lease_left_s|fence)": -?[\d.e+-]+'), r'"\1": <n>'),
     (re.compile(r"\d\d:\d\d:\d\d"), "<time>"),
+    # The storage lines of stats: what the server's vacuum and purge do meanwhile.
+    (re.compile(r"\b(size|dead|purge lag) +[\d.]+( [kM]B)?"), r"\1 <n>"),
+    (re.compile(r"\(\d+ runs?\)"), "(<n> runs)"),
+    (
+        re.compile(
+            r'"(size_bytes|live_rows|dead_rows|autovacuum_count|vacuum_count|purge_lag)": '
+            r"[\d.]+"
+        ),
+        r'"\1": <n>',
+    ),
+    (re.compile(r'"(last_autovacuum|last_vacuum)": "[^"]*"'), r'"\1": <t>'),
 ]
 
 
@@ -114,7 +125,10 @@ def _same(text: str) -> str:
     text = text.replace("sqlite+pysqlite://", "sqlite://")
     for pattern, value in _TICKING:
         text = pattern.sub(value, text)
-    return " ".join(text.split())
+    text = " ".join(text.split())
+    # --help: what --url and --table default to is each face's own.
+    text = re.sub(r"(--url URL database URL) \(default: .*?\)(?= --table)", r"\1", text)
+    return re.sub(r"(--table TABLE lock table name) \(default: [^)]*\)", r"\1", text)
 
 
 def _compare(
@@ -145,7 +159,9 @@ def _compare(
     return first
 
 
-def test_every_subcommand_is_one_command_in_three_faces(url: str, tmp_path: Path) -> None:
+def test_the_faces_have_the_same_commands() -> None:
+    """Every command the faces share is in each (Django's migrate is
+    ``manage.py migrate``: no second way)."""
     from dblock.cli import FACE_COMMANDS
     from dblock.contrib.flask import cli as flask_group
 
@@ -153,98 +169,116 @@ def test_every_subcommand_is_one_command_in_three_faces(url: str, tmp_path: Path
         p.stem for p in (ROOT / "dblock/contrib/django/management/commands").glob("dblock_*.py")
     }
     assert set(flask_group.commands) == set(FACE_COMMANDS)
-    # (manage.py migrate is Django's face of `dblock migrate`: no second way.)
     assert django == {f"dblock_{name}" for name in FACE_COMMANDS if name != "migrate"}
 
-    holder = LockManager(url, client_id="faces-host:1:t", renew=False)
-    kept: list[HeldLock] = []
 
-    def hold(key: str, ttl: float = 600) -> None:
-        # The same row before each face: taken anew, the last one (if a
-        # face left it) given back first.
-        for lock in [lock for lock in kept if lock.key == key]:
-            kept.remove(lock)
+class Holder:
+    """The rows the faces are shown: held by one owner, taken anew before
+    each face when a face changes them."""
+
+    def __init__(self, url: str) -> None:
+        self.manager = LockManager(url, client_id="faces-host:1:t", renew=False)
+        self.kept: list[HeldLock] = []
+
+    def hold(self, key: str, ttl: float = 600) -> None:
+        for lock in [lock for lock in self.kept if lock.key == key]:
+            self.kept.remove(lock)
             with contextlib.suppress(DBLockError):  # (a face took it: LockLost)
                 lock.release()
-        kept.append(holder.acquire(key, ttl=ttl))
+        self.kept.append(self.manager.acquire(key, ttl=ttl))
 
-    def held_and_expired() -> None:
-        hold("faces:held")
-        hold("faces:gone", ttl=0.1)
+    def held_and_expired(self) -> None:
+        self.hold("faces:held")
+        self.hold("faces:gone", ttl=0.1)
         time.sleep(0.3)
 
-    try:
-        held_and_expired()
-        # list, stats, top: what the table holds.
-        assert _compare(["list"], url, tmp_path)[0] == 0
-        assert _compare(["list", "-v", "--prefix", "faces:h"], url, tmp_path)[0] == 0
-        assert _compare(["list", "--json"], url, tmp_path)[0] == 0
-        assert _compare(["stats"], url, tmp_path)[0] == 0
-        assert _compare(["stats", "--json"], url, tmp_path)[0] == 0
-        assert _compare(["top", "--once", "--prefix", "faces:"], url, tmp_path)[0] == 0
-        assert _compare(["list", "--limit", "0"], url, tmp_path)[0] == 2
-        assert _compare(["list", "--bogus"], url, tmp_path)[0] == 2
-        # release: --force and --yes, and the refusal off a terminal.
-        status, out, _ = _compare(["release", "faces:held", "--force", "--yes"], url, tmp_path,
-                                  before=lambda: hold("faces:held"))  # fmt: skip
-        assert status == 0
-        assert out.startswith("released 'faces:held' held by faces-host:1:t:MainThread for <t>")
-        status, _, err = _compare(["release", "faces:held", "--force"], url, tmp_path,
-                                  before=lambda: hold("faces:held"))  # fmt: skip
-        assert status == 2
-        assert "standard input is not a terminal; add --yes" in err
-        status, out, _ = _compare(["release", "faces:held", "--force"], url, tmp_path,
-                                  before=lambda: hold("faces:held"), answer="y")  # fmt: skip
-        assert status == 0
-        assert "? [y/N] released 'faces:held'" in out
-        status, out, _ = _compare(["release", "faces:held", "--force"], url, tmp_path,
-                                  before=lambda: hold("faces:held"), answer="n")  # fmt: skip
-        assert (status, out.endswith("dblock: not released")) == (1, True)
-        assert _compare(["release", "faces:held"], url, tmp_path)[0] == 2  # no --force
-        assert _compare(["release", "faces:none", "--force", "-y"], url, tmp_path)[0] == 1
-        status, out, _ = _compare(["release", "--prefix", "faces:", "--owner", "faces-host",
-                                   "--force", "--yes"], url, tmp_path,
-                                  before=held_and_expired)  # fmt: skip
-        assert status == 0
-        assert out.startswith("released 2 rows with keys starting with 'faces:' and held by")
-        assert _compare(["release", "--help"], url, tmp_path)[0] == 0
-        # sweep: once, and its refusal without --once or --every.
-        status, out, _ = _compare(["sweep", "--once", "--grace", "0"], url, tmp_path,
-                                  before=held_and_expired)  # fmt: skip
-        assert status == 0
-        assert "swept 1 expired row and 0 held past max_hold" in out
-        assert _compare(["sweep"], url, tmp_path)[0] == 2
-        # migrate (manage.py migrate is Django's: no dblock_migrate).
-        flask_and_shell = ("dblock", "flask")
-        status, out, _ = _compare(["migrate"], url, tmp_path, faces=flask_and_shell)
-        assert (status, "is up to date" in out) == (0, True)
-        status, out, _ = _compare(["migrate", "--sql"], url, tmp_path, faces=flask_and_shell)
-        assert (status, "the latest: no SQL" in out) == (0, True)
-        status, out, _ = _compare(["migrate", "--sql", "--from", "0004"], url, tmp_path,
-                                  faces=flask_and_shell)  # fmt: skip
-        assert status == 0
-        # run: a fire time that already ran is skipped alike, and the usage errors.
-        job = f"faces-{uuid.uuid4().hex[:8]}"
-        fire = ["run", job, "--fire-time", "2026-01-01T03:00Z", "--at-most", "5"]
-        first = _run(*_face("dblock", [*fire, "--", "true"], url, tmp_path)[:3], None)
-        assert first[0] == 0, first
-        status, _, err = _compare([*fire, "--"], url, tmp_path)
-        assert status == 75
-        assert err.startswith(f"dblock run: job '{job}' skipped")
-        assert _compare([*fire, "-q", "--skip-status", "3", "--"], url, tmp_path)[:3:2] == (3, "")
-        assert _compare(["run", job, "--at-least", "5m", "--at-most", "1m", "--"], url,
-                        tmp_path)[0] == 2  # fmt: skip
-        assert _compare(["run", job, "--fire-time", "2026-01-01T03:00"], url, tmp_path)[0] == 2
-        assert _compare(["run", job], url, tmp_path)[0] == 2  # no command
-        # jobs.
-        assert _compare(["jobs"], url, tmp_path)[0] == 0
-        assert _compare(["jobs", job, "--json"], url, tmp_path)[0] == 0
-        assert _compare(["jobs", "--limit", "0"], url, tmp_path)[0] == 2
-    finally:
-        for lock in kept:
+    def close(self) -> None:
+        for lock in self.kept:
             with contextlib.suppress(DBLockError):
                 lock.release()
-        holder.close()
+        self.manager.close()
+
+
+@pytest.fixture
+def holder(url: str) -> Iterator[Holder]:
+    holder = Holder(url)
+    yield holder
+    holder.close()
+
+
+def test_list_stats_top(url: str, holder: Holder, tmp_path: Path) -> None:
+    holder.held_and_expired()
+    assert _compare(["list"], url, tmp_path)[0] == 0
+    assert _compare(["list", "-v", "--prefix", "faces:h"], url, tmp_path)[0] == 0
+    assert _compare(["list", "--json"], url, tmp_path)[0] == 0
+    assert _compare(["stats"], url, tmp_path)[0] == 0
+    assert _compare(["stats", "--json"], url, tmp_path)[0] == 0
+    assert _compare(["top", "--once", "--prefix", "faces:"], url, tmp_path)[0] == 0
+    assert _compare(["list", "--limit", "0"], url, tmp_path)[0] == 2
+    assert _compare(["list", "--bogus"], url, tmp_path)[0] == 2
+
+
+def test_release(url: str, holder: Holder, tmp_path: Path) -> None:
+    """--force and --yes; the refusal off a terminal; the question on one."""
+    held = lambda: holder.hold("faces:held")  # noqa: E731
+    status, out, _ = _compare(["release", "faces:held", "--force", "--yes"], url, tmp_path,
+                              before=held)  # fmt: skip
+    assert status == 0
+    assert out.startswith("released 'faces:held' held by faces-host:1:t:MainThread for <t>")
+    status, _, err = _compare(["release", "faces:held", "--force"], url, tmp_path, before=held)
+    assert status == 2
+    assert "standard input is not a terminal; add --yes" in err
+    status, out, _ = _compare(["release", "faces:held", "--force"], url, tmp_path,
+                              before=held, answer="y")  # fmt: skip
+    assert status == 0
+    assert "? [y/N] released 'faces:held'" in out
+    status, out, _ = _compare(["release", "faces:held", "--force"], url, tmp_path,
+                              before=held, answer="n")  # fmt: skip
+    assert (status, out.endswith("dblock: not released")) == (1, True)
+    assert _compare(["release", "faces:held"], url, tmp_path)[0] == 2  # no --force
+    assert _compare(["release", "faces:none", "--force", "-y"], url, tmp_path)[0] == 1
+    status, out, _ = _compare(["release", "--prefix", "faces:", "--owner", "faces-host",
+                               "--force", "--yes"], url, tmp_path,
+                              before=holder.held_and_expired)  # fmt: skip
+    assert status == 0
+    assert out.startswith("released 2 rows with keys starting with 'faces:' and held by")
+    assert _compare(["release", "--help"], url, tmp_path)[0] == 0
+
+
+def test_sweep_and_migrate(url: str, holder: Holder, tmp_path: Path) -> None:
+    status, out, _ = _compare(["sweep", "--once", "--grace", "0"], url, tmp_path,
+                              before=holder.held_and_expired)  # fmt: skip
+    assert status == 0
+    assert "swept 1 expired row and 0 held past max_hold" in out
+    assert _compare(["sweep"], url, tmp_path)[0] == 2  # neither --once nor --every
+    # (manage.py migrate is Django's: no dblock_migrate.)
+    flask_and_shell = ("dblock", "flask")
+    status, out, _ = _compare(["migrate"], url, tmp_path, faces=flask_and_shell)
+    assert (status, "is up to date" in out) == (0, True)
+    status, out, _ = _compare(["migrate", "--sql"], url, tmp_path, faces=flask_and_shell)
+    assert (status, "the latest: no SQL" in out) == (0, True)
+    status, out, _ = _compare(["migrate", "--sql", "--from", "0004"], url, tmp_path,
+                              faces=flask_and_shell)  # fmt: skip
+    assert status == 0
+
+
+def test_run_and_jobs(url: str, tmp_path: Path) -> None:
+    """A fire time that already ran is skipped alike; the usage errors; the record."""
+    job = f"faces-{uuid.uuid4().hex[:8]}"
+    fire = ["run", job, "--fire-time", "2026-01-01T03:00Z", "--at-most", "5"]
+    first = _run(*_face("dblock", [*fire, "--"], url, tmp_path), None)
+    assert first[0] == 0, first
+    status, _, err = _compare([*fire, "--"], url, tmp_path)
+    assert status == 75
+    assert err.startswith(f"dblock run: job '{job}' skipped")
+    assert _compare([*fire, "-q", "--skip-status", "3", "--"], url, tmp_path)[:3:2] == (3, "")
+    assert _compare(["run", job, "--at-least", "5m", "--at-most", "1m", "--"], url,
+                    tmp_path)[0] == 2  # fmt: skip
+    assert _compare(["run", job, "--fire-time", "2026-01-01T03:00"], url, tmp_path)[0] == 2
+    assert _compare(["run", job], url, tmp_path)[0] == 2  # no command
+    assert _compare(["jobs"], url, tmp_path)[0] == 0
+    assert _compare(["jobs", job, "--json"], url, tmp_path)[0] == 0
+    assert _compare(["jobs", "--limit", "0"], url, tmp_path)[0] == 2
 
 
 def test_each_face_runs_its_own_command(url: str, tmp_path: Path) -> None:
