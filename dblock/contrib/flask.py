@@ -442,7 +442,7 @@ def _shell_command(name: str, help_text: str) -> click.Command:
         name,
         cls=_Untouched,
         help=help_text,
-        short_help=help_text.split(" (e.g. ")[0],
+        short_help=help_text.partition(" (e.g. ")[0],
         context_settings={"ignore_unknown_options": True, "help_option_names": []},
     )
     @click.argument("args", nargs=-1, type=click.UNPROCESSED)
