@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
+import functools
 import getpass
 import json
 import logging
@@ -74,12 +75,39 @@ _Subcommands: TypeAlias = "argparse._SubParsersAction[_Parser]"
 class Face:
     """Another command line that runs these commands on its application's
     database (``flask dblock``, ``manage.py dblock_*``): its manager's URL
-    (password included) and lock table are what ``--url`` and ``--table``
-    default to; the commands, their options, output and exit statuses are
-    the shell's own."""
+    (password included), lock table and index name are what ``--url``,
+    ``--table`` and ``--index`` default to; the commands, their options,
+    output and exit statuses are the shell's own.
+
+    ``prog``: how the face names the command in its usage and refusals
+    (``flask dblock list``, ``manage.py dblock_list``). ``run``: what
+    ``run`` runs after ``--`` in that face, a command of the application's
+    own run in this process instead of a program: given the command's words,
+    a callable that runs it and returns its exit status, or
+    :class:`~dblock.runner.CommandError` (before anything is taken) when the
+    application has no such command."""
 
     url: URL
     table: str
+    index: str | None = None
+    prog: str | None = None
+    run: Callable[[list[str]], Callable[[], int]] | None = None
+
+
+#: The commands the other faces have, with the shell's options, output and
+#: exit statuses (``lead`` and ``demo`` are the shell's alone: a supervisor
+#: of programs and a self-check of a clone).
+FACE_COMMANDS = ("migrate", "list", "stats", "release", "sweep", "top", "run", "jobs")
+
+
+def command_help() -> dict[str, str]:
+    """Each command's one line of help, as ``dblock --help`` lists it."""
+    parser = build_parser()
+    found: dict[str, str] = {}
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        for choice in getattr(action, "_choices_actions", ()):
+            found[choice.dest] = choice.help or ""
+    return found
 
 
 def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
@@ -89,12 +117,14 @@ def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
         with contextlib.suppress(Exception):  # (stderr closed: nothing to say it on)
             faulthandler.enable()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(argv)
+    args = parse_args(argv, face=face)
     if face is not None:
         if args.url is None:
             args.url = face.url
-        if not any(a == "--table" or a.startswith("--table=") for a in argv):
+        if not _given("--table", argv):
             args.table = face.table
+        if face.index is not None and getattr(args, "index", None) is None:
+            args.index = face.index
     bad = _undecodable(args)
     if bad is not None:
         print(f"dblock: error: {bad}", file=sys.stderr)
@@ -105,6 +135,7 @@ def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
     )
     logging.getLogger("dblock").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     command: Command = args.command
+    args.face = face
     try:
         return command(args)
     except LockArgumentError as exc:
@@ -121,12 +152,20 @@ def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
         return 1
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def _given(option: str, argv: Sequence[str]) -> bool:
+    head = list(argv)[: list(argv).index("--")] if "--" in argv else argv
+    return any(a == option or a.startswith(f"{option}=") for a in head)
+
+
+def parse_args(argv: Sequence[str], *, face: Face | None = None) -> argparse.Namespace:
     """The ``dblock`` command line ``argv`` parsed (exits 2 on a mistake, as
     argparse does). For ``dblock run … -- COMMAND …`` everything after the
     first ``--`` is the command, untouched: argparse alone would give options
-    written after KEY to no one."""
+    written after KEY to no one. In another ``face``, its help and refusals
+    name the command as that face does, and the defaults it gives."""
     parser = build_parser()
+    if face is not None and argv:
+        _in_face(parser, argv[0], face)
     argv = _negative_values(list(argv))
     unknown = _unknown_option(parser, argv)
     if unknown is not None:
@@ -140,6 +179,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                 args.argv = [*args.argv, *tail]
                 return args
     return parser.parse_args(argv)
+
+
+def _in_face(parser: argparse.ArgumentParser, name: str, face: Face) -> None:
+    """Command ``name``'s help and refusals as ``face`` shows them."""
+    for action in parser._subparsers._group_actions if parser._subparsers else ():
+        sub = getattr(action, "choices", {}).get(name)
+        if sub is None:
+            continue
+        if face.prog is not None:
+            # (Its mistakes are said by the subcommand's parser or, for
+            # arguments left over, by the top one: both named so.)
+            parser.prog = sub.prog = face.prog
+        for option in sub._actions:
+            if "--url" in option.option_strings:
+                option.help = "database URL (default: the application's)"
+            elif "--table" in option.option_strings:
+                option.help = f"lock table name (default: the application's, {face.table})"
 
 
 #: The options whose value is a duration: a value written negative (``--at-most
@@ -680,10 +736,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         before = migrations.current(manager.engine, names)
         migrations.upgrade(manager.engine, names)
         after = migrations.current(manager.engine, names)
+        shown = manager.url  # (as every command names it: its engine's, masked)
     if before == after:
-        print(f"{names.table} on {mask(url)} is up to date (revision {after})")
+        print(f"{names.table} on {shown} is up to date (revision {after})")
     else:
-        print(f"migrated {names.table} on {mask(url)}: {before or 'empty'} -> {after}")
+        print(f"migrated {names.table} on {shown}: {before or 'empty'} -> {after}")
     return 0
 
 
@@ -695,9 +752,10 @@ def _migrate_sql(url: URL, names: TableNames, start: str | None) -> int:
 
     latest = migrations.head()
     if start is None:
-        start = _current_revision(url, names) or "base"
+        at, shown = _current_revision(url, names)
+        start = at or "base"
         if start == latest:
-            print(f"-- {names.table} on {mask(url)} is at revision {latest}, the latest: no SQL")
+            print(f"-- {names.table} on {shown} is at revision {latest}, the latest: no SQL")
             return 0
     elif start != "base" and not migrations.known_revision(start):
         raise LockArgumentError(
@@ -709,23 +767,25 @@ def _migrate_sql(url: URL, names: TableNames, start: str | None) -> int:
     return 0
 
 
-def _current_revision(url: URL, names: TableNames) -> str | None:
+def _current_revision(url: URL, names: TableNames) -> tuple[str | None, str]:
     """The revision the database at ``url`` is at (None: dblock was never
-    migrated there, or the SQLite file does not exist: it is not made)."""
+    migrated there, or the SQLite file does not exist: it is not made), and
+    the URL as the commands show it."""
     if file_database(url):
         database = url.database or ""
         if database in ("", ":memory:") or (
             not database.startswith("file:") and not Path(database).expanduser().is_file()
         ):
-            return None
+            return None, mask(url)
     with LockManager(url, table=names.table, index=names.index) as manager:
         at = migrations.current(manager.engine, names)
+        shown = manager.url
     if at is not None and not migrations.known_revision(at):
         raise DBLockError(
-            f"{names.table} on {mask(url)} is at revision {at}, newer than this dblock "
+            f"{names.table} on {shown} is at revision {at}, newer than this dblock "
             f"knows (latest {migrations.head()}): no SQL to give"
         )
-    return at
+    return at, shown
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -1121,7 +1181,7 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
         )
     _shared_database(args)
     try:
-        command = runner.resolve_command(argv)
+        work = _run_work(getattr(args, "face", None), argv)
     except runner.CommandError as exc:
         print(f"dblock run: error: {shortened(str(exc))}; nothing was taken", file=sys.stderr)
         return exc.status
@@ -1133,8 +1193,7 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
             fire_time = args.fire_time if args.per is None else runner.period_fire_time(args.per)
             status = manager.run_job(
                 args.key,
-                runner.supervise,
-                command,
+                work,
                 fire_time=fire_time,
                 at_most=options.at_most,
                 at_least=options.at_least,
@@ -1164,6 +1223,19 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: PLR0911 - one return per 
             return exc.status if exc.status is not None else 128 + exc.signum
         print(f"dblock run: {exc} before the command started; nothing ran", file=sys.stderr)
         return 128 + exc.signum
+
+
+def _run_work(face: Face | None, argv: list[str]) -> Callable[[], int]:
+    """What ``dblock run`` runs under the job's lock: the program ``argv``
+    names (supervised), or in another face its command of the application's
+    (:attr:`Face.run`); :class:`~dblock.runner.CommandError` if there is none."""
+    from . import runner
+
+    if face is None or face.run is None:
+        return functools.partial(runner.supervise, runner.resolve_command(argv))
+    if not argv:
+        raise LockArgumentError("dblock run needs a command after --: dblock run KEY -- command …")
+    return functools.partial(runner.run_here, face.run(argv))
 
 
 def cmd_lead(args: argparse.Namespace) -> int:

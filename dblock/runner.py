@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import LockArgumentError
 
@@ -63,6 +63,7 @@ __all__ = [
     "Interrupted",
     "period_fire_time",
     "resolve_command",
+    "run_here",
     "supervise",
 ]
 
@@ -210,6 +211,10 @@ def _as_executed(path: str, args: Sequence[str]) -> list[str]:
     return ["/bin/sh", path, *args]
 
 
+#: The handlers :func:`interruptible` replaced (what :func:`run_here` gives back).
+_BEFORE: dict[int, Any] = {}
+
+
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
     """Until the command starts, a forwarded signal interrupts ``dblock run``
@@ -220,6 +225,7 @@ def interruptible() -> Iterator[None]:
         raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in FORWARDED}
+    _BEFORE.update(previous)
     try:
         yield
     finally:
@@ -404,6 +410,35 @@ def supervise(
     if status != 0:
         raise CommandFailed(status)
     return status
+
+
+def run_here(command: Callable[[], int]) -> int:
+    """Run ``command()`` in this process (``flask dblock run`` and ``manage.py
+    dblock_run``: a command of the application's own, as ``dblock run`` runs
+    a program); its exit status, raising :class:`CommandFailed` for a
+    non-zero one as :func:`supervise` does. While it runs, signals are the
+    ones it would get without dblock (the handlers from before
+    :func:`interruptible`): SIGINT is a KeyboardInterrupt, SIGTERM ends the
+    process (its run is then recorded as died once the lease ends)."""
+    previous = {sig: signal.getsignal(sig) for sig in FORWARDED}
+    for sig in FORWARDED:
+        _restore(sig, _BEFORE.get(sig))
+    _ran.started = True
+    _ran.status = None
+    try:
+        status = _ran.status = command()
+    finally:
+        for sig, handler in previous.items():
+            _restore(sig, handler)
+        sys.stdout.flush()
+    if status != 0:
+        raise CommandFailed(status)
+    return status
+
+
+def _restore(sig: int, handler: Any) -> None:
+    # (None: a handler not set from Python; the default's is the nearest.)
+    signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 #: ``si_code`` of a signal the kernel sent (a terminal's keys); ``kill`` sends SI_USER.

@@ -100,7 +100,3 @@ def test_background_sweeper(private: LockManager) -> None:
     finally:
         sweeper.stop()
     assert not sweeper.running
-
-
-def test_render_table() -> None:
-    assert _admin.render_table([]) == "no locks held"

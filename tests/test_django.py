@@ -21,7 +21,6 @@ import pytest
 import sqlalchemy as sa
 from django.contrib.auth.models import Permission, User
 from django.core.management import call_command
-from django.core.management.base import CommandError
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.test import Client, RequestFactory, override_settings
@@ -476,30 +475,45 @@ def test_class_based_view_method(accounts: None) -> None:
 
 
 def test_management_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    """`manage.py dblock_list|dblock_sweep|dblock_release` are `dblock
+    list|sweep|release` on the project's table, from call_command too, with
+    strings or keywords (tests/test_faces_commands.py compares the faces)."""
     with other_manager() as other:
         held = other.acquire("cmd:held", ttl=60)
         _short = other.acquire("cmd:short", ttl=0.2, renew=False)  # kept, not released
         time.sleep(0.5)
 
-        call_command("dblock_list")
+        call_command("dblock_list", "--prefix", "cmd:")
         lines = capsys.readouterr().out.splitlines()
-        assert lines[1].startswith("cmd:held")
-        assert lines[1].endswith("s left")
-        assert lines[2].startswith("cmd:short")
-        assert lines[2].endswith("expired")
+        assert lines[0].endswith(": 2 rows, 1 expired"), lines
+        assert lines[3].startswith("cmd:held")
+        assert lines[4].startswith("cmd:short")
+        assert "expired" in lines[4]
 
         call_command("dblock_list", "--json", "--prefix", "cmd:h")
         assert '"key": "cmd:held"' in capsys.readouterr().out
 
-        call_command("dblock_sweep")
-        assert capsys.readouterr().out.strip() == "swept 1 row(s) from dblock_locks"
+        call_command("dblock_sweep", once=True, grace="0")
+        assert ": swept 1 expired row and 0 held past max_hold" in capsys.readouterr().out
+        with pytest.raises(SystemExit) as no_when:
+            call_command("dblock_sweep")
+        assert no_when.value.code == 2
+        assert "one of the arguments --once --every is required" in capsys.readouterr().err
 
-        with pytest.raises(CommandError, match="pass --force"):
+        with pytest.raises(SystemExit) as refused:
             call_command("dblock_release", "cmd:held")
-        call_command("dblock_release", "cmd:held", "--force")
-        assert capsys.readouterr().out.strip() == "released cmd:held"
-        with pytest.raises(CommandError, match="no lock 'cmd:held' is held"):
+        assert refused.value.code == 2
+        assert "add --force" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as not_asked:  # (pytest's stdin is no terminal)
             call_command("dblock_release", "cmd:held", "--force")
+        assert not_asked.value.code == 2
+        assert "not a terminal; add --yes" in capsys.readouterr().err
+        call_command("dblock_release", "cmd:held", "--force", "--yes")
+        assert capsys.readouterr().out.startswith("released 'cmd:held' held by ")
+        with pytest.raises(SystemExit) as missing:
+            call_command("dblock_release", key="cmd:held", force=True, yes=True)
+        assert missing.value.code == 1
+        assert "dblock: no lock 'cmd:held' in dblock_locks" in capsys.readouterr().out
         with pytest.raises(Exception, match="lost"):
             held.release()
 
@@ -510,15 +524,20 @@ def test_release_command_by_prefix_and_owner(capsys: pytest.CaptureFixture[str])
     with LockManager(url, client_id="gone-host:1") as gone, other_manager() as alive:
         a = gone.acquire("cmdp:1:a", ttl=60)
         kept = alive.acquire("cmdp:1:b", ttl=60)
-        with pytest.raises(CommandError, match="not both"):
-            call_command("dblock_release", "cmdp:1:a", "--prefix", "cmdp:", "--force")
-        with pytest.raises(CommandError, match="name what to release"):
-            call_command("dblock_release", "--force")
-        with pytest.raises(CommandError, match="pass --force"):
-            call_command("dblock_release", "--owner", "gone-host")
-        call_command("dblock_release", "--prefix", "cmdp:1:", "--owner", "gone-host:1", "--force")
-        assert capsys.readouterr().out.strip() == (
-            "released 1 row with keys starting with 'cmdp:1:' and held by 'gone-host:1'"
+        for argv, said in (
+            (["cmdp:1:a", "--prefix", "cmdp:", "--force"], "not both"),
+            (["--force"], "name what to release"),
+            (["--owner", "gone-host"], "add --force"),
+        ):
+            with pytest.raises(SystemExit) as refused:
+                call_command("dblock_release", *argv)
+            assert refused.value.code == 2
+            assert said in capsys.readouterr().err
+        call_command(
+            "dblock_release", "--prefix", "cmdp:1:", "--owner", "gone-host:1", "--force", "--yes"
+        )
+        assert capsys.readouterr().out.startswith(
+            "released 1 row with keys starting with 'cmdp:1:' and held by 'gone-host:1'; by "
         )
         assert [row.key for row in alive.store.rows(prefix="cmdp:")] == ["cmdp:1:b"]
         with pytest.raises(Exception, match="lost"):
@@ -531,8 +550,8 @@ def test_release_command_by_owner_is_exact(capsys: pytest.CaptureFixture[str]) -
     with other_manager() as m:
         tag = uuid.uuid4().hex[:8]
         hold_rows(m, tag)
-        call_command("dblock_release", "--owner", "deadhost:999", "--force")
-        assert capsys.readouterr().out.strip() == "released 2 rows with held by 'deadhost:999'"
+        call_command("dblock_release", "--owner", "deadhost:999", "--force", "--yes")
+        assert capsys.readouterr().out.startswith("released 2 rows held by 'deadhost:999'; by ")
         assert held_keys(m, tag) == set(OTHERS.values())
         for row in m.store.rows(prefix=f"{tag}:"):
             assert m.store.release_row(row.key, row.slot, row.token)
@@ -555,7 +574,7 @@ def test_release_command_wakes_a_waiter_at_once() -> None:
         thread.start()
         time.sleep(0.5)  # the waiter is asleep on LISTEN
         released_at = time.monotonic()
-        call_command("dblock_release", "cmd:wake", "--force", verbosity=0)
+        call_command("dblock_release", "cmd:wake", "--force", "--yes", verbosity=0)
         thread.join(30)
     assert got
     assert got[0] - released_at < 1.5  # its re-check interval is 2 s

@@ -39,6 +39,8 @@ line of its own, starting with ``dblock``, ``flask dblock`` or
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import pty
 import re
@@ -397,35 +399,29 @@ def _run_until_stopped(command: list[str], cwd: Path, env: dict[str, str]) -> tu
 
 
 def check_flask(line: Line, args: list[str]) -> None:
-    import click
-
+    """A ``flask dblock`` line: its command is the shell's (dblock.cli.Face),
+    checked by the shell's parser."""
     from dblock.contrib.flask import cli as group
 
-    try:
-        ctx = group.make_context("dblock", list(args))
-        name, command, rest = group.resolve_command(ctx, [*ctx._protected_args, *ctx.args])
-        assert command is not None
-        command.make_context(str(name), rest, parent=ctx)
-    except click.ClickException as exc:
-        raise AssertionError(
-            f"{line.where}: flask dblock {shlex.join(args)} is refused: {exc}"
-        ) from exc
+    assert (args or [""])[0] in group.commands, f"{line.where}: flask dblock {args[:1]}?"
+    _check_shell(line, f"flask dblock {shlex.join(args)}", args)
 
 
 def check_django(line: Line, args: list[str]) -> None:
-    from django.core.management import CommandError
-
+    """A ``manage.py dblock_X`` line: ``dblock X`` (see check_flask)."""
     name, argv = args[0], args[1:]
-    if "--" in argv:  # dblock_run gives everything after -- to the command
-        argv = argv[: argv.index("--")]
-    command = _django_command(name)
-    parser = command.create_parser("manage.py", name)  # type: ignore[attr-defined]
+    assert name in django_commands(), f"{line.where}: no command manage.py {name}"
+    _check_shell(line, f"manage.py {shlex.join(args)}", [name.removeprefix("dblock_"), *argv])
+
+
+def _check_shell(line: Line, shown: str, args: list[str]) -> None:
+    from dblock.cli import parse_args
+
     try:
-        parser.parse_args(argv)
-    except (CommandError, SystemExit) as exc:
-        raise AssertionError(
-            f"{line.where}: manage.py {shlex.join(args)} is refused: {exc}"
-        ) from exc
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            parse_args(args)
+    except SystemExit as exc:
+        raise AssertionError(f"{line.where}: {shown} is refused: {said.getvalue()}") from exc
 
 
 def crontabs() -> list[tuple[Block, list[str], list[str]]]:

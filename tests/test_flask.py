@@ -555,6 +555,8 @@ def test_one_extension_many_apps(tmp_path: Path) -> None:
 
 
 def test_cli_list_sweep_release(app: Flask) -> None:
+    """`flask dblock list|sweep|release` are `dblock list|sweep|release` on
+    the app's table (tests/test_faces_commands.py compares the three faces)."""
     runner = app.test_cli_runner()
     with other_manager(app) as other:
         held = other.acquire("user:9", ttl=60)
@@ -564,31 +566,35 @@ def test_cli_list_sweep_release(app: Flask) -> None:
         listed = runner.invoke(args=["dblock", "list"])
         assert listed.exit_code == 0, listed.output
         lines = listed.output.splitlines()
-        assert lines[0].split() == ["KEY", "OWNER", "FENCE", "ACQUIRED", "(UTC)", "LEASE"]
-        assert lines[1].startswith("user:8")
-        assert lines[1].endswith("expired")
-        assert lines[2].startswith("user:9")
-        assert lines[2].endswith("s left")
+        assert lines[0].endswith(": 2 rows, 1 expired"), lines
+        assert lines[2].split()[:2] == ["KEY", "KIND"]
+        assert lines[3].startswith("user:9")  # oldest first
+        assert lines[4].startswith("user:8")
+        assert "expired" in lines[4]
 
         as_json = runner.invoke(args=["dblock", "list", "--json", "--prefix", "user:9"])
         (row,) = json.loads(as_json.output)
         assert (row["key"], row["fence"], row["expired"]) == ("user:9", held.fence, False)
 
-        swept = runner.invoke(args=["dblock", "sweep"])
-        assert swept.output.strip() == "swept 1 row(s) from dblock_locks"
+        swept = runner.invoke(args=["dblock", "sweep", "--once", "--grace", "0"])
+        assert swept.exit_code == 0, swept.output
+        assert ": swept 1 expired row and 0 held past max_hold" in swept.output
 
         refused = runner.invoke(args=["dblock", "release", "user:9"])
         assert refused.exit_code == 2
-        assert "pass --force" in refused.output
+        assert "add --force" in refused.output
+        not_asked = runner.invoke(args=["dblock", "release", "user:9", "--force"])
+        assert not_asked.exit_code == 2  # (the runner's stdin is no terminal)
+        assert "standard input is not a terminal; add --yes" in not_asked.output
 
-        released = runner.invoke(args=["dblock", "release", "user:9", "--force"])
-        assert released.exit_code == 0
-        assert released.output.strip() == "released user:9"
-        missing = runner.invoke(args=["dblock", "release", "user:9", "--force"])
+        released = runner.invoke(args=["dblock", "release", "user:9", "--force", "--yes"])
+        assert released.exit_code == 0, released.output
+        assert released.output.startswith("released 'user:9' held by ")
+        missing = runner.invoke(args=["dblock", "release", "user:9", "--force", "--yes"])
         assert missing.exit_code == 1
-        assert "no lock 'user:9' is held" in missing.output
+        assert "dblock: no lock 'user:9' in dblock_locks" in missing.output
 
-        assert runner.invoke(args=["dblock", "list"]).output.strip() == "no locks held"
+        assert runner.invoke(args=["dblock", "list"]).output.endswith(": 0 rows, 0 expired\n")
         del short
         with pytest.raises(Exception, match="lost"):
             held.release()
@@ -616,20 +622,21 @@ def test_cli_release_by_prefix_and_owner(app: Flask) -> None:
         assert "--prefix" in empty.output
         refused = runner.invoke(args=["dblock", "release", "--prefix", "tenant:1:"])
         assert refused.exit_code == 2
-        assert "pass --force" in refused.output
+        assert "add --force" in refused.output
 
         released = runner.invoke(
-            args=["dblock", "release", "--prefix", "tenant:1:", "--owner", "gone-host", "--force"]
-        )
+            args=["dblock", "release", "--prefix", "tenant:1:", "--owner", "gone-host", "--force",
+                  "--yes"]
+        )  # fmt: skip
         assert released.exit_code == 0, released.output
-        assert released.output.strip() == (
-            "released 2 rows with keys starting with 'tenant:1:' and held by 'gone-host'"
+        assert released.output.startswith(
+            "released 2 rows with keys starting with 'tenant:1:' and held by 'gone-host'; by "
         )
         left = {row.key for row in alive.store.rows(prefix="tenant:")}
         assert left == {"tenant:1:c", "tenant:2:a"}
-        again = runner.invoke(args=["dblock", "release", "--owner", "nobody", "--force"])
+        again = runner.invoke(args=["dblock", "release", "--owner", "nobody", "--force", "-y"])
         assert again.exit_code == 1
-        assert "no lock rows with held by 'nobody'" in again.output
+        assert "dblock: no lock rows held by 'nobody' in dblock_locks" in again.output
         for lost in (a, b):
             with pytest.raises(Exception, match="lost"):
                 lost.release()
@@ -645,9 +652,11 @@ def test_cli_release_by_owner_is_exact(app: Flask) -> None:
     manager = app.extensions["dblock"].manager
     tag = uuid.uuid4().hex[:8]
     hold_rows(manager, tag)
-    released = runner.invoke(args=["dblock", "release", "--owner", "deadhost:999", "--force"])
+    released = runner.invoke(
+        args=["dblock", "release", "--owner", "deadhost:999", "--force", "--yes"]
+    )
     assert released.exit_code == 0, released.output
-    assert released.output.strip() == "released 2 rows with held by 'deadhost:999'"
+    assert released.output.startswith("released 2 rows held by 'deadhost:999'; by ")
     assert held_keys(manager, tag) == set(OTHERS.values())
     for row in manager.store.rows(prefix=f"{tag}:"):
         assert manager.store.release_row(row.key, row.slot, row.token)
@@ -657,7 +666,10 @@ def test_cli_migrate_sql_and_up_to_date(app: Flask) -> None:
     runner = app.test_cli_runner()
     again = runner.invoke(args=["dblock", "migrate"])
     assert f"is up to date (revision {HEAD_REVISION})" in again.output
-    sql = runner.invoke(args=["dblock", "migrate", "--sql"])
+    latest = runner.invoke(args=["dblock", "migrate", "--sql"])  # as `dblock migrate --sql`
+    assert latest.exit_code == 0
+    assert f"is at revision {HEAD_REVISION}, the latest: no SQL" in latest.output
+    sql = runner.invoke(args=["dblock", "migrate", "--sql", "--from", "base"])
     assert sql.exit_code == 0
     assert "CREATE TABLE dblock_locks" in sql.output
 
@@ -667,7 +679,7 @@ def test_cli_reports_missing_table(private_url: str) -> None:
     app = example.create_app({"SQLALCHEMY_DATABASE_URI": private_url})
     result = app.test_cli_runner().invoke(args=["dblock", "list"])
     assert result.exit_code == 1
-    assert "run `dblock migrate`" in result.output
+    assert "`dblock migrate` creates it" in result.output
 
 
 # -- the in-app sweeper ---------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -86,12 +87,15 @@ def test_django_dblock_run_usage(db_url: str, tmp_path: Path) -> None:
     env = _django_env(db_url, tmp_path)
     base = [sys.executable, "manage.py", "dblock_run", f"dj-{uuid.uuid4().hex[:10]}"]
     no_command = _together([[*base, "--at-most", "5"]], env=env, cwd=EXAMPLE)[0]
-    assert no_command[0] == 1
-    assert "give the command to run after --" in no_command[2]
+    assert no_command[0] == 2  # as `dblock run`: a usage error
+    assert "dblock run needs a command after --" in no_command[2]
     no_zone = _together([[*base, "--at-most", "5", "--fire-time", "2026-01-01T03:00", "--",
                           "check"]], env=env, cwd=EXAMPLE)[0]  # fmt: skip
-    assert no_zone[0] == 1
-    assert "needs a time zone" in no_zone[2]
+    assert no_zone[0] == 2
+    assert "a fire time needs its UTC offset" in no_zone[2]
+    unknown = _together([[*base, "--", "nope"]], env=env, cwd=EXAMPLE)[0]
+    assert unknown[0] == 127  # as the shell's "command not found"
+    assert "no such management command: 'nope'; nothing was taken" in unknown[2]
     bad = _together([[*base, "--at-most", "5 weeks", "--", "check"]], env=env, cwd=EXAMPLE)[0]
     assert bad[0] == 2
     assert "not a duration: '5 weeks'" in bad[2]
@@ -132,8 +136,8 @@ def test_flask_dblock_run_usage_and_a_failing_command(db_url: str) -> None:
     name = f"fl-{uuid.uuid4().hex[:10]}"
     unknown = _together([_flask("dblock", "run", name, "--at-most", "5", "--", "nope")],
                         env=env, cwd=ROOT)[0]  # fmt: skip
-    assert unknown[0] == 2
-    assert "no such command: 'nope'" in unknown[2]
+    assert unknown[0] == 127  # as the shell's "command not found"
+    assert "dblock run: error: no such flask command: 'nope'; nothing was taken" in unknown[2]
     argv = _flask("dblock", "run", name, "--at-most", "5", "--fire-time", "2026-01-01T03:00Z",
                   "--", "fail")  # fmt: skip
     failed = _together([argv], env=env, cwd=ROOT)[0]
@@ -200,6 +204,9 @@ def test_jobs_stats_and_top_are_the_shells_in_every_face(db_url: str, tmp_path: 
         assert shell[0] == flask[0] == django[0], (ask, shell, flask, django)
 
         def same(text: str) -> str:  # (the URL as each face names it: its own engine's)
+            # (and the program's name in a refusal: the face's)
+            text = re.sub(r"\S*python\S* -m flask dblock |manage\.py dblock_", "dblock ", text)
+            text = re.sub(r"\bdblock \w+(: error: | --help\))", r"dblock\1", text)
             return text.replace("sqlite+pysqlite://", "sqlite://")
 
         if ask[-1] == "--json":

@@ -1,11 +1,12 @@
-"""The admin operations the integrations offer: list, sweep, force-release,
-and a background sweeper.
+"""The admin operations the integrations offer in-process: list, sweep,
+force-release (the Django admin page), and a background sweeper. (Their
+command lines are the shell's own: ``dblock.cli.Face``.)
 
 Thin calls into dblock's own admin side: the store's admin operations
 (``Store.rows``, ``Store.sweep``, ``Store.release``, each dialect's statements
-in its own module, in bounded batches) and :mod:`dblock.sweeper`. The Flask
-command group, the Django management commands and admin page reach the lock
-table only through this module.
+in its own module, in bounded batches) and :mod:`dblock.sweeper`. The Django
+admin page and the in-app sweepers reach the lock table only through this
+module.
 
 Times come from the database's clock, as everywhere in dblock. Statements
 run on the manager's engine in autocommit, outside any application
@@ -18,10 +19,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .._store.admin import LockRow, SweepReason, filter_phrase, rows_json
+from .._store.admin import LockRow, SweepReason
 from ..config import check_ttl
-from ..errors import DBLockError, LockArgumentError
-from ..keys import check_filter, check_key
+from ..errors import DBLockError
+from ..keys import check_key
 from ..sweeper import Sweeper as _CoreSweeper
 
 if TYPE_CHECKING:
@@ -32,11 +33,7 @@ __all__ = [
     "Sweeper",
     "force_release",
     "list_locks",
-    "list_report",
-    "release_report",
-    "render_table",
     "sweep",
-    "sweep_report",
 ]
 
 log = logging.getLogger("dblock")
@@ -90,29 +87,6 @@ def force_release(manager: LockManager, key: str) -> bool:
         if manager.store.release_key(key):
             return True
     return False
-
-
-def render_table(locks: list[LockInfo]) -> str:
-    """The rows as a plain-text table for a terminal."""
-    if not locks:
-        return "no locks held"
-    header = ("KEY", "OWNER", "FENCE", "ACQUIRED (UTC)", "LEASE")
-    rows = [
-        (
-            info.key,
-            info.owner,
-            str(info.fence),
-            info.acquired_at.strftime("%Y-%m-%d %H:%M:%S"),
-            "expired" if info.expired else f"{info.lease_left:.1f} s left",
-        )
-        for info in locks
-    ]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-        for r in (header, *rows)
-    ]
-    return "\n".join(lines)
 
 
 class Sweeper:
@@ -170,62 +144,3 @@ class Sweeper:
             log.error("dblock: sweeping %s failed: %s", self.manager.names.table, exc)
             return None
         return None if result.busy is not None else result.swept
-
-
-# -- what the integrations' commands print --------------------------------------
-
-
-def list_report(manager: LockManager, *, prefix: str | None, as_json: bool) -> str:
-    if as_json:
-        # The shape and order of `dblock list --json` (oldest first), so one
-        # script reads the output of every command.
-        return rows_json(manager.store.rows(prefix=prefix))
-    return render_table(list_locks(manager, prefix=prefix))
-
-
-def sweep_report(manager: LockManager, *, max_age: float | None) -> str:
-    count = sweep(manager, max_age=max_age)
-    return f"swept {count} row(s) from {manager.names.table}"
-
-
-def release_report(
-    manager: LockManager,
-    key: str | None = None,
-    *,
-    force: bool,
-    prefix: str | None = None,
-    owner: str | None = None,
-) -> str:
-    """The release commands of Flask and Django: one key, or every row
-    matching ``prefix`` and/or ``owner`` (as ``dblock release``), checked
-    before any statement runs."""
-    if key is not None and (prefix is not None or owner is not None):
-        raise LockArgumentError("give KEY, or --prefix and/or --owner, not both")
-    if key is None and prefix is None and owner is None:
-        raise LockArgumentError("name what to release: KEY, --prefix PREFIX or --owner OWNER")
-    if key is not None:
-        key = check_key(key)  # as the API and `dblock release` check it, before anything else
-        what = repr(key)
-    else:
-        prefix = None if prefix is None else check_filter("--prefix", prefix)
-        owner = None if owner is None else check_filter("--owner", owner)
-        what = filter_phrase(prefix, owner)
-    if not force:
-        raise LockArgumentError(
-            f"releasing {what} takes it from its holder, which goes on without mutual "
-            "exclusion; pass --force if that holder is gone"
-        )
-    if key is not None:
-        if not force_release(manager, key):
-            raise DBLockError(f"no lock {key!r} is held")
-        log.warning("dblock: force-released %r in %s", key, manager.names.table)
-        return f"released {key}"
-    found = manager.store.rows(prefix=prefix, owner=owner)
-    if not found:
-        raise DBLockError(f"no lock rows with {what} in {manager.names.table}")
-    # Each row by the token read: one that changed hands meanwhile stays.
-    gone = len(manager.store.release_rows(found))
-    kept = len(found) - gone
-    log.warning("dblock: force-released %d row(s) with %s in %s", gone, what, manager.names.table)
-    moved = f" ({kept} changed hands meanwhile; kept)" if kept else ""
-    return f"released {gone} row{'s' if gone != 1 else ''} with {what}{moved}"

@@ -36,8 +36,10 @@ ends; a view's lock whose response is streamed is held until the body has
 been sent and the response closed. An app database that is a SQLite file gets
 dblock's rows in a file beside it (``app.sqlite3`` -> ``app.dblock.sqlite3``).
 
-The extension adds ``flask dblock`` (``migrate``, ``sweep``, ``list``,
-``release``, and ``run`` to run another command once across the hosts),
+The extension adds ``flask dblock``: the shell's ``dblock`` commands
+(``migrate``, ``list``, ``stats``, ``release``, ``sweep``, ``top``, ``jobs``:
+their options, output and exit statuses) on the app's lock table, and
+``run`` to run one of the app's flask commands once across the hosts,
 turns a :class:`~dblock.LockNotAcquired` escaping a view into a 409 (or 423)
 response (through the app's handlers for ``DBLockError``, then for that
 status, as the README orders them), and with ``DBLOCK_SWEEPER = True``
@@ -48,19 +50,18 @@ process on.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 import click
 from flask import Flask, Response, current_app, has_app_context, request
-from flask.cli import AppGroup
+from flask.cli import AppGroup, with_appcontext
 from sqlalchemy.engine import Engine
 from werkzeug.exceptions import Conflict, Locked
 from werkzeug.wrappers import Response as WerkzeugResponse
 
-from .. import decorators, migrations
+from .. import decorators
 from .._engine import ENV_URL, borrow, check_engine_options, file_database
 from ..decorators import KeySpec, OnBusy
 from ..deferral import DeferHook, Deferred
@@ -69,7 +70,7 @@ from ..lock import UNSET, HeldLock, Unset
 from ..manager import LockManager, LockRequest
 from ..multi import HeldLocks
 from ..sessions import session_hook
-from . import _admin, _jobrun
+from . import _admin
 from ._beside import beside
 from ._http import busy_body, busy_message, log_busy, negotiate
 from ._settings import Settings, read_settings
@@ -410,8 +411,8 @@ def _start_sweeper_once() -> None:
 
 cli = AppGroup(
     "dblock",
-    help="dblock's lock table: migrate, sweep, list, stats, top, release; run a job, "
-    "and its record (jobs).",
+    help="The shell's dblock commands on the app's lock table (each one's --help: the "
+    "options of the shell's); run runs a flask command once across the hosts.",
 )
 
 
@@ -419,96 +420,46 @@ def _manager() -> LockManager:
     return state_of(_the_app()).manager
 
 
-def _run(action: Callable[[], str | None]) -> None:
-    try:
-        output = action()
-    except LockArgumentError as exc:
-        raise click.UsageError(str(exc)) from exc
-    except DBLockError as exc:
-        raise click.ClickException(str(exc)) from exc
-    if output:
-        click.echo(output)
+_ARGV = "dblock.argv"
 
 
-@cli.command("migrate")
-@click.option("--sql", is_flag=True, help="Print the DDL for a DBA instead of running it.")
-def migrate_command(sql: bool) -> None:
-    """Create or upgrade the lock table (dblock's alembic migrations)."""
+class _Untouched(click.Command):
+    """A command whose words are kept as given, ``--`` included, for the
+    shell's parser (``ctx.meta["dblock.argv"]``)."""
 
-    def run() -> str | None:
-        manager = _manager()
-        if sql:
-            migrations.upgrade_sql(manager.engine.url, manager.names, sys.stdout)
-            return None
-        before = migrations.current(manager.engine, manager.names)
-        manager.create_schema()
-        after = migrations.current(manager.engine, manager.names)
-        table = manager.names.table
-        if before == after:
-            return f"{table} on {manager.url} is up to date (revision {after})"
-        return f"migrated {table} on {manager.url}: {before or 'empty'} -> {after}"
-
-    _run(run)
-
-
-@cli.command("sweep")
-@click.option(
-    "--max-age", type=float, default=None, help="Also delete rows held longer than this (s)."
-)
-def sweep_command(max_age: float | None) -> None:
-    """Delete rows whose lease ended (and, with --max-age, rows held too long)."""
-    _run(lambda: _admin.sweep_report(_manager(), max_age=max_age))
-
-
-@cli.command("list")
-@click.option("--prefix", default=None, help="Only keys starting with this.")
-@click.option("--json", "as_json", is_flag=True, help="A JSON array, as `dblock list --json`.")
-def list_command(prefix: str | None, as_json: bool) -> None:
-    """Show the locks held now."""
-    _run(lambda: _admin.list_report(_manager(), prefix=prefix, as_json=as_json))
-
-
-@cli.command("release")
-@click.argument("key", required=False)
-@click.option("--prefix", default=None, help="Every row whose key starts with this.")
-@click.option(
-    "--owner",
-    default=None,
-    help="Every row held by this owner: exactly, or every thread under HOST:PID, "
-    "or every process under HOST.",
-)
-@click.option("--force", is_flag=True, help="Required: delete the rows whoever holds them.")
-def release_command(key: str | None, prefix: str | None, owner: str | None, force: bool) -> None:
-    """Force-release KEY (or every row matching --prefix and/or --owner):
-    delete the rows whoever holds them.
-
-    The holders are not told and go on without mutual exclusion; use this
-    only for locks whose holders are known to be gone.
-    """
-    _run(lambda: _admin.release_report(_manager(), key, force=force, prefix=prefix, owner=owner))
-
-
-#: The commands ``flask dblock`` runs as the shell's ``dblock`` runs them (its
-#: parser, output and exit statuses), on the app's database and table.
-SHELL_COMMANDS = {
-    "jobs": "The record of job runs (as `dblock jobs`; --help for its options).",
-    "stats": "Rows held, expired, the oldest, who leads each role (as `dblock stats`).",
-    "top": "The rows refreshing in the terminal (as `dblock top`; needs rich).",
-}
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[_ARGV] = tuple(args)
+        return super().parse_args(ctx, args)
 
 
 def _shell_command(name: str, help_text: str) -> click.Command:
+    """``flask dblock NAME ARGS``: ``dblock NAME ARGS`` (its parser, output
+    and exit statuses) on the app's database, table and index (``run``: the
+    command after ``--`` is one of the app's flask commands, run in this
+    process and app context)."""
+
     @click.command(
         name,
+        cls=_Untouched,
         help=help_text,
+        short_help=help_text.partition(" (e.g. ")[0],
         context_settings={"ignore_unknown_options": True, "help_option_names": []},
     )
     @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    @with_appcontext
     def command(args: tuple[str, ...]) -> None:
         from .. import cli as shell
 
+        ctx = click.get_current_context()
+        args = ctx.meta[_ARGV]  # (click drops a --: run's command follows it)
         manager = _manager()
-        face = shell.Face(url=manager.engine.url, table=manager.config.table)
+        face = shell.Face(
+            url=manager.engine.url,
+            table=manager.names.table,
+            index=manager.names.index,
+            prog=ctx.command_path,
+            run=_flask_command(ctx.find_root()) if name == "run" else None,
+        )
         status = shell.main([name, *args], face=face)
         if status:
             raise SystemExit(status)
@@ -516,65 +467,59 @@ def _shell_command(name: str, help_text: str) -> click.Command:
     return command
 
 
-for _name, _help in SHELL_COMMANDS.items():
+def _flask_command(root: click.Context) -> Callable[[list[str]], Callable[[], int]]:
+    """What ``flask dblock run`` runs after ``--``: a command of the app's
+    ``flask`` (in this process and app context), as ``flask COMMAND ARGS``
+    would run it: its own parser, messages and exit status."""
+
+    def find(argv: list[str]) -> Callable[[], int]:
+        from ..runner import EX_NOTFOUND, CommandError
+
+        group = root.command
+        name, args = argv[0], argv[1:]
+        target = group.get_command(root, name) if isinstance(group, click.Group) else None
+        if target is None:
+            raise CommandError(f"no such flask command: {name!r}", EX_NOTFOUND)
+
+        def invoke() -> int:
+            try:
+                with target.make_context(name, list(args), parent=root) as ctx:
+                    target.invoke(ctx)
+            except click.exceptions.Exit as exc:
+                return exc.exit_code
+            except click.ClickException as exc:
+                exc.show()
+                return exc.exit_code
+            except click.Abort:
+                click.echo("Aborted!", err=True)
+                return 1
+            except SystemExit as exc:
+                code = exc.code
+                if code is None or isinstance(code, int):
+                    return code or 0
+                click.echo(code, err=True)
+                return 1
+            return 0
+
+        return invoke
+
+    return find
+
+
+def _shell_help() -> dict[str, str]:
+    from .. import cli as shell
+
+    every = shell.command_help()
+    return {name: every[name] for name in shell.FACE_COMMANDS}
+
+
+#: ``flask dblock``'s commands: the shell's, each with its one line of help
+#: (``run`` runs one of the app's flask commands, not a program).
+_HELP = {
+    **_shell_help(),
+    "run": "run a flask command once across the hosts, as the shell's run runs a program "
+    "(e.g. `flask dblock run nightly --per 1d --at-most 30m -- purge --days 30`)",
+}
+
+for _name, _help in _HELP.items():
     cli.add_command(_shell_command(_name, _help))
-
-
-def _durations(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        return _jobrun.duration(value)
-    except DBLockError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
-@cli.command("run", context_settings={"ignore_unknown_options": True})
-@click.argument("name")
-@click.option("--at-most", callback=_durations, default=None, help=_jobrun.HELP["at_most"])
-@click.option("--at-least", callback=_durations, default="0", help=_jobrun.HELP["at_least"])
-@click.option("--fire-time", default=None, help=_jobrun.HELP["fire_time"])
-@click.option("--per", callback=_durations, default=None, help=_jobrun.HELP["per"])
-@click.option("--retry-failed", is_flag=True, help=_jobrun.HELP["retry_failed"])
-@click.option("--wait", callback=_durations, default=None, help=_jobrun.HELP["wait"])
-@click.option(
-    "--skip-status",
-    type=click.IntRange(0, 255),
-    default=_jobrun.SKIP_STATUS,
-    help=_jobrun.HELP["skip_status"],
-)
-@click.option("-q", "--quiet", is_flag=True, help=_jobrun.HELP["quiet"])
-@click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def run_command(name: str, command: tuple[str, ...], **options: Any) -> None:
-    """Run a flask command once across the hosts: NAME is the job's name;
-    the command and its arguments follow --, e.g.
-    ``flask dblock run nightly --per 1d --at-most 30m -- purge --days 30``.
-    The others skip (exit status 75, as dblock run, unless --skip-status)."""
-    if not command:
-        raise click.UsageError("give the command to run after --")
-    root = click.get_current_context().find_root()
-    group = root.command
-    target = group.get_command(root, command[0]) if isinstance(group, click.Group) else None
-    if target is None:
-        raise click.UsageError(f"no such command: {command[0]!r}")
-
-    def invoke() -> None:
-        # The command runs in this process and app context, as if called
-        # as ``flask COMMAND ARGS``: its own parser, its own exit status.
-        with target.make_context(command[0], list(command[1:]), parent=root) as ctx:
-            target.invoke(ctx)
-
-    status = 0
-
-    def run() -> str | None:
-        nonlocal status
-        status = _jobrun.run_command(_manager(), name, _jobrun.RunOptions(**options), invoke, _say)
-        return None
-
-    _run(run)
-    if status:
-        raise SystemExit(status)
-
-
-def _say(text: str) -> None:
-    click.echo(text, err=True)
