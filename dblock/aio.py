@@ -596,16 +596,9 @@ class AsyncLockManager:
         if again is not None:
             return AsyncHeldLock(self, again)
         steps = locker.acquire_steps(
-            key,
-            me,
-            blocking=blocking,
-            timeout=timeout,
-            ttl=ttl,
-            opts=opts,
-            waiter_type=AsyncWaiter,
-            level2=level2,
-            seen=entry,
-        )
+            key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts,
+            waiter_type=AsyncWaiter, level2=level2, seen=entry,
+        )  # fmt: skip
         return AsyncHeldLock(self, await _drive(self, steps))
 
     def semaphore(

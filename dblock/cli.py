@@ -102,12 +102,29 @@ FACE_COMMANDS = ("migrate", "list", "stats", "release", "sweep", "top", "run", "
 
 def command_help() -> dict[str, str]:
     """Each command's one line of help, as ``dblock --help`` lists it."""
-    parser = build_parser()
-    found: dict[str, str] = {}
+    return {name: text for name, (_, text, _) in commands(build_parser()).items()}
+
+
+def commands(
+    parser: argparse.ArgumentParser,
+) -> dict[str, tuple[argparse.ArgumentParser, str, list[argparse.Action]]]:
+    """``parser``'s subcommands: name -> (its parser, its one line of help,
+    its options and arguments). The one place argparse's internals are read:
+    it has no public way to list a parser's subcommands, their help or
+    their actions, which the faces need (their help, ``call_command``'s
+    keywords) and the unknown-option check reads beside ``option_strings``."""
+    found: dict[str, tuple[argparse.ArgumentParser, str, list[argparse.Action]]] = {}
     for action in parser._subparsers._group_actions if parser._subparsers else ():
-        for choice in getattr(action, "_choices_actions", ()):
-            found[choice.dest] = choice.help or ""
+        helps = {c.dest: c.help or "" for c in getattr(action, "_choices_actions", ())}
+        for name, sub in getattr(action, "choices", {}).items():
+            found[name] = (sub, helps.get(name, ""), list(sub._actions))
     return found
+
+
+def option_strings(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """``parser``'s own options by each spelling (argparse's, read here: see
+    :func:`commands`)."""
+    return dict(parser._option_string_actions)
 
 
 def main(argv: Sequence[str] | None = None, *, face: Face | None = None) -> int:
@@ -183,15 +200,14 @@ def parse_args(argv: Sequence[str], *, face: Face | None = None) -> argparse.Nam
 
 def _in_face(parser: argparse.ArgumentParser, name: str, face: Face) -> None:
     """Command ``name``'s help and refusals as ``face`` shows them."""
-    for action in parser._subparsers._group_actions if parser._subparsers else ():
-        sub = getattr(action, "choices", {}).get(name)
-        if sub is None:
-            continue
+    found = commands(parser).get(name)
+    if found is not None:
+        sub, _, actions = found
         if face.prog is not None:
             # (Its mistakes are said by the subcommand's parser or, for
             # arguments left over, by the top one: both named so.)
             parser.prog = sub.prog = face.prog
-        for option in sub._actions:
+        for option in actions:
             if "--url" in option.option_strings:
                 option.help = "database URL (default: the application's)"
             elif "--table" in option.option_strings:
@@ -249,7 +265,7 @@ def _unknown_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | N
     """An option before the command that ``dblock`` does not have (``dblock
     --tabel x list``): argparse would take its value for the command and
     say "invalid choice: 'x'"."""
-    known = parser._option_string_actions
+    known = option_strings(parser)
     words = iter(argv)
     for word in words:
         if word == "--" or not word.startswith("-") or word == "-":

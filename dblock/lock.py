@@ -225,17 +225,10 @@ class Locker(Alone, RowLoop, HandOff, Lifecycle, BlockingDriver, LockerBase):
             return self._acquire_alone(key, me, blocking, timeout, ttl, opts)
         return self.run(
             self.acquire_steps(
-                key,
-                me,
-                blocking=blocking,
-                timeout=timeout,
-                ttl=ttl,
-                opts=opts,
-                waiter_type=Waiter,
-                level2=level2,
-                seen=entry,
+                key, me, blocking=blocking, timeout=timeout, ttl=ttl, opts=opts,
+                waiter_type=Waiter, level2=level2, seen=entry,
             )
-        )
+        )  # fmt: skip
 
     def owns(self, key: str) -> bool:
         """Whether the calling thread or task holds ``key`` (see :meth:`HeldLock.owned`)."""

@@ -116,14 +116,12 @@ def _without_django(argv: list[str]) -> list[str]:
 
 def _actions(name: str) -> dict[str, argparse.Action]:
     """The options and arguments of ``dblock NAME``, by dest."""
-    from .....cli import build_parser
+    from .....cli import build_parser, commands
 
-    parser = build_parser()
-    for action in parser._subparsers._group_actions if parser._subparsers else ():
-        sub = getattr(action, "choices", {}).get(name)
-        if sub is not None:
-            return {a.dest: a for a in sub._actions if a.dest not in ("help", "argv")}
-    return {}
+    found = commands(build_parser()).get(name)
+    if found is None:
+        return {}
+    return {a.dest: a for a in found[2] if a.dest not in ("help", "argv")}
 
 
 def _keywords(name: str, options: dict[str, Any]) -> list[str]:
