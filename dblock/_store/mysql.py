@@ -258,13 +258,22 @@ class MySQLStore(WokenStore):
             self._offset_at = time.monotonic()
         return self._offset
 
-    def acquire_steps(self, key: str, token: str, owner: str, ttl: float) -> Steps[Grant | Holder]:
+    def acquire_steps(
+        self, key: str, token: str, owner: str, ttl: float, first: Result | None = None
+    ) -> Steps[Grant | Holder]:
+        """``first``: the answer to the first INSERT … RETURNING, sent by
+        :meth:`try_acquire` (only where the server has RETURNING)."""
         if not self.dialect.known:
             yield from self.server_steps()
         params = {"key": key, "owner": owner, "token": token, "ttl_us": round(ttl * 1e6)}
         for _ in range(_RACE_RETRIES):
             if self.dialect.returning:
-                rows = (yield self._insert_returning_sql, params, True, False).rows
+                rows = (
+                    (yield self._insert_returning_sql, params, True, False).rows
+                    if first is None
+                    else first.rows
+                )
+                first = None
                 if rows:
                     settled = yield from self._ours(key, token, owner, ttl, mysql_grant(*rows[0]))
                     if settled is None:
@@ -379,6 +388,28 @@ class MySQLStore(WokenStore):
             return (
                 yield self._release_sql, {"key": key, "token": token}, False, False
             ).rowcount > 0
+        finally:
+            self._let_go(key)
+
+    # The lone request's path on the blocking driver, without a generator to
+    # drive (as SQLite's and PostgreSQL's): the same statements and decisions
+    # as the steps above, which take over from the first answer when it
+    # granted nothing, or where the grant needs more (a fence drawn again).
+
+    def try_acquire(self, key: str, token: str, owner: str, ttl: float) -> Grant | Holder:
+        dialect = self.dialect
+        if not (dialect.known and dialect.returning) or dialect.redraws_fences:
+            return self.drive(self.acquire_steps(key, token, owner, ttl))
+        params = {"key": key, "owner": owner, "token": token, "ttl_us": round(ttl * 1e6)}
+        first = self.run(self._insert_returning_sql, params, True)
+        if first.rows:
+            self._took(key)
+            return mysql_grant(*first.rows[0])
+        return self.drive(self.acquire_steps(key, token, owner, ttl, first))
+
+    def release(self, key: str, token: str) -> bool:
+        try:
+            return self.run(self._release_sql, {"key": key, "token": token}).rowcount > 0
         finally:
             self._let_go(key)
 
