@@ -39,8 +39,8 @@ def test_without_greenlet_the_error_names_the_extra(
 
 ASYNC_FORMS = {
     "sqlite": ("sqlite+aiosqlite",),
-    "postgresql": ("postgresql+psycopg_async", "postgresql+psycopg"),
-    "mariadb": ("mysql+aiomysql", "mariadb+aiomysql"),
+    "postgresql": ("postgresql+psycopg_async", "postgresql+psycopg", "postgresql+asyncpg"),
+    "mariadb": ("mysql+aiomysql", "mariadb+aiomysql", "mysql+asyncmy", "mariadb+asyncmy"),
 }
 
 
@@ -81,17 +81,13 @@ def test_each_async_url_form_and_an_async_engine_take_a_lock(
 
 
 @pytest.mark.parametrize(
-    ("source", "message"),
-    [
-        ("postgresql+asyncpg://u@h/db", r"through asyncpg yet; use postgresql\+psycopg:"),
-        ("mysql+asyncmy://u@h/db", r"through asyncmy yet; use mysql\+aiomysql:"),
-    ],
-)  # fmt: skip
-def test_drivers_not_spoken_yet_are_refused_naming_the_form_to_use(
-    source: str, message: str
-) -> None:
-    with pytest.raises(LockArgumentError, match=message):
-        AsyncLockManager(source)
+    "source", ["postgresql+asyncpg://u@h/db", "mysql+asyncmy://u@h/db", "mariadb+asyncmy://u@h/db"]
+)
+def test_asyncpg_and_asyncmy_urls_given_to_lock_manager_are_refused(source: str) -> None:
+    from dblock import LockManager
+
+    with pytest.raises(LockArgumentError, match="is an asyncio driver: give this URL to"):
+        LockManager(source)
 
 
 def test_an_async_engine_or_url_given_to_lock_manager_is_refused(tmp_path: Path) -> None:
