@@ -54,3 +54,20 @@ def private_database(db: str, directory: Path) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}{force}"))
         admin.dispose()
+
+
+#: The asyncio drivers AsyncLockManager speaks, per test server (SQLAlchemy's
+#: names, as a URL form spells them): each test of tests/test_aio_drivers.py
+#: runs on every one of its server's.
+ASYNC_DRIVERS = {
+    "sqlite": ("aiosqlite",),
+    "postgresql": ("psycopg_async", "asyncpg"),
+    "mariadb": ("aiomysql", "asyncmy"),
+}
+
+
+def async_form(url: str, driver: str) -> str:
+    """``url`` (a blocking form) in the asyncio driver ``driver``'s form."""
+    parsed = sa.make_url(url)
+    form = parsed.set(drivername=f"{parsed.get_backend_name()}+{driver}")
+    return form.render_as_string(hide_password=False)
