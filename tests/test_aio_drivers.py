@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -31,22 +30,11 @@ from dblock import (
     LockTimeout,
 )
 from tests.conftest import row_of
-from tests.support.db import ASYNC_DRIVERS, async_form
+from tests.support.db import ASYNC_DRIVERS, ASYNC_FORMS, async_form, driver_form
 
 pytestmark = pytest.mark.databases("sqlite", "postgresql", "mariadb")
 
-#: Per server, the two forms each test runs on: (the URL's driver, the
-#: driver dblock's async engine speaks). SQLite has one asyncio driver: its
-#: asyncio form and its blocking form (which picks aiosqlite).
-FORMS: dict[str, tuple[tuple[str | None, str], ...]] = {
-    "sqlite": (("aiosqlite", "aiosqlite"), (None, "aiosqlite")),
-    "postgresql": (("psycopg_async", "psycopg"), ("asyncpg", "asyncpg")),
-    "mariadb": (("aiomysql", "aiomysql"), ("asyncmy", "asyncmy")),
-}
-assert {k: tuple(d for d, _ in v if d) for k, v in FORMS.items()} == {
-    "sqlite": ("aiosqlite",),
-    **{k: v for k, v in ASYNC_DRIVERS.items() if k != "sqlite"},
-}
+assert {db: tuple(d for d, _ in forms if d) for db, forms in ASYNC_FORMS.items()} == ASYNC_DRIVERS
 
 #: How long a waiter may take to get a released key: a wake-up's round
 #: trips on a loaded machine. On PostgreSQL every re-check and poll is set
@@ -65,10 +53,7 @@ def run(coro: Any) -> Any:
 @pytest.fixture(params=[0, 1], ids=["driver0", "driver1"])
 def form(request: pytest.FixtureRequest, db: str, db_url: str) -> tuple[str, str]:
     """(the URL in this test's asyncio form, the driver it must speak)."""
-    url_driver, spoken = FORMS[db][request.param]
-    importlib.import_module(spoken)  # missing: the test fails here, never skips
-    url = async_form(db_url, url_driver) if url_driver else db_url
-    return url, spoken
+    return driver_form(db, db_url, request.param)
 
 
 def make(url: str, spoken: str, **options: Any) -> AsyncLockManager:
@@ -88,11 +73,22 @@ def pair(form: tuple[str, str], db: str) -> Iterator[tuple[AsyncLockManager, Asy
         alocks.sync.close()
 
 
-def test_acquire_and_release(form: tuple[str, str], key: str) -> None:
+@pytest.mark.parametrize("observed", [False, True], ids=["direct", "observed"])
+def test_acquire_and_release(form: tuple[str, str], key: str, observed: bool) -> None:
+    """``observed``: something listens for the engine's execution events,
+    so every statement goes through SQLAlchemy's Connection (and the
+    listener sees each one) instead of the driver's own connection."""
     url, spoken = form
+    seen: list[str] = []
 
     async def main() -> None:
         alocks = make(url, spoken)
+        if observed:
+            sa.event.listen(
+                alocks.astore.engine.sync_engine,
+                "before_cursor_execute",
+                lambda conn, cursor, statement, *args: seen.append(statement),
+            )
         try:
             async with alocks.lock(key, ttl=10) as held:
                 row = row_of(alocks.sync, key)
@@ -107,6 +103,7 @@ def test_acquire_and_release(form: tuple[str, str], key: str) -> None:
             await alocks.close()
 
     run(main())
+    assert bool(seen) == observed
 
 
 def test_contention_between_two_managers(

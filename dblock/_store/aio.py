@@ -465,7 +465,12 @@ class AsyncStore:
                 if on_interrupted is not None:  # (SQLAlchemy may drop it before we look)
                     driver = (await conn.get_raw_connection()).driver_connection
                 try:
-                    result = await conn.exec_driver_sql(sql, dict(params))
+                    if self._driver == "asyncpg":  # numbered parameters, in order
+                        text, names = numbered(sql)
+                        args = tuple(params[name] for name in names)
+                        result = await conn.exec_driver_sql(text, args)
+                    else:
+                        result = await conn.exec_driver_sql(sql, dict(params))
                     rows = [tuple(r) for r in result.fetchall()] if fetch else []
                     return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
                 except sa_exc.DBAPIError as exc:
