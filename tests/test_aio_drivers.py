@@ -28,6 +28,7 @@ from dblock import (
     LockBusy,
     LockManager,
     LockTimeout,
+    PoolerMismatch,
 )
 from tests.conftest import row_of
 from tests.support.db import ASYNC_DRIVERS, ASYNC_FORMS, async_form, driver_form
@@ -372,3 +373,24 @@ def test_asyncpg_statements_are_translated_once_each() -> None:
     sql = "SELECT %(key)s, %(ttl)s, %(key)s LIKE 'a%%'"
     assert numbered(sql) == ("SELECT $1, $2, $1 LIKE 'a%'", ("key", "ttl"))
     assert numbered(sql) is numbered(sql)
+
+
+@pytest.mark.databases("postgresql")
+def test_asyncpgs_prepared_statements_behind_a_pooler_are_told_as_psycopgs(db_url: str) -> None:
+    """Without ``pooler=True`` behind a transaction-mode pooler, asyncpg's
+    cached statements (``__asyncpg_stmt_N__``) may be missing on the next
+    server connection: the error says what it means, as psycopg's does
+    (tests/test_pgbouncer.py shows psycopg's through a real pgbouncer)."""
+    import asyncpg
+
+    with LockManager(db_url) as manager:
+        translate = manager.store.executor.translate
+        missing = asyncpg.exceptions.InvalidSQLStatementNameError(
+            'prepared statement "__asyncpg_stmt_1f__" does not exist'
+        )
+        told = translate(missing, sent=True)
+        assert isinstance(told, PoolerMismatch)
+        assert "pass pooler=True" in str(told)
+        assert "statement_cache_size=0" in str(told)
+        other = translate(asyncpg.exceptions.UniqueViolationError("duplicate key"), sent=True)
+        assert "pooler" not in str(other)

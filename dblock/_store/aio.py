@@ -265,14 +265,13 @@ class AsyncStore:
             # asyncpg prepares every statement it is given with parameters,
             # named and cached per connection: behind a transaction-mode
             # pooler the next transaction's server connection lacks it, or
-            # has another of that name. Unnamed statements only on the
-            # direct path (asyncpg's own cache off); on the observed one
-            # SQLAlchemy's adapter names each statement afresh (its cache
-            # off, the names unique, as its documentation says for pgbouncer).
+            # has another of that name. Unnamed statements only: on the
+            # direct path (asyncpg's own cache off) and on the observed one
+            # (SQLAlchemy's adapter's cache off, its statements unnamed).
             options["connect_args"] = {
                 "statement_cache_size": 0,
                 "prepared_statement_cache_size": 0,
-                "prepared_statement_name_func": _unique_statement_name,
+                "prepared_statement_name_func": _unnamed_statement,
                 **(options.get("connect_args") or {}),
             }
         self._url = url
@@ -844,12 +843,12 @@ def _asyncpg_lost(_dialect: Any, exc: BaseException, conn: PoolProxiedConnection
     return True
 
 
-def _unique_statement_name() -> str:
-    """A name for each statement SQLAlchemy's asyncpg adapter prepares when
-    a pooler is in front (never one another connection of the pooler's has)."""
-    import uuid
-
-    return f"__dblock_{uuid.uuid4().hex}__"
+def _unnamed_statement() -> str:
+    """The name of each statement SQLAlchemy's asyncpg adapter prepares when
+    a pooler is in front: none, PostgreSQL's unnamed statement, which asyncpg
+    parses and binds without a Sync between them (a Flush), so the pooler
+    keeps them on one server connection, as on the direct path."""
+    return ""
 
 
 # -- asyncmy -------------------------------------------------------------------
