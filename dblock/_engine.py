@@ -648,4 +648,6 @@ def drop_transport(driver: Any) -> bool:
     transport._sock = None
     with contextlib.suppress(AttributeError, TypeError):
         driver._transport = None
+    if hasattr(driver, "_aborted"):  # asyncpg's: closed, as its own abort says
+        driver._aborted = True
     return True

@@ -394,3 +394,34 @@ def test_asyncpgs_prepared_statements_behind_a_pooler_are_told_as_psycopgs(db_ur
         assert "statement_cache_size=0" in str(told)
         other = translate(asyncpg.exceptions.UniqueViolationError("duplicate key"), sent=True)
         assert "pooler" not in str(other)
+
+
+def test_one_manager_across_event_loops(form: tuple[str, str], key: str) -> None:
+    """A manager used from one ``asyncio.run`` after another (Django's loop
+    per request under WSGI): the connections of a closed loop are dropped
+    (asyncpg's and asyncmy's sockets closed without their dead loop, and
+    quietly: no ResourceWarning of an unclosed connection or transport),
+    and each new loop gets connections of its own."""
+    import gc
+    import warnings
+
+    url, spoken = form
+    alocks = make(url, spoken)
+
+    async def once() -> None:
+        async with alocks.lock(key, timeout=10):
+            pass
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        try:
+            for _ in range(3):
+                asyncio.run(once())
+            gc.collect()
+        finally:
+            run(alocks.close())
+        gc.collect()
+    assert row_of(alocks.sync, key) is None
+    if spoken != "aiomysql":  # (aiomysql's stream warns of its closed loop)
+        unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+        assert not [m for m in unclosed if spoken in m or "transport" in m], unclosed

@@ -104,3 +104,22 @@ def test_an_async_engine_or_url_given_to_lock_manager_is_refused(tmp_path: Path)
         LockManager(create_async_engine(f"sqlite+aiosqlite:///{path}"))  # type: ignore[arg-type]
     with pytest.raises(LockArgumentError, match="is an asyncio driver: give this URL to"):
         LockManager(f"sqlite+aiosqlite:///{path}")
+
+
+@pytest.mark.parametrize(
+    ("url", "module", "extra"),
+    [
+        ("postgresql+asyncpg://nobody@127.0.0.1:1/none", "asyncpg", "postgresql-asyncpg"),
+        ("mysql+asyncmy://nobody@127.0.0.1:1/none", "asyncmy", "mysql-asyncmy"),
+        ("mariadb+asyncmy://nobody@127.0.0.1:1/none", "asyncmy", "mysql-asyncmy"),
+    ],
+)
+def test_without_asyncpg_or_asyncmy_the_error_names_their_extra(
+    url: str, module: str, extra: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # import fails
+    with pytest.raises(LockArgumentError) as info:
+        AsyncLockManager(url)
+    message = str(info.value)
+    assert f"pip install '.[{extra}]'" in message
+    assert module in message
