@@ -155,7 +155,13 @@ class _LoopPool:
         #: What the driver's own calls raise for a failed statement or a
         #: lost connection (anything else is the caller's: a cancellation).
         self.error: tuple[type[BaseException], ...] = spec.errors(self.sync_engine.dialect)
-        self.connect_errors: tuple[type[BaseException], ...] = (*self.error, OSError)
+        # (A connect's failure may also come as the adapter's error, as
+        # SQLAlchemy's asyncpg adapter raises it, unwrapped.)
+        self.connect_errors: tuple[type[BaseException], ...] = (
+            *self.error,
+            self.sync_engine.dialect.loaded_dbapi.Error,
+            OSError,
+        )
         #: Whether a failure of the driver's own call lost its connection.
         self.lost = spec.lost
         # (connection, checked in at), newest last
@@ -322,6 +328,17 @@ class AsyncStore:
         # Per connection, as on the blocking engine: WAL and NORMAL sync on
         # SQLite (without them every commit waits for an fsync, ~2 ms here),
         # no prepared statements through a transaction-mode pooler.
+        if self._driver == "asyncpg":
+            # SQLAlchemy closes an asyncpg connection (the pool's dispose,
+            # an overflow connection checked in) by waiting, without a
+            # timeout, for the server to end the session: forever, if the
+            # server hangs. psycopg's close does not wait; this one waits a
+            # moment, then drops the socket (nothing of dblock's is open on
+            # a connection: every statement committed on its own). (An
+            # invalidated one, lost or cut off mid-statement, keeps
+            # SQLAlchemy's goodbye of at most 2 s, which lets a statement
+            # cut off in flight be settled as on the other drivers.)
+            sync_engine.dialect.do_close = _close_asyncpg  # type: ignore[method-assign]
         if self.store.dialect.file:
             event.listen(sync_engine, "connect", sqlite_pragmas)
         elif self._driver == "psycopg" and self.store.config.pooler:
@@ -841,6 +858,26 @@ def _asyncpg_lost(_dialect: Any, exc: BaseException, conn: PoolProxiedConnection
     with contextlib.suppress(Exception):
         return bool(conn.driver_connection.is_closed())  # type: ignore[union-attr]
     return True
+
+
+#: How long closing an asyncpg connection waits for the server's goodbye.
+_ASYNCPG_CLOSE = 0.5
+
+
+def _close_asyncpg(dbapi_connection: Any) -> None:
+    """Close SQLAlchemy's adapted asyncpg connection, waiting at most
+    :data:`_ASYNCPG_CLOSE` for the server (asyncpg drops the socket then)."""
+    from sqlalchemy.util import await_
+    from sqlalchemy.util.concurrency import in_greenlet
+
+    driver = dbapi_connection.driver_connection
+    if not in_greenlet():  # (no loop to wait on: the collector's case)
+        driver.terminate()
+        return
+    try:
+        await_(driver.close(timeout=_ASYNCPG_CLOSE))
+    except Exception:  # timed out (asyncpg aborted it), or busy: dropped
+        driver.terminate()
 
 
 def _unnamed_statement() -> str:
