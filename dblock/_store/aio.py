@@ -473,7 +473,10 @@ class AsyncStore:
         translate = self.store.executor.translate
         sent = False
         try:
+            asked = _cancels_asked()
             async with pool.engine.connect() as conn:
+                if _cancels_asked() > asked:  # swallowed by the connect: see _checkout
+                    raise asyncio.CancelledError("cancelled while connecting")
                 sent = True
                 if running is not None:
                     running.append((await conn.get_raw_connection()).driver_connection)
@@ -562,8 +565,9 @@ class AsyncStore:
                 return conn
             # Idle too long: back to the pool, whose checkout recycles or pings it.
             await _close(conn)
+        asked = _cancels_asked()
         try:
-            return await pool.engine.raw_connection()
+            conn = await pool.engine.raw_connection()
         except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
             raise self.store.executor.exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
@@ -573,6 +577,15 @@ class AsyncStore:
         except BaseException as exc:  # cancelled while waiting for the pool: nothing was sent
             _mark_unsent(exc)
             raise
+        if _cancels_asked() > asked:
+            # A cancellation the driver's connect swallowed (asyncmy's
+            # handshake does, at some of its awaits): the connection is
+            # good, the task was cancelled all the same. Nothing was sent.
+            self._checkin(pool, conn)
+            cut = asyncio.CancelledError("cancelled while connecting")
+            _mark_unsent(cut)
+            raise cut
+        return conn
 
     def _checkin(self, pool: _LoopPool, conn: PoolProxiedConnection) -> None:
         if len(pool.idle) < pool.max_idle and not pool.exhausted():
@@ -905,10 +918,15 @@ def _quiet_asyncmy_cursor() -> type:
 
 
 async def _asyncmy(conn: Any, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
-    async with conn.cursor(_quiet_asyncmy_cursor()) as cursor:
-        await cursor.execute(sql, params)
-        rows = await cursor.fetchall() if fetch else ()
-        return Result(rows, cursor.rowcount, cursor.lastrowid if lastrowid else None)
+    # Not ``async with``: the cursor's exit reads what is left of the answer,
+    # which after a cancellation mid-read (asyncmy closes the connection)
+    # raises, and that error would replace the cancellation.
+    cursor = conn.cursor(_quiet_asyncmy_cursor())
+    await cursor.execute(sql, params)
+    rows = await cursor.fetchall() if fetch else ()
+    result = Result(rows, cursor.rowcount, cursor.lastrowid if lastrowid else None)
+    await cursor.close()
+    return result
 
 
 def _asyncmy_errors(dialect: Any) -> tuple[type[BaseException], ...]:
@@ -958,6 +976,15 @@ _DIRECT: Mapping[str, _Direct] = {
     "asyncmy": _Direct(_asyncmy, _asyncmy_errors, _asyncmy_lost),
     "aiosqlite": _Direct(_aiosqlite, _dbapi_errors, _disconnect),
 }
+
+
+def _cancels_asked() -> int:
+    """How many cancellations of the running task are pending (Python 3.11's
+    ``Task.cancelling``; 0 before it): one more after an await than before
+    it means a cancellation was asked for there and swallowed below."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return int(cancelling()) if cancelling is not None else 0
 
 
 async def _close(conn: PoolProxiedConnection) -> None:
