@@ -34,6 +34,7 @@ from .errors import LockArgumentError, install_hint
 __all__ = [
     "DEFAULT_URL",
     "Dialect",
+    "async_driver",
     "blocking_url",
     "borrow",
     "check_engine_options",
@@ -69,15 +70,12 @@ _EXTRAS = {"postgresql": "postgresql", "mysql": "mysql", "mariadb": "mysql"}
 #: its blocking side speaks (its tasks' statements go through the asyncio one).
 ASYNC_FORMS: dict[tuple[str, str], str] = {
     ("postgresql", "psycopg_async"): "psycopg",
+    ("postgresql", "asyncpg"): "psycopg",
     ("mysql", "aiomysql"): "pymysql",
     ("mariadb", "aiomysql"): "pymysql",
+    ("mysql", "asyncmy"): "pymysql",
+    ("mariadb", "asyncmy"): "pymysql",
     ("sqlite", "aiosqlite"): "pysqlite",
-}
-#: asyncio drivers dblock does not speak yet, with the URL form it does.
-_ASYNC_NOT_YET = {
-    ("postgresql", "asyncpg"): "postgresql+psycopg",
-    ("mysql", "asyncmy"): "mysql+aiomysql",
-    ("mariadb", "asyncmy"): "mariadb+aiomysql",
 }
 
 
@@ -229,12 +227,6 @@ def check_dialect(dialect: str, driver: str) -> None:
             f"{dialect}+{driver} is an asyncio driver: give this URL to AsyncLockManager, or "
             f"use {dialect}+{ASYNC_FORMS[dialect, driver]}://... with LockManager"
         )
-    if (dialect, driver) in _ASYNC_NOT_YET:
-        raise LockArgumentError(
-            f"dblock does not speak {dialect} through {driver} yet; use "
-            f"{_ASYNC_NOT_YET[dialect, driver]}://... (with AsyncLockManager: its asyncio "
-            f"driver; {install_hint(_EXTRAS[dialect] + '-async')})"
-        )
     if driver not in drivers:
         raise LockArgumentError(
             f"dblock speaks {dialect} through {' or '.join(drivers)}, not {driver!r}; "
@@ -263,6 +255,14 @@ def blocking_url(url: URL) -> URL:
     if blocking is None:
         return url
     return url.set(drivername=f"{url.get_backend_name()}+{blocking}")
+
+
+def async_driver(url: URL) -> str | None:
+    """The asyncio driver ``url`` names, if it is one of :data:`ASYNC_FORMS`
+    (SQLAlchemy's name: ``asyncpg``, ``psycopg_async``, ...); else None."""
+    if (url.get_backend_name(), url.get_driver_name()) in ASYNC_FORMS:
+        return url.get_driver_name()
+    return None
 
 
 def is_async_engine(engine: object) -> bool:
@@ -658,4 +658,22 @@ def drop_aiomysql_stream(driver: Any) -> bool:
     if sock is not None:
         sock.close()
     driver._writer = driver._reader = None
+    return True
+
+
+def drop_transport(driver: Any) -> bool:
+    """An asyncpg or asyncmy connection of a closed event loop: close its
+    socket (its asyncio transport's ``_transport._sock``) and forget the
+    transport, since closing it schedules on the dead loop. False if
+    ``driver`` has no such transport."""
+    transport: Any = getattr(driver, "_transport", None)
+    sock = getattr(transport, "_sock", None)
+    if sock is None:
+        return False
+    sock.close()
+    transport._sock = None
+    with contextlib.suppress(AttributeError, TypeError):
+        driver._transport = None
+    if hasattr(driver, "_aborted"):  # asyncpg's: closed, as its own abort says
+        driver._aborted = True
     return True

@@ -41,7 +41,7 @@ from sqlalchemy.engine import Engine
 
 from . import decorators, jobs
 from ._driver import drive
-from ._engine import blocking_url, is_async_engine, resolve_url
+from ._engine import async_driver, blocking_url, is_async_engine, resolve_url
 from ._faces import Checked, level2_loop, until_hook
 from ._store import Store
 from ._store.aio import AsyncStore
@@ -482,8 +482,10 @@ class AsyncLockManager:
     ``AsyncLockManager(url)`` makes its own :class:`~dblock.LockManager`
     (same URL forms and options); ``AsyncLockManager(locks)`` serves the
     tasks of an application that already has one, sharing its level 1 with
-    its threads. Statements go through the dialect's asyncio driver
-    (psycopg 3, aiomysql, aiosqlite) on SQLAlchemy's async engine.
+    its threads. Statements go through the dialect's asyncio driver on
+    SQLAlchemy's async engine: the one an asyncio URL form (or
+    ``AsyncEngine``) names (psycopg 3 or asyncpg, aiomysql or asyncmy,
+    aiosqlite), else the dialect's default (psycopg 3, aiomysql, aiosqlite).
     """
 
     def __init__(
@@ -495,6 +497,7 @@ class AsyncLockManager:
         **options: Any,
     ) -> None:
         self.sync: LockManager
+        driver: str | None = None  # the asyncio driver named, if any
         if isinstance(url, LockManager):
             if options or engine_options:
                 raise LockArgumentError(
@@ -510,17 +513,20 @@ class AsyncLockManager:
                 # Its URL (password included) and pool size; the connections
                 # are dblock's own (AUTOCOMMIT, no reset on return: see _engine).
                 target, async_engine_options = _from_async_engine(url, async_engine_options)
+                driver = async_driver(cast("AsyncEngine", url).url)
             elif isinstance(url, Engine):
                 target = url
             else:
                 # An asyncio driver's URL form names the blocking side's driver too.
-                target = blocking_url(resolve_url(cast("str | URL | None", url)))
+                resolved = resolve_url(cast("str | URL | None", url))
+                driver = async_driver(resolved)
+                target = blocking_url(resolved)
             self.sync = LockManager(target, engine_options=engine_options, **options)
             self._owns = True
         try:
             #: The statements on the async engine (``_astore``: the former name).
             self.astore = self._astore = AsyncStore(
-                self.sync.store, engine_options=async_engine_options
+                self.sync.store, engine_options=async_engine_options, driver=driver
             )
         except BaseException:
             if self._owns:

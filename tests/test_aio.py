@@ -1,6 +1,8 @@
 """The asyncio face (issue 11) on the three databases: AsyncLockManager's
 API, level 1 for tasks (shared with threads), waiting without blocking the
-loop, cancellation at each stage, and async holders' leases."""
+loop, cancellation at each stage, and async holders' leases. The managers of
+the ``alocks`` and ``other`` fixtures run on each asyncio driver of their
+database in turn (``driver0``, ``driver1``: see tests/support/db.py)."""
 
 from __future__ import annotations
 
@@ -18,13 +20,13 @@ from dblock import (
     LockArgumentError,
     LockBusy,
     LockLost,
-    LockManager,
     LockNotHeld,
     LockTimeout,
     returns,
 )
 from tests.conftest import row_of
 from tests.support.counting import StatementCounter
+from tests.support.db import driver_form
 
 # -- helpers -------------------------------------------------------------------
 
@@ -57,17 +59,24 @@ def statements(alocks: AsyncLockManager) -> StatementCounter:
     return StatementCounter(alocks._astore.engine.sync_engine)
 
 
+@pytest.fixture(params=[0, 1], ids=["driver0", "driver1"])
+def form(request: pytest.FixtureRequest, db: str, db_url: str) -> str:
+    """The database's URL in one of its asyncio drivers' forms."""
+    url, _ = driver_form(db, db_url, request.param)
+    return url
+
+
 @pytest.fixture
-def alocks(manager: LockManager) -> Iterator[AsyncLockManager]:
-    a = AsyncLockManager(manager)
+def alocks(form: str) -> Iterator[AsyncLockManager]:
+    a = AsyncLockManager(form)
     yield a
     run(a.close())
 
 
 @pytest.fixture
-def other(make_manager: Any) -> Iterator[AsyncLockManager]:
+def other(form: str) -> Iterator[AsyncLockManager]:
     """A second manager (its own registry): another process, as far as level 1 goes."""
-    a = AsyncLockManager(make_manager())
+    a = AsyncLockManager(form)
     yield a
     run(a.close())
 

@@ -39,8 +39,8 @@ def test_without_greenlet_the_error_names_the_extra(
 
 ASYNC_FORMS = {
     "sqlite": ("sqlite+aiosqlite",),
-    "postgresql": ("postgresql+psycopg_async", "postgresql+psycopg"),
-    "mariadb": ("mysql+aiomysql", "mariadb+aiomysql"),
+    "postgresql": ("postgresql+psycopg_async", "postgresql+psycopg", "postgresql+asyncpg"),
+    "mariadb": ("mysql+aiomysql", "mariadb+aiomysql", "mysql+asyncmy", "mariadb+asyncmy"),
 }
 
 
@@ -81,17 +81,13 @@ def test_each_async_url_form_and_an_async_engine_take_a_lock(
 
 
 @pytest.mark.parametrize(
-    ("source", "message"),
-    [
-        ("postgresql+asyncpg://u@h/db", r"through asyncpg yet; use postgresql\+psycopg:"),
-        ("mysql+asyncmy://u@h/db", r"through asyncmy yet; use mysql\+aiomysql:"),
-    ],
-)  # fmt: skip
-def test_drivers_not_spoken_yet_are_refused_naming_the_form_to_use(
-    source: str, message: str
-) -> None:
-    with pytest.raises(LockArgumentError, match=message):
-        AsyncLockManager(source)
+    "source", ["postgresql+asyncpg://u@h/db", "mysql+asyncmy://u@h/db", "mariadb+asyncmy://u@h/db"]
+)
+def test_asyncpg_and_asyncmy_urls_given_to_lock_manager_are_refused(source: str) -> None:
+    from dblock import LockManager
+
+    with pytest.raises(LockArgumentError, match="is an asyncio driver: give this URL to"):
+        LockManager(source)
 
 
 def test_an_async_engine_or_url_given_to_lock_manager_is_refused(tmp_path: Path) -> None:
@@ -108,3 +104,22 @@ def test_an_async_engine_or_url_given_to_lock_manager_is_refused(tmp_path: Path)
         LockManager(create_async_engine(f"sqlite+aiosqlite:///{path}"))  # type: ignore[arg-type]
     with pytest.raises(LockArgumentError, match="is an asyncio driver: give this URL to"):
         LockManager(f"sqlite+aiosqlite:///{path}")
+
+
+@pytest.mark.parametrize(
+    ("url", "module", "extra"),
+    [
+        ("postgresql+asyncpg://nobody@127.0.0.1:1/none", "asyncpg", "postgresql-asyncpg"),
+        ("mysql+asyncmy://nobody@127.0.0.1:1/none", "asyncmy", "mysql-asyncmy"),
+        ("mariadb+asyncmy://nobody@127.0.0.1:1/none", "asyncmy", "mysql-asyncmy"),
+    ],
+)
+def test_without_asyncpg_or_asyncmy_the_error_names_their_extra(
+    url: str, module: str, extra: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # import fails
+    with pytest.raises(LockArgumentError) as info:
+        AsyncLockManager(url)
+    message = str(info.value)
+    assert f"pip install '.[{extra}]'" in message
+    assert module in message

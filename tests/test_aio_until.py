@@ -31,7 +31,7 @@ from dblock._store.aio import async_url
 from dblock.adeferral import aexit_deferring
 from tests.conftest import row_of
 from tests.support.counting import StatementCounter
-from tests.support.db import private_database
+from tests.support.db import ASYNC_FORMS, async_form, driver_form, private_database
 
 
 async def until(condition: Callable[[], object], seconds: float = 30.0) -> None:
@@ -52,9 +52,18 @@ def held_elsewhere(manager: LockManager, key: str) -> bool:
         return True
 
 
+@pytest.fixture(params=[0, 1], ids=["driver0", "driver1"])
+def which(request: pytest.FixtureRequest) -> int:
+    """Which asyncio driver of its database both the manager and the
+    application's engine speak (tests/support/db.py: psycopg and asyncpg,
+    aiomysql and asyncmy; aiosqlite in both URL forms)."""
+    return int(request.param)
+
+
 @pytest.fixture
-def alocks(manager: LockManager) -> Iterator[AsyncLockManager]:
-    a = AsyncLockManager(manager)
+def alocks(db: str, db_url: str, which: int) -> Iterator[AsyncLockManager]:
+    url, _ = driver_form(db, db_url, which)
+    a = AsyncLockManager(url)
     yield a
     asyncio.run(a.close())
 
@@ -65,15 +74,20 @@ def other(make_manager: Any) -> LockManager:
 
 
 @pytest.fixture
-def bank_url(db: str, tmp_path: Path) -> Iterator[str]:
-    """An application database with one account holding 100 (async URL)."""
+def bank_url(db: str, tmp_path: Path, which: int) -> Iterator[str]:
+    """An application database with one account holding 100 (async URL, on
+    the test's asyncio driver)."""
     with private_database(db, tmp_path) as url:
         engine = sa.create_engine(url)
         with engine.begin() as conn:
             conn.execute(sa.text("CREATE TABLE account (id INTEGER PRIMARY KEY, balance INTEGER)"))
             conn.execute(sa.text("INSERT INTO account VALUES (1, 100)"))
         engine.dispose()
-        yield async_url(sa.make_url(url)).render_as_string(hide_password=False)
+        driver = ASYNC_FORMS[db][which][0]
+        if driver is None:
+            yield async_url(sa.make_url(url)).render_as_string(hide_password=False)
+        else:
+            yield async_form(url, driver)
 
 
 def make_bank(url: str) -> AsyncEngine:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -372,3 +373,28 @@ def test_the_library_loads_no_benchmark_code() -> None:
     )  # fmt: skip
     assert helped.returncode == 0, helped.stderr
     assert "bench" not in helped.stdout
+
+
+@pytest.mark.databases("postgresql", "mariadb")
+def test_bench_aio_drivers_compares_the_asyncio_drivers(db: str, db_url: str) -> None:
+    """``python -m benchmarks.aio_drivers`` at smoke size: both asyncio
+    drivers of the database, interleaved, each granting without errors."""
+    forms = {"postgresql": "psycopg_async,asyncpg", "mariadb": "aiomysql,asyncmy"}[db]
+    args = ["--url", db_url, "--forms", forms, "--processes", "2", "--tasks", "3"]
+    args += ["--seconds", "0.5", "--rounds", "1", "--pool-size", "2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.aio_drivers", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [row.split("|")[1].strip() for row in rows] == forms.split(",")
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert float(cells[1].replace(",", "")) > 0  # grants/s
+        assert cells[-1] == "0"  # errors

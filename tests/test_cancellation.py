@@ -1,5 +1,7 @@
 """Cancelling asyncio acquisitions whose statement is in flight, on the three
-databases: what is logged (a cancellation on a healthy database is ordinary,
+databases and each of their asyncio drivers (``driver0``, ``driver1``: psycopg
+and asyncpg, aiomysql and asyncmy; SQLite's asyncio and blocking URL forms,
+both aiosqlite): what is logged (a cancellation on a healthy database is ordinary,
 DEBUG; the "may have committed while the database was unreachable" WARNING
 only when it was), and how soon the cancellation takes effect.
 
@@ -24,6 +26,7 @@ import sqlalchemy as sa
 
 from dblock import AsyncLockManager, LockManager
 from tests.conftest import row_of
+from tests.support.db import driver_form
 from tests.support.innodb import innodb_count
 from tests.support.proxy import Proxy
 
@@ -32,6 +35,21 @@ MAY_HAVE_COMMITTED = "may have committed while the database was unreachable"
 
 def _nothing(*args: Any) -> None:
     pass
+
+
+@pytest.fixture(params=[0, 1], ids=["driver0", "driver1"])
+def which(request: pytest.FixtureRequest) -> int:
+    """Which of its server's asyncio forms a test runs on (see driver_form)."""
+    return int(request.param)
+
+
+def on_driver(db: str, url: str, which: int, **options: Any) -> AsyncLockManager:
+    """An AsyncLockManager on ``url`` (a blocking form) through the
+    ``which``-th asyncio driver of its database."""
+    form, spoken = driver_form(db, url, which)
+    alocks = AsyncLockManager(form, **options)
+    assert alocks.astore.engine.sync_engine.dialect.driver == spoken
+    return alocks
 
 
 @contextlib.contextmanager
@@ -108,7 +126,9 @@ async def until(condition: Any, seconds: float = 30.0) -> None:
 def test_a_cancellation_storm_on_a_healthy_database_logs_no_warning(
     manager: LockManager,
     make_manager: Any,
+    db: str,
     db_url: str,
+    which: int,
     keys: Any,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -119,7 +139,7 @@ def test_a_cancellation_storm_on_a_healthy_database_logs_no_warning(
     names = keys(8)
     holder = make_manager()
     held = [holder.acquire(k, ttl=60) for k in names]
-    alocks = AsyncLockManager(manager)
+    alocks = on_driver(db, db_url, which)
 
     async def main() -> None:
         with statements_held(db_url, names):
@@ -130,7 +150,7 @@ def test_a_cancellation_storm_on_a_healthy_database_logs_no_warning(
             await asyncio.sleep(0.1)
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert all(isinstance(r, asyncio.CancelledError) for r in results), results
-        await until(lambda: not manager.store.has_orphans)
+        await until(lambda: not alocks.sync.store.has_orphans)
         await alocks.close()
 
     asyncio.run(main())
@@ -155,12 +175,13 @@ def test_a_cancellation_storm_on_a_healthy_database_logs_no_warning(
 
 
 def test_a_cancelled_semaphore_acquisition_is_settled_quietly(
-    manager: LockManager, key: str, caplog: pytest.LogCaptureFixture
+    db: str, db_url: str, which: int, key: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The same for a semaphore's permit (whose clean-up of an unsettled
     permit failed on a missing attribute, every renewal pass)."""
     caplog.set_level(logging.DEBUG, logger="dblock")
-    alocks = AsyncLockManager(manager)
+    alocks = on_driver(db, db_url, which)
+    manager = alocks.sync
 
     async def main() -> None:
         task: asyncio.Task[Any] | None = None
@@ -199,7 +220,12 @@ def _permit_stores(manager: LockManager) -> list[Any]:
 
 @pytest.mark.databases("postgresql", "mariadb")
 def test_a_cancellation_while_the_database_is_unreachable_warns(
-    make_manager: Any, db_url: str, key: str, caplog: pytest.LogCaptureFixture
+    make_manager: Any,
+    db: str,
+    db_url: str,
+    which: int,
+    key: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The warning is for the case it describes: a task cancelled with its
     INSERT in flight as the database goes away. Its row is deleted once the
@@ -209,7 +235,7 @@ def test_a_cancellation_while_the_database_is_unreachable_warns(
     proxy = Proxy(url.host or "127.0.0.1", url.port or (5432 if "postgresql" in db_url else 3306))
     holder = make_manager()
     held = holder.acquire(key, ttl=60)
-    alocks = AsyncLockManager(proxy.url_for(db_url), ttl=1.0)  # renewal passes every 1/3 s
+    alocks = on_driver(db, proxy.url_for(db_url), which, ttl=1.0)  # renewal every 1/3 s
 
     async def main() -> None:
         with statements_held(db_url, [key]) as session:
@@ -243,7 +269,7 @@ def test_a_cancellation_while_the_database_is_unreachable_warns(
 
 
 def test_a_cancelled_task_stops_waiting_at_once(
-    manager: LockManager, make_manager: Any, db_url: str, key: str
+    manager: LockManager, make_manager: Any, db: str, db_url: str, which: int, key: str
 ) -> None:
     """A task whose INSERT waits inside the database (SQLite: for the file's
     write lock, under its 30 s busy timeout) is cancelled: the cancellation
@@ -251,7 +277,7 @@ def test_a_cancelled_task_stops_waiting_at_once(
     nothing of the request is left."""
     holder = make_manager()
     held = holder.acquire(key, ttl=60)
-    alocks = AsyncLockManager(manager)
+    alocks = on_driver(db, db_url, which)
 
     async def main() -> float:
         with statements_held(db_url, [key]):
@@ -267,7 +293,7 @@ def test_a_cancelled_task_stops_waiting_at_once(
             assert done, "the cancellation waited for the database"
             with pytest.raises(asyncio.CancelledError):
                 await task
-        await until(lambda: not manager.store.has_orphans)
+        await until(lambda: not alocks.sync.store.has_orphans)
         await alocks.close()
         return delay
 
@@ -310,7 +336,7 @@ def test_an_async_statement_still_waits_out_the_write_lock(
 @pytest.mark.databases("postgresql", "mariadb")
 @pytest.mark.parametrize("observed", [False, True], ids=["direct", "observed"])
 def test_a_statement_reaching_the_server_after_its_task_was_cancelled_leaves_no_row(
-    db_url: str, key: str, observed: bool
+    db: str, db_url: str, which: int, key: str, observed: bool
 ) -> None:
     """The acquire's INSERT is on its way (here held by a proxy, as a slow
     network would) when its task is cancelled. The statement still reaches
@@ -321,7 +347,7 @@ def test_a_statement_reaching_the_server_after_its_task_was_cancelled_leaves_no_
     orphan ran before the late INSERT: the key stayed taken for the lease.)"""
     url = sa.make_url(db_url)
     proxy = Proxy(url.host or "127.0.0.1", url.port or (5432 if "postgresql" in db_url else 3306))
-    alocks = AsyncLockManager(proxy.url_for(db_url), ttl=60)
+    alocks = on_driver(db, proxy.url_for(db_url), which, ttl=60)
     store = alocks.sync.store
     if observed:  # a listener on the engine: statements go through SQLAlchemy's Connection
         sa.event.listen(alocks._astore.engine.sync_engine, "before_cursor_execute", _nothing)
@@ -355,7 +381,12 @@ def test_a_statement_reaching_the_server_after_its_task_was_cancelled_leaves_no_
 
 
 def test_a_task_cancelled_while_releasing_several_locks_releases_them_all(
-    manager: LockManager, db_url: str, keys: Any, caplog: pytest.LogCaptureFixture
+    manager: LockManager,
+    db: str,
+    db_url: str,
+    which: int,
+    keys: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """``lock_many``'s exit releases its locks one by one, newest first. A
     cancellation during the first release (its DELETE waiting in the
@@ -364,7 +395,7 @@ def test_a_task_cancelled_while_releasing_several_locks_releases_them_all(
     on, and nobody is told they were "never released"."""
     caplog.set_level(logging.WARNING, logger="dblock")
     names = sorted(keys(3))
-    alocks = AsyncLockManager(manager)
+    alocks = on_driver(db, db_url, which)
 
     async def main() -> None:
         entered, leave, stay = asyncio.Event(), asyncio.Event(), asyncio.Event()

@@ -242,13 +242,19 @@ def test_role_not_permitted_to_log_in_is_authentication_failed(db_url: str, key:
 
 
 @pytest.mark.databases("postgresql", "mariadb")
-def test_async_refused_login_is_authentication_failed(db: str, db_url: str, key: str) -> None:
+@pytest.mark.parametrize("which", [0, 1], ids=["driver0", "driver1"])
+def test_async_refused_login_is_authentication_failed(
+    db: str, db_url: str, key: str, which: int
+) -> None:
+    """On each asyncio driver of the database (psycopg and asyncpg, aiomysql
+    and asyncmy: see tests/support/db.py)."""
     import asyncio
 
     from dblock import AsyncLockManager
+    from tests.support.db import driver_form
 
     user = "dblock_nosuchrole" if db == "postgresql" else "root"
-    url = _login_as(db_url, username=user, password="wrong-s3cret")
+    url, _ = driver_form(db, _login_as(db_url, username=user, password="wrong-s3cret"), which)
 
     async def main() -> None:
         async with AsyncLockManager(url) as alocks:

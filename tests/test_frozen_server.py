@@ -153,16 +153,22 @@ def test_close_finishes_while_the_server_is_frozen(
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("which", [0, 1], ids=["driver0", "driver1"])
 def test_async_close_finishes_while_the_server_is_frozen(
-    server: PrivateServer, monkeypatch: pytest.MonkeyPatch
+    server: PrivateServer, monkeypatch: pytest.MonkeyPatch, which: int
 ) -> None:
-    """The same for the asyncio face: its locks are lost, and ``await
-    close()`` returns while the server stays frozen."""
+    """The same for the asyncio face, on each asyncio driver (asyncpg's
+    close waits for the server's goodbye unless told how long): its locks
+    are lost, and ``await close()`` returns while the server stays frozen."""
+    from tests.support.db import driver_form
+
     monkeypatch.setattr(Locker, "CLOSE_RELEASES", 1.0)
     key = f"frozen-aclose-{time.monotonic_ns()}"
+    db = "mariadb" if isinstance(server, PrivateMariaDB) else "postgresql"
+    url, _ = driver_form(db, server.url, which)
 
     async def main() -> None:
-        manager = AsyncLockManager(server.url)
+        manager = AsyncLockManager(url)
         held = await manager.acquire(key)
         with _frozen(server):
             start = time.monotonic()

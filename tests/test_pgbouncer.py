@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from dblock import AsyncLockManager, BackendError, LockArgumentError, LockBusy, LockManager
 from tests.support import procs
 from tests.support.counting import StatementCounter
-from tests.support.db import DEFAULT_URLS
+from tests.support.db import DEFAULT_URLS, async_form
 from tests.support.servers import PgBouncer
 
 pytestmark = pytest.mark.databases("postgresql")
@@ -184,6 +184,10 @@ def test_cross_process_read_modify_write_is_exact_behind_the_pooler(
     assert procs.read_counter(url, key) == processes * threads * rounds
 
 
+def _nothing(*args: object) -> None:
+    pass
+
+
 def _listeners() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "dblock-listener"]
 
@@ -242,14 +246,23 @@ def test_listen_url_is_for_postgresql(tmp_path: object) -> None:
         LockManager(DEFAULT_URLS["postgresql"], listen_url=5)
 
 
-def test_async_tasks_behind_the_pooler_raise_no_errors(bouncer: PgBouncer, key: str) -> None:
+@pytest.mark.parametrize("driver", ["psycopg_async", "asyncpg"])
+@pytest.mark.parametrize("observed", [False, True], ids=["direct", "observed"])
+def test_async_tasks_behind_the_pooler_raise_no_errors(
+    bouncer: PgBouncer, key: str, driver: str, observed: bool
+) -> None:
     """The asyncio face sends its statements straight to psycopg's
-    AsyncConnection: with ``pooler=True`` it must not prepare them either."""
+    AsyncConnection or asyncpg's (which prepares every statement, named, by
+    default): with ``pooler=True`` neither may prepare one. ``observed``:
+    through SQLAlchemy's Connection (an execution listener), whose asyncpg
+    adapter prepares statements of its own."""
 
     async def main() -> tuple[int, list[object]]:
-        managers = [
-            AsyncLockManager(bouncer.url, local_filter=False, pooler=True) for _ in range(4)
-        ]
+        url = async_form(bouncer.url, driver)
+        managers = [AsyncLockManager(url, local_filter=False, pooler=True) for _ in range(4)]
+        if observed:
+            for m in managers:
+                sa.event.listen(m.astore.engine.sync_engine, "before_cursor_execute", _nothing)
         errors: list[object] = []
         busy = 0
 

@@ -2,12 +2,14 @@
 
 :class:`AsyncStore` runs a dialect's operations (its :data:`~dblock._store.base.Steps`
 generators, the very ones the blocking store drives) on SQLAlchemy's async
-engine: psycopg 3's async connection for PostgreSQL, aiomysql for
-MySQL/MariaDB, aiosqlite for SQLite. Errors are translated exactly as on the
-blocking side, and the dialect's retry rule (MySQL's deadlock victims) applies.
+engine: psycopg 3's async connection (or asyncpg) for PostgreSQL, aiomysql
+(or asyncmy) for MySQL/MariaDB, aiosqlite for SQLite. Errors are translated
+exactly as on the blocking side, and the dialect's retry rule (deadlock and
+serialization victims) applies.
 
 As on the blocking side's fast path, a statement goes straight to the
-driver's connection (psycopg's ``AsyncConnection``, aiomysql's, aiosqlite's)
+driver's connection (psycopg's ``AsyncConnection``, asyncpg's, aiomysql's,
+asyncmy's, aiosqlite's)
 of a pooled connection kept checked out in a small LIFO stack: SQLAlchemy's
 per-statement machinery on an async engine (a greenlet switch, a Core
 ``Connection``, a result object and a task to close it, per statement) cost
@@ -24,11 +26,12 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import event
@@ -41,6 +44,7 @@ from .._engine import (
     SQLITE_BUSY_SLICE_MS,
     SQLITE_BUSY_TOTAL,
     drop_aiomysql_stream,
+    drop_transport,
     has_events,
     invalidate_in_pool,
     max_overflow,
@@ -49,17 +53,28 @@ from .._engine import (
     unbind_closed_loop,
 )
 from ..errors import BackendError, LockArgumentError, install_hint
-from .base import IDLE_SECONDS, Params, Result, Steps, Store, T, _mark_unsent, not_writable
+from .base import (
+    IDLE_SECONDS,
+    Params,
+    Result,
+    Steps,
+    Store,
+    T,
+    _mark_unsent,
+    not_writable,
+    sqlstate,
+)
 from .sqlite import WAITED, sqlite_busy
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-__all__ = ["ASYNC_DRIVERS", "AsyncStore", "async_url"]
+__all__ = ["ASYNC_DRIVERS", "AsyncStore", "async_url", "spoken_driver"]
 
 log = logging.getLogger("dblock")
 
-#: dialect -> the asyncio driver dblock speaks it through, and its extra.
+#: dialect -> the asyncio driver dblock speaks it through unless told
+#: otherwise (a blocking URL's), and its extra.
 ASYNC_DRIVERS: Mapping[str, tuple[str, str]] = {
     "postgresql": ("psycopg", "postgresql-async"),
     "mysql": ("aiomysql", "mysql-async"),
@@ -67,12 +82,40 @@ ASYNC_DRIVERS: Mapping[str, tuple[str, str]] = {
     "sqlite": ("aiosqlite", "sqlite-async"),
 }
 
+#: (dialect, driver) -> the extra of every asyncio driver dblock speaks, by
+#: the name its URL form gives it (SQLAlchemy's; ``psycopg_async`` is psycopg).
+_SPOKEN: Mapping[tuple[str, str], str] = {
+    ("postgresql", "psycopg"): "postgresql-async",
+    ("postgresql", "asyncpg"): "postgresql-asyncpg",
+    ("mysql", "aiomysql"): "mysql-async",
+    ("mariadb", "aiomysql"): "mysql-async",
+    ("mysql", "asyncmy"): "mysql-asyncmy",
+    ("mariadb", "asyncmy"): "mysql-asyncmy",
+    ("sqlite", "aiosqlite"): "sqlite-async",
+}
 
-def async_url(url: URL) -> URL:
-    """The blocking store's URL with the dialect's asyncio driver."""
+
+def spoken_driver(dialect: str, driver: str | None) -> str:
+    """The asyncio driver of ``dialect`` that ``driver`` (an asyncio URL
+    form's, or None: the dialect's default) names, as dblock's async engine
+    spells it; refused if dblock does not speak it."""
+    if driver is None:
+        return ASYNC_DRIVERS[dialect][0]
+    if driver == "psycopg_async":
+        driver = "psycopg"
+    if (dialect, driver) not in _SPOKEN:
+        spoken = sorted(d for (name, d) in _SPOKEN if name == dialect)
+        raise LockArgumentError(
+            f"dblock's asyncio face speaks {dialect} through {' or '.join(spoken)}, not {driver!r}"
+        )
+    return driver
+
+
+def async_url(url: URL, driver: str | None = None) -> URL:
+    """The blocking store's URL with an asyncio driver of its dialect:
+    ``driver`` (see :func:`spoken_driver`), by default the dialect's."""
     dialect = url.get_backend_name()
-    driver, _ = ASYNC_DRIVERS[dialect]
-    return url.set(drivername=f"{dialect}+{driver}")
+    return url.set(drivername=f"{dialect}+{spoken_driver(dialect, driver)}")
 
 
 class _LoopPool:
@@ -89,15 +132,38 @@ class _LoopPool:
     next loop (one ``asyncio.run`` after another, Django's loop per request):
     its connections are dropped at checkout (see ``_check_home``)."""
 
-    __slots__ = ("direct", "engine", "error", "idle", "loop", "max_idle", "sync_engine")
+    __slots__ = (
+        "connect_errors",
+        "direct",
+        "engine",
+        "error",
+        "idle",
+        "loop",
+        "lost",
+        "max_idle",
+        "sync_engine",
+    )
 
-    def __init__(self, engine: AsyncEngine, backend: str) -> None:
+    def __init__(self, engine: AsyncEngine, driver: str) -> None:
         self.engine = engine
         self.sync_engine = engine.sync_engine
         # The direct path: each driver's own calls (the statements are in
-        # the parameter style of the driver's blocking twin, which it shares).
-        self.direct = _EXECUTE[backend]
-        self.error: type[Exception] = self.sync_engine.dialect.loaded_dbapi.Error
+        # the parameter style of the driver's blocking twin, which it shares,
+        # or translated from it: asyncpg's numbered parameters).
+        spec = _DIRECT[driver]
+        self.direct = spec.execute
+        #: What the driver's own calls raise for a failed statement or a
+        #: lost connection (anything else is the caller's: a cancellation).
+        self.error: tuple[type[BaseException], ...] = spec.errors(self.sync_engine.dialect)
+        # (A connect's failure may also come as the adapter's error, as
+        # SQLAlchemy's asyncpg adapter raises it, unwrapped.)
+        self.connect_errors: tuple[type[BaseException], ...] = (
+            *self.error,
+            self.sync_engine.dialect.loaded_dbapi.Error,
+            OSError,
+        )
+        #: Whether a failure of the driver's own call lost its connection.
+        self.lost = spec.lost
         # (connection, checked in at), newest last
         self.idle: list[tuple[PoolProxiedConnection, float]] = []
         size = getattr(self.sync_engine.pool, "size", None)
@@ -167,6 +233,7 @@ class AsyncStore:
 
     __slots__ = (
         "_backend",
+        "_driver",
         "_finish",
         "_lock",
         "_options",
@@ -178,10 +245,19 @@ class AsyncStore:
         "store",
     )
 
-    def __init__(self, store: Store, *, engine_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        engine_options: Mapping[str, Any] | None = None,
+        driver: str | None = None,
+    ) -> None:
+        """``driver``: the asyncio driver an asyncio URL form named
+        (``asyncpg``, ``asyncmy``, ...); None: the dialect's default."""
         self.store = store
-        url = async_url(store.engine.url)
+        url = async_url(store.engine.url, driver)
         backend = url.get_backend_name()
+        self._driver = url.get_driver_name()
         dialect = store.dialect
         options: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None}
         if dialect.file:
@@ -191,6 +267,19 @@ class AsyncStore:
         elif dialect.charset is not None and "charset" not in url.query:
             url = url.update_query_dict({"charset": dialect.charset})
         options.update(engine_options or {})
+        if self._driver == "asyncpg" and store.config.pooler:
+            # asyncpg prepares every statement it is given with parameters,
+            # named and cached per connection: behind a transaction-mode
+            # pooler the next transaction's server connection lacks it, or
+            # has another of that name. Unnamed statements only: on the
+            # direct path (asyncpg's own cache off) and on the observed one
+            # (SQLAlchemy's adapter's cache off, its statements unnamed).
+            options["connect_args"] = {
+                "statement_cache_size": 0,
+                "prepared_statement_cache_size": 0,
+                "prepared_statement_name_func": _unnamed_statement,
+                **(options.get("connect_args") or {}),
+            }
         self._url = url
         self._options = options
         self._backend = backend
@@ -210,13 +299,13 @@ class AsyncStore:
         # The first loop's pool; its engine is ``engine`` (event listeners
         # attached to it see that loop's statements, and every later loop's
         # that takes it over).
-        self._primary = _LoopPool(self._make_engine(), backend)
+        self._primary = _LoopPool(self._make_engine(), self._driver)
         self.engine = self._primary.engine
         self._pools: dict[asyncio.AbstractEventLoop, _LoopPool] = {}
         self._lock = threading.Lock()
 
     def _make_engine(self) -> AsyncEngine:
-        _, extra = ASYNC_DRIVERS[self._backend]
+        extra = _SPOKEN[self._backend, self._driver]
         try:
             # Without greenlet (SQLAlchemy 2.1 no longer installs it; the
             # asyncio extras do) this import is what fails.
@@ -230,7 +319,7 @@ class AsyncStore:
             engine = create_async_engine(self._url, **self._options)
         except ImportError as exc:
             raise LockArgumentError(
-                f"the asyncio driver for {self._backend} is not installed: "
+                f"the asyncio driver for {self._backend} ({self._driver}) is not installed: "
                 f"{install_hint(extra)} ({exc})"
             ) from exc
         sync_engine = engine.sync_engine
@@ -239,9 +328,21 @@ class AsyncStore:
         # Per connection, as on the blocking engine: WAL and NORMAL sync on
         # SQLite (without them every commit waits for an fsync, ~2 ms here),
         # no prepared statements through a transaction-mode pooler.
+        if self._driver == "asyncpg":
+            # SQLAlchemy closes an asyncpg connection (the pool's dispose,
+            # an overflow connection checked in) by waiting, without a
+            # timeout, for the server to end the session: forever, if the
+            # server hangs. psycopg's close does not wait; this one waits a
+            # moment, then drops the socket (nothing of dblock's is open on
+            # a connection: every statement committed on its own). (An
+            # invalidated one, lost or cut off mid-statement, keeps
+            # SQLAlchemy's goodbye of at most 2 s, which lets a statement
+            # cut off in flight be settled as on the other drivers.)
+            sync_engine.dialect.do_close = _close_asyncpg  # type: ignore[method-assign]
         if self.store.dialect.file:
             event.listen(sync_engine, "connect", sqlite_pragmas)
-        elif self.store.dialect.prepares and self.store.config.pooler:
+        elif self._driver == "psycopg" and self.store.config.pooler:
+            # (asyncpg's: connect_args, see __init__.)
             event.listen(sync_engine, "connect", _never_prepare_async)
         return engine
 
@@ -269,7 +370,7 @@ class AsyncStore:
                 if spare is not None:
                     spare.forget()
             if free is None:
-                free = _LoopPool(self._make_engine(), self._backend)
+                free = _LoopPool(self._make_engine(), self._driver)
             free.adopt(loop)
             pools[loop] = free
             return free
@@ -372,7 +473,10 @@ class AsyncStore:
         translate = self.store.executor.translate
         sent = False
         try:
+            asked = _cancels_asked()
             async with pool.engine.connect() as conn:
+                if _cancels_asked() > asked:  # swallowed by the connect: see _checkout
+                    raise asyncio.CancelledError("cancelled while connecting")
                 sent = True
                 if running is not None:
                     running.append((await conn.get_raw_connection()).driver_connection)
@@ -380,7 +484,12 @@ class AsyncStore:
                 if on_interrupted is not None:  # (SQLAlchemy may drop it before we look)
                     driver = (await conn.get_raw_connection()).driver_connection
                 try:
-                    result = await conn.exec_driver_sql(sql, dict(params))
+                    if self._driver == "asyncpg":  # numbered parameters, in order
+                        text, names = numbered(sql)
+                        args = tuple(params[name] for name in names)
+                        result = await conn.exec_driver_sql(text, args)
+                    else:
+                        result = await conn.exec_driver_sql(sql, dict(params))
                     rows = [tuple(r) for r in result.fetchall()] if fetch else []
                     return Result(rows, result.rowcount, result.lastrowid if lastrowid else None)
                 except sa_exc.DBAPIError as exc:
@@ -424,8 +533,7 @@ class AsyncStore:
         try:
             result = await pool.direct(conn.driver_connection, sql, params, fetch, lastrowid)
         except pool.error as exc:
-            dialect = pool.sync_engine.dialect
-            interrupted = dialect.is_disconnect(exc, conn.dbapi_connection, None)  # type: ignore[arg-type]
+            interrupted = pool.lost(pool.sync_engine.dialect, exc, conn)
             if interrupted or not_writable(exc):  # a standby: see Executor.run
                 await self._discard(conn, exc)
                 if not interrupted:  # the idle ones reach the same standby
@@ -457,17 +565,27 @@ class AsyncStore:
                 return conn
             # Idle too long: back to the pool, whose checkout recycles or pings it.
             await _close(conn)
+        asked = _cancels_asked()
         try:
-            return await pool.engine.raw_connection()
+            conn = await pool.engine.raw_connection()
         except sa_exc.TimeoutError as exc:  # the pool's, raised before anything was sent
             raise self.store.executor.exhausted(exc) from exc
         except sa_exc.DBAPIError as exc:
             raise self.store.executor.translate(exc.orig or exc, sent=False) from exc
-        except (pool.error, OSError) as exc:
+        except pool.connect_errors as exc:
             raise self.store.executor.translate(exc, sent=False) from exc
         except BaseException as exc:  # cancelled while waiting for the pool: nothing was sent
             _mark_unsent(exc)
             raise
+        if _cancels_asked() > asked:
+            # A cancellation the driver's connect swallowed (asyncmy's
+            # handshake does, at some of its awaits): the connection is
+            # good, the task was cancelled all the same. Nothing was sent.
+            self._checkin(pool, conn)
+            cut = asyncio.CancelledError("cancelled while connecting")
+            _mark_unsent(cut)
+            raise cut
+        return conn
 
     def _checkin(self, pool: _LoopPool, conn: PoolProxiedConnection) -> None:
         if len(pool.idle) < pool.max_idle and not pool.exhausted():
@@ -625,8 +743,8 @@ def _drop_dead(dbapi_connection: Any) -> None:
     driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
     try:
         pgconn = getattr(driver, "pgconn", None)  # psycopg's libpq connection
-        if drop_aiomysql_stream(driver):
-            pass
+        if drop_aiomysql_stream(driver) or drop_transport(driver):
+            pass  # (aiomysql's, asyncpg's, asyncmy's: their sockets closed here)
         elif pgconn is not None:
             pgconn.finish()  # libpq's own close: no event loop involved
         elif callable(getattr(driver, "stop", None)):
@@ -691,13 +809,182 @@ async def _aiosqlite(conn: Any, sql: str, params: Params, fetch: bool, lastrowid
         await cursor.close()
 
 
+# -- asyncpg -------------------------------------------------------------------
+#
+# asyncpg takes PostgreSQL's own numbered parameters ($1, $2, ...) where the
+# dialect's statements are written for psycopg (``%(name)s``, ``%%`` for a
+# percent sign): each statement's text is translated once, a name used twice
+# getting one number (as psycopg sends it), and its parameters picked by name.
+
+_PYFORMAT = re.compile(r"%\((\w+)\)s|%%")
+
+
+@functools.lru_cache(maxsize=1024)
+def numbered(sql: str) -> tuple[str, tuple[str, ...]]:
+    """``sql`` (psycopg's named parameters) in asyncpg's numbered ones, and
+    the parameters' names in their numbers' order."""
+    names: dict[str, int] = {}
+
+    def number(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name is None:
+            return "%"
+        return f"${names.setdefault(name, len(names) + 1)}"
+
+    return _PYFORMAT.sub(number, sql), tuple(names)
+
+
+async def _asyncpg(conn: Any, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
+    text, names = numbered(sql)
+    args = [params[name] for name in names]
+    if fetch:
+        rows = await conn.fetch(text, *args)
+        return Result([tuple(row) for row in rows], len(rows), None)
+    # The command tag ("UPDATE 2", "INSERT 0 1") ends with the row count.
+    status = await conn.execute(text, *args)
+    count = status.rpartition(" ")[2]
+    return Result((), int(count) if count.isdigit() else -1, None)
+
+
+def _asyncpg_errors(_dialect: Any) -> tuple[type[BaseException], ...]:
+    import asyncpg
+
+    # The server's answers, the client's own failures (a connection closed
+    # mid-statement, a value it cannot encode), and the socket's.
+    return (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError)
+
+
+# The server ending the session: admin_shutdown, crash_shutdown, cannot_connect_now.
+_PG_SHUTDOWN = frozenset({"57P01", "57P02", "57P03"})
+
+
+def _asyncpg_lost(_dialect: Any, exc: BaseException, conn: PoolProxiedConnection) -> bool:
+    """Whether asyncpg's connection is gone with the statement's answer
+    (what psycopg reports as a closed connection, SQLAlchemy's disconnect)."""
+    from asyncpg.exceptions import ConnectionDoesNotExistError
+
+    if isinstance(exc, (ConnectionDoesNotExistError, OSError)):
+        return True
+    code = sqlstate(exc) or ""
+    if code.startswith("08") or code in _PG_SHUTDOWN:
+        return True
+    with contextlib.suppress(Exception):
+        return bool(conn.driver_connection.is_closed())  # type: ignore[union-attr]
+    return True
+
+
+#: How long closing an asyncpg connection waits for the server's goodbye.
+_ASYNCPG_CLOSE = 0.5
+
+
+def _close_asyncpg(dbapi_connection: Any) -> None:
+    """Close SQLAlchemy's adapted asyncpg connection, waiting at most
+    :data:`_ASYNCPG_CLOSE` for the server (asyncpg drops the socket then)."""
+    from sqlalchemy.util import await_
+    from sqlalchemy.util.concurrency import in_greenlet
+
+    driver = dbapi_connection.driver_connection
+    if not in_greenlet():  # (no loop to wait on: the collector's case)
+        driver.terminate()
+        return
+    try:
+        await_(driver.close(timeout=_ASYNCPG_CLOSE))
+    except Exception:  # timed out (asyncpg aborted it), or busy: dropped
+        driver.terminate()
+
+
+def _unnamed_statement() -> str:
+    """The name of each statement SQLAlchemy's asyncpg adapter prepares when
+    a pooler is in front: none, PostgreSQL's unnamed statement, which asyncpg
+    parses and binds without a Sync between them (a Flush), so the pooler
+    keeps them on one server connection, as on the direct path."""
+    return ""
+
+
+# -- asyncmy -------------------------------------------------------------------
+
+
+@functools.cache
+def _quiet_asyncmy_cursor() -> type:
+    """asyncmy's cursor without its ``SHOW WARNINGS`` round trip (see
+    :func:`_quiet_cursor`)."""
+    from asyncmy.cursors import Cursor
+
+    class QuietCursor(Cursor):
+        async def _show_warnings(self, conn: Any) -> None:
+            pass
+
+    return QuietCursor
+
+
+async def _asyncmy(conn: Any, sql: str, params: Params, fetch: bool, lastrowid: bool) -> Result:
+    # Not ``async with``: the cursor's exit reads what is left of the answer,
+    # which after a cancellation mid-read (asyncmy closes the connection)
+    # raises, and that error would replace the cancellation.
+    cursor = conn.cursor(_quiet_asyncmy_cursor())
+    await cursor.execute(sql, params)
+    rows = await cursor.fetchall() if fetch else ()
+    result = Result(rows, cursor.rowcount, cursor.lastrowid if lastrowid else None)
+    await cursor.close()
+    return result
+
+
+def _asyncmy_errors(dialect: Any) -> tuple[type[BaseException], ...]:
+    # asyncmy's errors (SQLAlchemy's adapter hands them out as they are),
+    # and the socket's; a network failure inside asyncmy can surface as an
+    # AttributeError on its dropped stream (SQLAlchemy's adapter says so too).
+    return (dialect.loaded_dbapi.Error, OSError, AttributeError)
+
+
+def _asyncmy_lost(dialect: Any, exc: BaseException, conn: PoolProxiedConnection) -> bool:
+    if isinstance(exc, (OSError, AttributeError)):
+        return True
+    if dialect.is_disconnect(exc, conn.dbapi_connection, None):
+        return True
+    with contextlib.suppress(Exception):
+        return not conn.driver_connection.connected  # type: ignore[union-attr]
+    return True
+
+
+# -- the drivers' table ----------------------------------------------------------
+
+
+def _dbapi_errors(dialect: Any) -> tuple[type[BaseException], ...]:
+    return (dialect.loaded_dbapi.Error,)
+
+
+def _disconnect(dialect: Any, exc: BaseException, conn: PoolProxiedConnection) -> bool:
+    return bool(dialect.is_disconnect(exc, conn.dbapi_connection, None))
+
+
 _Execute = Callable[[Any, str, Params, bool, bool], Awaitable[Result]]
-_EXECUTE: Mapping[str, _Execute] = {
-    "postgresql": _psycopg,
-    "mysql": _aiomysql,
-    "mariadb": _aiomysql,
-    "sqlite": _aiosqlite,
+
+
+class _Direct(NamedTuple):
+    """An asyncio driver's direct path: its statement call, what it raises
+    for a failed statement, and whether such a failure lost the connection."""
+
+    execute: _Execute
+    errors: Callable[[Any], tuple[type[BaseException], ...]]
+    lost: Callable[[Any, BaseException, PoolProxiedConnection], bool]
+
+
+_DIRECT: Mapping[str, _Direct] = {
+    "psycopg": _Direct(_psycopg, _dbapi_errors, _disconnect),
+    "asyncpg": _Direct(_asyncpg, _asyncpg_errors, _asyncpg_lost),
+    "aiomysql": _Direct(_aiomysql, _dbapi_errors, _disconnect),
+    "asyncmy": _Direct(_asyncmy, _asyncmy_errors, _asyncmy_lost),
+    "aiosqlite": _Direct(_aiosqlite, _dbapi_errors, _disconnect),
 }
+
+
+def _cancels_asked() -> int:
+    """How many cancellations of the running task are pending (Python 3.11's
+    ``Task.cancelling``; 0 before it): one more after an await than before
+    it means a cancellation was asked for there and swallowed below."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return int(cancelling()) if cancelling is not None else 0
 
 
 async def _close(conn: PoolProxiedConnection) -> None:

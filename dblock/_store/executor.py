@@ -534,7 +534,8 @@ class Executor:
             return PoolerMismatch(
                 f"statement failed on {self._url}: {detail}; the server looks like a "
                 "transaction-mode pooler (pgbouncer, ...): pass pooler=True or add "
-                "prepare_threshold=None (connect_args of an engine you make)"
+                "prepare_threshold=None (connect_args of an engine you make; "
+                "asyncpg: statement_cache_size=0)"
             )
         if not sent:
             reason = auth_failure(exc)
@@ -554,10 +555,18 @@ class Executor:
 _PREPARED_STATES = frozenset({"26000", "42P05", "08P01"})
 
 
+#: How the drivers name the statements they prepare: psycopg ``_pg3_N``,
+#: asyncpg ``__asyncpg_stmt_N__``.
+_PREPARED_NAMES = ('"_pg3_', '"__asyncpg_stmt_')
+
+
 def _prepared_elsewhere(exc: BaseException) -> bool:
-    """psycopg's prepared statements (named ``_pg3_N``) found missing or
-    different on the server: see :class:`PoolerMismatch`."""
-    return getattr(exc, "sqlstate", None) in _PREPARED_STATES and '"_pg3_' in str(exc)
+    """A driver's prepared statements (psycopg's, asyncpg's) found missing
+    or different on the server: see :class:`PoolerMismatch`."""
+    if getattr(exc, "sqlstate", None) not in _PREPARED_STATES:
+        return False
+    text = str(exc)
+    return any(name in text for name in _PREPARED_NAMES)
 
 
 def _give_back(conn: PoolProxiedConnection | Connection) -> None:

@@ -126,7 +126,7 @@ class MySQLStore(WokenStore):
 
     @staticmethod
     def server_thread(dbapi_connection: Any) -> int:
-        return int(dbapi_connection.thread_id())  # PyMySQL's and aiomysql's alike
+        return int(dbapi_connection.thread_id())  # PyMySQL's, aiomysql's and asyncmy's alike
 
     #: A waiting process's probe of a key's named lock (see dblock._store.wake),
     #: here beside the store's other statements, which the docs' SQL is checked against.

@@ -119,8 +119,11 @@ class PostgresStore(Store):
 
     @staticmethod
     def server_thread(dbapi_connection: Any) -> int:
-        # psycopg 3's (blocking and asyncio) and psycopg2's alike.
-        return int(dbapi_connection.info.backend_pid)
+        # psycopg 3's (blocking and asyncio) and psycopg2's alike; asyncpg's.
+        info = getattr(dbapi_connection, "info", None)
+        if info is None:
+            return int(dbapi_connection.get_server_pid())
+        return int(info.backend_pid)
 
     def __init__(self, engine: Engine, *, config: Config, owns_engine: bool) -> None:
         super().__init__(engine, config=config, owns_engine=owns_engine)

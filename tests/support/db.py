@@ -54,3 +54,41 @@ def private_database(db: str, directory: Path) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}{force}"))
         admin.dispose()
+
+
+#: The asyncio drivers AsyncLockManager speaks, per test server (SQLAlchemy's
+#: names, as a URL form spells them).
+ASYNC_DRIVERS = {
+    "sqlite": ("aiosqlite",),
+    "postgresql": ("psycopg_async", "asyncpg"),
+    "mariadb": ("aiomysql", "asyncmy"),
+}
+
+#: Per server, the two forms a test parametrized over the asyncio drivers
+#: (``driver0``, ``driver1``: see :func:`driver_form`) runs on: (the URL's
+#: driver, or None for the blocking form; the driver dblock's async engine
+#: then speaks, SQLAlchemy's name for it). SQLite has one asyncio driver:
+#: its asyncio form, and its blocking form (which picks it).
+ASYNC_FORMS: dict[str, tuple[tuple[str | None, str], ...]] = {
+    "sqlite": (("aiosqlite", "aiosqlite"), (None, "aiosqlite")),
+    "postgresql": (("psycopg_async", "psycopg"), ("asyncpg", "asyncpg")),
+    "mariadb": (("aiomysql", "aiomysql"), ("asyncmy", "asyncmy")),
+}
+
+
+def async_form(url: str, driver: str) -> str:
+    """``url`` (a blocking form) in the asyncio driver ``driver``'s form."""
+    parsed = sa.make_url(url)
+    form = parsed.set(drivername=f"{parsed.get_backend_name()}+{driver}")
+    return form.render_as_string(hide_password=False)
+
+
+def driver_form(db: str, url: str, which: int) -> tuple[str, str]:
+    """(``url`` in the ``which``-th asyncio form of :data:`ASYNC_FORMS`, the
+    driver it speaks). The driver is imported here: a test on a driver that
+    is not installed fails, never skips (the dev extra installs each)."""
+    import importlib
+
+    url_driver, spoken = ASYNC_FORMS[db][which]
+    importlib.import_module(spoken)
+    return (async_form(url, url_driver) if url_driver else url), spoken
