@@ -73,6 +73,18 @@ def test_signal_storm(db_url: str, tmp_path: Path, land_in: str) -> None:
     assert not result.get("hung"), report
     assert not result.get("stopped"), report
     assert not str(result.get("pool_mutex_locked") or "").startswith("held"), report
+    if land_in == "anywhere":
+        # CPython itself swallows what a handler raises inside a finalizer:
+        # a driver's connection (PyMySQL's __del__) that the cyclic collector
+        # frees in the middle of a later statement. Nobody, dblock included,
+        # can see that exception; anything else swallowed still counts.
+        in_finalizer = [
+            s
+            for s in result.get("swallowed_detail") or []
+            if (s.get("raised_in") or [""])[0].startswith("__del__ ")
+        ]
+        result["swallowed"] -= len(in_finalizer)
+        result["unraisable"] -= len(in_finalizer)
     nonzero = {name: result.get(name) for name in ZERO if result.get(name) != 0}
     assert nonzero == {}, report
     assert result["close_s"] < 1.0, report
