@@ -33,7 +33,7 @@ from .registry import (
     owner_name,
     thread_owner,
 )
-from .steps import Op, Release, Sleep
+from .steps import Op, Release, Sleep, noop
 
 log = logging.getLogger("dblock")
 
@@ -154,11 +154,31 @@ class Lifecycle(LockerBase):
         own INSERT would wait for the same row lock)."""
         key = entry.key
         ref: LockRef | None = entry.held
-        if ref is not None and ref() is None and self._claim_collected(ref):
-            entry.held = None
-            entry.depth = 1
-            entry.handoffs = 0
-            yield from self._delete_row(key, ref.token)
+        if ref is not None and ref() is None and ref.live:
+            # Claimed here, as _claim_collected does, with no call since the
+            # test: cut off anywhere after it (its log line, the DELETE), the
+            # claim was ours and nobody else would finish it; the key stayed
+            # this thread's at level 1 for good (seen by the signal storm).
+            ref.live = False
+            owner = entry.owner
+            try:
+                entry.held = None
+                entry.depth = 1
+                entry.handoffs = 0
+                self.renewer.untrack_token(ref.token)
+                log.warning("dblock: lock %r was never released by its holder; releasing it", key)
+                yield from self._delete_row(key, ref.token)
+            except BaseException:
+                # As a release cut off: the row to the orphans (by token: a
+                # second DELETE finds nothing), the key passed on at level 1.
+                self.store.add_orphan(key, ref.token, released=True)
+                self.renewer.post(noop)
+                try:
+                    self._leave(entry, None, owner)
+                except BaseException:
+                    self._leave(entry, None, owner)  # (cut off as it started)
+                    raise
+                raise
             return entry
         # The renewal thread (or close()) is releasing it: a DELETE away, or
         # longer (a row lock, a server away): look again, less often.
