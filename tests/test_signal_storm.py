@@ -77,14 +77,23 @@ def test_signal_storm(db_url: str, tmp_path: Path, land_in: str) -> None:
         # CPython itself swallows what a handler raises inside a finalizer:
         # a driver's connection (PyMySQL's __del__) that the cyclic collector
         # frees in the middle of a later statement. Nobody, dblock included,
-        # can see that exception; anything else swallowed still counts.
+        # can see that exception. And a driver's object the storm cut off as
+        # it was built fails in its own finalizer later (PyMySQL's
+        # MySQLResult.__del__: AttributeError). Both are the driver's code,
+        # where a statement must stay interruptible; anything else swallowed
+        # or unraisable still counts.
         in_finalizer = [
             s
             for s in result.get("swallowed_detail") or []
             if (s.get("raised_in") or [""])[0].startswith("__del__ ")
         ]
         result["swallowed"] -= len(in_finalizer)
-        result["unraisable"] -= len(in_finalizer)
+        drivers = [
+            u
+            for u in result.get("unraisable_detail") or []
+            if u.get("site") == "(outside dblock)" and ".__del__ " in str(u.get("object"))
+        ]
+        result["unraisable"] -= len(drivers)
     nonzero = {name: result.get(name) for name in ZERO if result.get(name) != 0}
     assert nonzero == {}, report
     assert result["close_s"] < 1.0, report
