@@ -22,7 +22,7 @@ import re
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import URL, create_engine, event, make_url
 from sqlalchemy.engine import Connection, Engine
@@ -65,17 +65,29 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
 }
 _EXTRAS = {"postgresql": "postgresql", "mysql": "mysql", "mariadb": "mysql"}
 
-#: The asyncio drivers' URL forms ``AsyncLockManager`` takes (SQLAlchemy's
-#: names for them), each with the blocking driver of the same database that
-#: its blocking side speaks (its tasks' statements go through the asyncio one).
-ASYNC_FORMS: dict[tuple[str, str], str] = {
-    ("postgresql", "psycopg_async"): "psycopg",
-    ("postgresql", "asyncpg"): "psycopg",
-    ("mysql", "aiomysql"): "pymysql",
-    ("mariadb", "aiomysql"): "pymysql",
-    ("mysql", "asyncmy"): "pymysql",
-    ("mariadb", "asyncmy"): "pymysql",
-    ("sqlite", "aiosqlite"): "pysqlite",
+
+class AsyncForm(NamedTuple):
+    """An asyncio driver's URL form, as ``AsyncLockManager`` speaks it."""
+
+    #: The blocking driver of the same database its blocking side speaks
+    #: (its tasks' statements go through the asyncio one).
+    blocking: str
+    #: The asyncio driver's name in dblock's own async engine's URL.
+    driver: str
+    #: The extra that installs it.
+    extra: str
+
+
+#: The asyncio drivers' URL forms ``AsyncLockManager`` takes, by (dialect,
+#: SQLAlchemy's name for the driver): the one table of them.
+ASYNC_FORMS: dict[tuple[str, str], AsyncForm] = {
+    ("postgresql", "psycopg_async"): AsyncForm("psycopg", "psycopg", "postgresql-async"),
+    ("postgresql", "asyncpg"): AsyncForm("psycopg", "asyncpg", "postgresql-asyncpg"),
+    ("mysql", "aiomysql"): AsyncForm("pymysql", "aiomysql", "mysql-async"),
+    ("mariadb", "aiomysql"): AsyncForm("pymysql", "aiomysql", "mysql-async"),
+    ("mysql", "asyncmy"): AsyncForm("pymysql", "asyncmy", "mysql-asyncmy"),
+    ("mariadb", "asyncmy"): AsyncForm("pymysql", "asyncmy", "mysql-asyncmy"),
+    ("sqlite", "aiosqlite"): AsyncForm("pysqlite", "aiosqlite", "sqlite-async"),
 }
 
 
@@ -225,7 +237,7 @@ def check_dialect(dialect: str, driver: str) -> None:
     if (dialect, driver) in ASYNC_FORMS:
         raise LockArgumentError(
             f"{dialect}+{driver} is an asyncio driver: give this URL to AsyncLockManager, or "
-            f"use {dialect}+{ASYNC_FORMS[dialect, driver]}://... with LockManager"
+            f"use {dialect}+{ASYNC_FORMS[dialect, driver].blocking}://... with LockManager"
         )
     if driver not in drivers:
         raise LockArgumentError(
@@ -251,10 +263,10 @@ def blocking_url(url: URL) -> URL:
     """For ``AsyncLockManager``: ``url`` with an asyncio driver of
     :data:`ASYNC_FORMS` turned into the blocking driver of its database (its
     blocking side's); any other URL as it is."""
-    blocking = ASYNC_FORMS.get((url.get_backend_name(), url.get_driver_name()))
-    if blocking is None:
+    form = ASYNC_FORMS.get((url.get_backend_name(), url.get_driver_name()))
+    if form is None:
         return url
-    return url.set(drivername=f"{url.get_backend_name()}+{blocking}")
+    return url.set(drivername=f"{url.get_backend_name()}+{form.blocking}")
 
 
 def async_driver(url: URL) -> str | None:

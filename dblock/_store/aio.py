@@ -41,6 +41,7 @@ from sqlalchemy.util import greenlet_spawn
 
 from .. import _threads
 from .._engine import (
+    ASYNC_FORMS,
     SQLITE_BUSY_SLICE_MS,
     SQLITE_BUSY_TOTAL,
     drop_aiomysql_stream,
@@ -83,15 +84,9 @@ ASYNC_DRIVERS: Mapping[str, tuple[str, str]] = {
 }
 
 #: (dialect, driver) -> the extra of every asyncio driver dblock speaks, by
-#: the name its URL form gives it (SQLAlchemy's; ``psycopg_async`` is psycopg).
+#: the name its engine's URL gives it (``psycopg_async`` is psycopg).
 _SPOKEN: Mapping[tuple[str, str], str] = {
-    ("postgresql", "psycopg"): "postgresql-async",
-    ("postgresql", "asyncpg"): "postgresql-asyncpg",
-    ("mysql", "aiomysql"): "mysql-async",
-    ("mariadb", "aiomysql"): "mysql-async",
-    ("mysql", "asyncmy"): "mysql-asyncmy",
-    ("mariadb", "asyncmy"): "mysql-asyncmy",
-    ("sqlite", "aiosqlite"): "sqlite-async",
+    (dialect, form.driver): form.extra for (dialect, _), form in ASYNC_FORMS.items()
 }
 
 
