@@ -38,7 +38,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, TypeVar
 
-__all__ = ["handlers_exception", "shielded", "unshielded"]
+__all__ = ["handlers_exception", "shielded", "unshielded", "wait"]
 
 R = TypeVar("R")
 
@@ -217,6 +217,26 @@ def unshielded(func: Callable[..., R], *args: Any, **kwargs: Any) -> R:
     if _held and threading.get_ident() == _main:
         _deliver()
     return func(*args, **kwargs)
+
+
+def wait(condition: threading.Condition, lock: Any, timeout: float | None) -> bool:
+    """``condition.wait(timeout)`` on a condition over the RLock ``lock``,
+    which the caller holds: held again, whatever cut the wait off. CPython's
+    ``Condition.wait`` releases the lock before the ``try`` that takes it
+    back; a handler's exception as that release returns left it released,
+    and the caller's ``with`` then released it once more (RuntimeError,
+    the handler's exception lost; with a plain Lock, another thread's hold:
+    the signal storm found both)."""
+    try:
+        return condition.wait(timeout)
+    except BaseException:
+        shielded(_own, lock)
+        raise
+
+
+def _own(lock: Any) -> None:
+    if not lock._is_owned():  # (the RLock's own answer: is it this thread's?)
+        lock.acquire()
 
 
 _SHIELD = shielded.__code__

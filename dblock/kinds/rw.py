@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, cast
 
+from .._signals import wait
 from .._store import Backoff, Lease, Store
 from .._store.base import Interrupted, PoolerMismatch, never_sent, what_failed
 from .._store.rw import READ, WRITE, RwRow, RwStatements, rw_statements
@@ -261,7 +262,9 @@ class RwLocker:
         self.statements = rw_statements(store)
         self.defaults = locker.defaults
         self._entries: dict[str, _Entry] = {}
-        self._mutex = threading.Lock()
+        # An RLock: a wait cut off by a signal handler can tell whether it
+        # still holds it (dblock._signals.wait).
+        self._mutex = threading.RLock()
         self._changed = threading.Condition(self._mutex)
         self._join_limit = max(config.handoff_limit, 1)
         self._serial = 0
@@ -522,7 +525,7 @@ class RwLocker:
             if not waited and left != 0:
                 refuse_on_event_loop(entry.key)
                 waited = True
-            self._changed.wait(left)
+            wait(self._changed, self._mutex, left)
 
     def _turn(self, entry: _Entry, request: _Request) -> object:
         """True: lead (talk to the database); False: share the read hold;
@@ -981,7 +984,7 @@ class RwLocker:
 
     def after_fork(self) -> None:
         self._entries = {}
-        self._mutex = threading.Lock()
+        self._mutex = threading.RLock()
         self._changed = threading.Condition(self._mutex)
         self.renewer.after_fork()
 
