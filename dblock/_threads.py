@@ -24,6 +24,8 @@ from __future__ import annotations
 import signal
 import threading
 
+from ._signals import shielded
+
 __all__ = ["BLOCKED", "start", "unblock"]
 
 #: Asynchronous signals a process is sent; the synchronous ones (SIGSEGV,
@@ -57,7 +59,11 @@ def start(thread: threading.Thread) -> None:
         return
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED)
     try:
-        thread.start()
+        # Shielded: CPython's Thread.start is not written for a handler's
+        # exception inside it (one as its new thread left ``_limbo`` raised
+        # KeyError in place of the application's exception: the signal
+        # storm). It waits only for the new thread to run.
+        shielded(thread.start)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
